@@ -1,0 +1,1 @@
+"""Hypothesis strategies shared by the test suite (one place, per house style)."""
