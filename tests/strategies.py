@@ -235,7 +235,7 @@ class PackedLossBatch:
     def sequence_slices(self) -> list[slice]:
         """The positions of each packed sequence."""
         ends = np.cumsum(self.seq_lens)
-        return [slice(int(end - length), int(end)) for end, length in zip(ends, self.seq_lens)]
+        return [slice(int(end - length), int(end)) for end, length in zip(ends, self.seq_lens, strict=True)]
 
 
 @st.composite
@@ -338,7 +338,7 @@ def policy_datums(
     rng = np.random.default_rng(draw(_SEEDS))
     datums, current_logprobs = [], []
     for prompt_len, completion_len, advantage in zip(
-        prompt_lens, completion_lens, sequence_advantages
+        prompt_lens, completion_lens, sequence_advantages, strict=True
     ):
         prompt_pad = prompt_len - 1
         completion = rng.integers(0, VOCAB_SIZE, completion_len)
