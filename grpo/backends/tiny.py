@@ -21,6 +21,7 @@ PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 UNK_TOKEN = "<unk>"
+MAX_POSITIONS = 256
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END, UNK_TOKEN)
 
 # Printable ASCII (space included) minus tab-like whitespace and `|~, plus newline: 93 characters.
@@ -52,6 +53,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         eos_token=IM_END,
         unk_token=UNK_TOKEN,
         padding_side="left",
+        model_max_length=MAX_POSITIONS,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -67,7 +69,7 @@ def tiny_config(vocab_size: int) -> Qwen3Config:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=256,
+        max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True,
         pad_token_id=0,
         eos_token_id=None,

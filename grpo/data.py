@@ -1,0 +1,206 @@
+"""Problem datasets: every source yields rows with a `question` and a GSM8K-format `answer`.
+
+Sources accepted by ``load_problems``:
+
+- ``"arithmetic"``: built-in, seeded + and − word problems, offline. Operands range over
+  ``0..2·10^difficulty`` (0..20 at difficulty 1); for − the first operand is the larger,
+  so answers are never negative. The splits are disjoint by phrasing: train uses three
+  phrasings per operation, test two others, so test questions are never seen in training
+  while every arithmetic fact may be. Sizes:
+  train 2,000 and test 300 distinct questions (fewer if the difficulty's problem space is
+  smaller; difficulty 1 has 2,016 train and 1,344 test questions in all).
+- ``"gsm8k"``: ``openai/gsm8k`` (config ``main``) from the Hugging Face hub or its cache.
+- a path: a ``.jsonl``/``.json``/``.parquet``/``.csv`` file (it serves whichever split is
+  asked for), or a directory holding ``{split}.jsonl`` / ``.json`` / ``.parquet`` / ``.csv``.
+
+The gold answer is the text after the last ``####`` (e.g. ``"3 + 4 = 7\\n#### 7"``).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import datasets
+
+from grpo.core.rewards import gsm8k_gold
+
+SPLITS = ("train", "test")
+ARITHMETIC_SPLIT_SIZES = {"train": 2000, "test": 300}
+GSM8K_HUB_ID = "openai/gsm8k"
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+REQUIRED_COLUMNS = ("question", "answer")
+
+# Train and test never share a phrasing; the operation words (plus/more, minus/away) recur
+# across splits so a model that learned the train phrasings can read the test ones.
+ARITHMETIC_PHRASINGS: dict[str, dict[str, tuple[str, ...]]] = {
+    "train": {
+        "+": (
+            "What is {a} plus {b}?",
+            "Add {b} to {a}.",
+            "Ann has {a} pens, gets {b} more. Total?",
+        ),
+        "-": (
+            "What is {a} minus {b}?",
+            "Take {b} away from {a}.",
+            "Ann has {a} pens, gives {b} away. Left?",
+        ),
+    },
+    "test": {
+        "+": (
+            "Find {a} plus {b}.",
+            "Bob has {a} cups, gets {b} more. Total?",
+        ),
+        "-": (
+            "Find {a} minus {b}.",
+            "Bob has {a} cups, gives {b} away. Left?",
+        ),
+    },
+}
+
+
+def load_problems(
+    source: str,
+    split: str,
+    *,
+    limit: int | None = None,
+    seed: int = 0,
+    difficulty: int = 1,
+) -> datasets.Dataset:
+    """Rows {question, answer} from `source` (see module doc); the first `limit` rows if given.
+
+    `seed` and `difficulty` shape the built-in arithmetic problems only; files and GSM8K
+    keep their own order.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not one of {SPLITS}; pass split='train' or 'test'")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit={limit!r} must be a positive integer or None (all rows)")
+    if source == "arithmetic":
+        problems = arithmetic_problems(
+            split, size=ARITHMETIC_SPLIT_SIZES[split], seed=seed, difficulty=difficulty
+        )
+    elif source == "gsm8k":
+        problems = _validated(_load_gsm8k(split), f"{GSM8K_HUB_ID} ({split})")
+    else:
+        path = _local_file(Path(source).expanduser(), split)
+        problems = _validated(_load_local_file(path), str(path))
+    if limit is not None and limit < len(problems):
+        problems = problems.select(range(limit))
+    return problems
+
+
+def max_operand(difficulty: int) -> int:
+    """The largest operand of arithmetic problems: 2·10^difficulty (20 at difficulty 1)."""
+    if isinstance(difficulty, bool) or not isinstance(difficulty, int) or difficulty < 1:
+        raise ValueError(f"difficulty={difficulty!r} must be an integer >= 1 (1 means 0..20)")
+    return 2 * 10**difficulty
+
+
+def arithmetic_problems(split: str, *, size: int, seed: int, difficulty: int) -> datasets.Dataset:
+    """`size` distinct seeded problems a + b or a − b (b <= a), a, b in 0..max_operand(difficulty).
+
+    Each draw picks a phrasing of this split uniformly, then a and b uniformly (swapped for
+    − when b > a); repeated questions are redrawn.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not one of {SPLITS}; pass split='train' or 'test'")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"size={size!r} must be a non-negative integer")
+    largest = max_operand(difficulty)
+    phrasings = ARITHMETIC_PHRASINGS[split]
+    distinct_questions = len(phrasings["+"]) * (largest + 1) ** 2 + len(phrasings["-"]) * (
+        (largest + 1) * (largest + 2) // 2
+    )
+    size = min(size, distinct_questions)
+    templates = [(operation, phrasing) for operation in "+-" for phrasing in phrasings[operation]]
+    # A string seed makes `random` derive its state from sha512: stable across processes.
+    rng = random.Random(f"grpo.data.arithmetic/{split}/{difficulty}/{seed}")
+    chosen: set[str] = set()
+    questions: list[str] = []
+    answers: list[str] = []
+    while len(questions) < size:
+        operation, phrasing = rng.choice(templates)
+        a, b = rng.randint(0, largest), rng.randint(0, largest)
+        if operation == "-" and b > a:
+            a, b = b, a
+        question = phrasing.format(a=a, b=b)
+        if question in chosen:
+            continue
+        chosen.add(question)
+        result = a + b if operation == "+" else a - b
+        questions.append(question)
+        answers.append(f"{a} {operation} {b} = {result}\n#### {result}")
+    return datasets.Dataset.from_dict({"question": questions, "answer": answers})
+
+
+def _load_gsm8k(split: str) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset(GSM8K_HUB_ID, "main", split=split)
+    except OSError as error:
+        # ConnectionError (offline mode, no DNS) and DatasetNotFoundError are both OSErrors.
+        raise ConnectionError(
+            f"could not load {GSM8K_HUB_ID} from the Hugging Face hub ({error}); the hub is "
+            "unreachable and the dataset is not cached. Pass a local file instead, e.g. "
+            f"source='path/to/gsm8k_{split}.jsonl' or a directory with {split}.jsonl / "
+            f"{split}.parquet holding `question` and `answer` columns"
+        ) from error
+
+
+def _local_file(path: Path, split: str) -> Path:
+    if path.is_dir():
+        candidates = [path / f"{split}{suffix}" for suffix in LOCAL_SUFFIXES]
+        for candidate in candidates:
+            if candidate.is_file():
+                return candidate
+        found = sorted(entry.name for entry in path.iterdir())
+        raise FileNotFoundError(
+            f"data directory {path} has no file for split {split!r}: expected one of "
+            f"{[candidate.name for candidate in candidates]}, found {found}"
+        )
+    if not path.exists():
+        raise FileNotFoundError(
+            f"data source {str(path)!r} is neither a built-in source ('arithmetic', 'gsm8k') "
+            "nor an existing file or directory; check the path"
+        )
+    if path.suffix not in LOCAL_SUFFIXES:
+        raise ValueError(
+            f"data file {path} has suffix {path.suffix!r}; supported: {', '.join(LOCAL_SUFFIXES)}"
+        )
+    return path
+
+
+def _load_local_file(path: Path) -> datasets.Dataset:
+    if path.suffix == ".parquet":
+        return datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+    if path.suffix == ".csv":
+        return datasets.Dataset.from_csv(str(path), keep_in_memory=True)
+    return datasets.Dataset.from_json(str(path), keep_in_memory=True)
+
+
+def _validated(problems: datasets.Dataset, origin: str) -> datasets.Dataset:
+    """Only the question and answer columns, each row a non-empty question and a `####` answer."""
+    missing = [column for column in REQUIRED_COLUMNS if column not in problems.column_names]
+    if missing:
+        raise ValueError(
+            f"{origin} lacks column(s) {missing}; found columns {problems.column_names}. "
+            "Rename the columns to `question` and `answer`"
+        )
+    problems = problems.select_columns(list(REQUIRED_COLUMNS))
+    for row, (question, answer) in enumerate(zip(problems["question"], problems["answer"])):
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f"question in row {row} of {origin} is {question!r}; expected text")
+        if not isinstance(answer, str) or not _has_gold(answer):
+            raise ValueError(
+                f"answer in row {row} of {origin} is {answer!r}; expected GSM8K-format text "
+                "ending in '#### <final answer>', e.g. '3 + 4 = 7\\n#### 7'"
+            )
+    return problems
+
+
+def _has_gold(answer: str) -> bool:
+    try:
+        gsm8k_gold(answer)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,221 @@
+"""Problem datasets: the built-in arithmetic generator, GSM8K from the hub, local files."""
+
+import json
+import re
+
+import datasets
+import pytest
+
+from grpo.core.rewards import gsm8k_gold
+from grpo.data import (
+    ARITHMETIC_PHRASINGS,
+    ARITHMETIC_SPLIT_SIZES,
+    arithmetic_problems,
+    load_problems,
+    max_operand,
+)
+
+ROWS = [
+    {"question": "What is 2 plus 2?", "answer": "2 + 2 = 4\n#### 4"},
+    {"question": "Tom has 5 apples and eats 2. How many are left?", "answer": "5 - 2 = 3\n#### 3"},
+]
+EQUATION = re.compile(r"^(\d+) ([+-]) (\d+) = (\d+)\n#### (\d+)$")
+
+
+@pytest.fixture(scope="module")
+def train():
+    return load_problems("arithmetic", "train")
+
+
+@pytest.fixture(scope="module")
+def test():
+    return load_problems("arithmetic", "test")
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+# --- built-in arithmetic ------------------------------------------------------------------
+
+
+def test_arithmetic_splits_have_the_documented_sizes_and_columns(train, test):
+    assert train.column_names == ["question", "answer"]
+    assert (len(train), len(test)) == (ARITHMETIC_SPLIT_SIZES["train"], ARITHMETIC_SPLIT_SIZES["test"])
+
+
+def test_arithmetic_questions_are_distinct_within_each_split(train, test):
+    assert len(set(train["question"])) == len(train)
+    assert len(set(test["question"])) == len(test)
+
+
+def test_arithmetic_train_and_test_share_no_question_and_no_phrasing(train, test):
+    assert not set(train["question"]) & set(test["question"])
+    train_phrasings = {p for ps in ARITHMETIC_PHRASINGS["train"].values() for p in ps}
+    test_phrasings = {p for ps in ARITHMETIC_PHRASINGS["test"].values() for p in ps}
+    assert not train_phrasings & test_phrasings
+
+
+def test_arithmetic_has_at_least_three_phrasings_per_operation_in_train():
+    assert all(len(phrasings) >= 3 for phrasings in ARITHMETIC_PHRASINGS["train"].values())
+
+
+def test_arithmetic_answers_are_correct_nonnegative_and_in_gsm8k_format(train, test):
+    for question, answer in zip([*train["question"], *test["question"]], [*train["answer"], *test["answer"]]):
+        a, operation, b, result, gold = EQUATION.match(answer).groups()
+        a, b, result = int(a), int(b), int(result)
+        assert result == (a + b if operation == "+" else a - b) >= 0
+        assert gsm8k_gold(answer) == gold == str(result)
+        assert 0 <= a <= 20 and 0 <= b <= 20
+        assert sorted(re.findall(r"\d+", question)) == sorted([str(a), str(b)])
+
+
+def test_arithmetic_uses_every_phrasing_of_its_split(train, test):
+    for split, problems in (("train", train), ("test", test)):
+        for phrasings in ARITHMETIC_PHRASINGS[split].values():
+            for phrasing in phrasings:
+                pattern = re.escape(phrasing).replace(r"\{a\}", r"\d+").replace(r"\{b\}", r"\d+")
+                assert any(re.fullmatch(pattern, q) for q in problems["question"]), phrasing
+
+
+def test_arithmetic_is_deterministic_for_a_seed_and_varies_with_it():
+    first = load_problems("arithmetic", "test", seed=3)
+    again = load_problems("arithmetic", "test", seed=3)
+    other = load_problems("arithmetic", "test", seed=4)
+    assert first["question"] == again["question"] and first["answer"] == again["answer"]
+    assert first["question"] != other["question"]
+
+
+def test_higher_difficulty_uses_larger_operands():
+    problems = load_problems("arithmetic", "train", difficulty=2, limit=500)
+    operands = []
+    for answer in problems["answer"]:
+        a, _, b, _, _ = EQUATION.match(answer).groups()
+        operands += [int(a), int(b)]
+    assert max_operand(2) == 200
+    assert max(operands) > 20 and max(operands) <= 200
+
+
+def test_arithmetic_size_is_capped_by_the_number_of_distinct_questions():
+    # Difficulty 1 test phrasings: 2 · 21² sums + 2 · 231 differences.
+    assert len(arithmetic_problems("test", size=5000, seed=0, difficulty=1)) == 2 * 441 + 2 * 231
+
+
+@pytest.mark.parametrize("difficulty", [0, -1, 1.5, True])
+def test_invalid_difficulty_is_rejected(difficulty):
+    with pytest.raises(ValueError, match="difficulty"):
+        load_problems("arithmetic", "train", difficulty=difficulty)
+
+
+def test_limit_keeps_the_first_rows(train):
+    limited = load_problems("arithmetic", "train", limit=10)
+    assert limited["question"] == train["question"][:10]
+    assert len(load_problems("arithmetic", "test", limit=10_000)) == ARITHMETIC_SPLIT_SIZES["test"]
+
+
+@pytest.mark.parametrize("limit", [0, -5, True, 2.5])
+def test_invalid_limit_is_rejected(limit):
+    with pytest.raises(ValueError, match="limit"):
+        load_problems("arithmetic", "train", limit=limit)
+
+
+@pytest.mark.parametrize("source", ["arithmetic", "gsm8k"])
+def test_unknown_split_is_rejected_with_the_choices(source):
+    with pytest.raises(ValueError, match=r"split='validation' is not one of \('train', 'test'\)"):
+        load_problems(source, "validation")
+
+
+# --- GSM8K --------------------------------------------------------------------------------
+
+
+def test_gsm8k_offline_raises_a_clear_error_pointing_to_local_files(monkeypatch):
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(ConnectionError, match="hub is unreachable.*Pass a local file"):
+        load_problems("gsm8k", "test")
+
+
+def test_gsm8k_is_loaded_from_the_hub_id_and_reduced_to_question_and_answer(monkeypatch):
+    calls = []
+
+    def fake_hub(*args, **kwargs):
+        calls.append((args, kwargs))
+        return datasets.Dataset.from_list([{**row, "extra": 1} for row in ROWS])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_hub)
+    problems = load_problems("gsm8k", "train", limit=1)
+    assert calls == [(("openai/gsm8k", "main"), {"split": "train"})]
+    assert problems.column_names == ["question", "answer"] and len(problems) == 1
+
+
+# --- local files --------------------------------------------------------------------------
+
+
+def test_jsonl_file_is_loaded(tmp_path):
+    problems = load_problems(str(write_jsonl(tmp_path / "p.jsonl", ROWS)), "test")
+    assert problems.to_list() == ROWS
+
+
+def test_json_array_file_is_loaded(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(ROWS))
+    assert load_problems(str(path), "train").to_list() == ROWS
+
+
+def test_parquet_file_is_loaded_and_extra_columns_dropped(tmp_path):
+    path = tmp_path / "p.parquet"
+    datasets.Dataset.from_list([{**row, "id": i} for i, row in enumerate(ROWS)]).to_parquet(str(path))
+    assert load_problems(str(path), "train").to_list() == ROWS
+
+
+def test_csv_file_is_loaded(tmp_path):
+    path = tmp_path / "p.csv"
+    datasets.Dataset.from_list(ROWS).to_csv(str(path), index=False)
+    assert load_problems(str(path), "train").to_list() == ROWS
+
+
+def test_directory_serves_the_file_named_after_the_split(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", ROWS)
+    write_jsonl(tmp_path / "test.jsonl", ROWS[:1])
+    assert len(load_problems(str(tmp_path), "train")) == 2
+    assert load_problems(str(tmp_path), "test").to_list() == ROWS[:1]
+
+
+def test_directory_without_the_split_file_names_what_it_expected_and_found(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", ROWS)
+    with pytest.raises(FileNotFoundError, match=r"no file for split 'test'.*test\.jsonl.*train\.jsonl"):
+        load_problems(str(tmp_path), "test")
+
+
+def test_missing_file_error_names_the_path(tmp_path):
+    missing = tmp_path / "nowhere.jsonl"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        load_problems(str(missing), "train")
+
+
+def test_unsupported_suffix_is_rejected(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("question,answer\n")
+    with pytest.raises(ValueError, match=r"suffix '\.txt'"):
+        load_problems(str(path), "train")
+
+
+def test_missing_column_error_names_it_and_the_columns_found(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"problem": "1+1?", "answer": "#### 2"}])
+    with pytest.raises(ValueError, match=r"\['question'\].*found columns \['problem', 'answer'\]"):
+        load_problems(str(path), "train")
+
+
+def test_answer_without_final_marker_is_rejected_with_its_row(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [ROWS[0], {"question": "1+1?", "answer": "2"}])
+    with pytest.raises(ValueError, match=r"answer in row 1 .* is '2'.*#### <final answer>"):
+        load_problems(str(path), "train")
+
+
+def test_empty_question_is_rejected_with_its_row(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"question": " ", "answer": "#### 2"}])
+    with pytest.raises(ValueError, match="question in row 0"):
+        load_problems(str(path), "train")
