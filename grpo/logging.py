@@ -1,0 +1,143 @@
+"""Run logging: `metrics.jsonl` in the run directory, a console line per step, and SwanLab.
+
+`metrics.jsonl` is the record of truth (written and flushed every step, so a crash loses
+nothing logged); SwanLab is a mirror that may fail: a SwanLab error degrades to offline
+logging, then to none, with a warning, and never stops training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+# Config values whose key looks like a credential are never written anywhere.
+_SECRET_KEY = re.compile(r"(api[_-]?key|secret|passw(or)?d|(auth|access|bearer|api)[_-]?token)", re.IGNORECASE)
+
+CONSOLE_KEYS = (
+    ("reward", "reward", "{:.3f}"),
+    ("frac_degenerate", "degen", "{:.2f}"),
+    ("rollout/avg_gen_len", "len", "{:.1f}"),
+    ("datums", "datums", "{:.0f}"),
+    ("loss", "loss", "{:+.4f}"),
+    ("ratio/max_abs_log", "|log r|max", "{:.3f}"),
+    ("kl", "kl", "{:.4f}"),
+    ("test/reward", "test", "{:.3f}"),
+    ("time/step", "s/step", "{:.2f}"),
+)
+
+
+def scrub_secrets(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config without any key that names a credential (API keys never reach logs)."""
+    return {key: value for key, value in config.items() if not _SECRET_KEY.search(key)}
+
+
+def console_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> str:
+    """A one-line summary of a step, like the article's."""
+    parts = [f"step {step}/{total_steps}"]
+    for key, label, fmt in CONSOLE_KEYS:
+        value = metrics.get(key)
+        if value is not None:
+            parts.append(f"{label}={fmt.format(value)}")
+    return " | ".join(parts)
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a metrics.jsonl file (a truncated last line from a crash is skipped)."""
+    rows = []
+    file = Path(path)
+    if not file.exists():
+        return rows
+    for line in file.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _jsonable(value: float) -> float | None:
+    """Non-finite floats become null so every line stays valid JSON."""
+    return value if isinstance(value, (int, str)) or math.isfinite(value) else None
+
+
+class RunLogger:
+    """Writes each step's metrics to metrics.jsonl, SwanLab (if enabled) and a console line."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        config: Mapping[str, Any],
+        swanlab_mode: str,
+        swanlab_project: str,
+        run_name: str,
+        resume_from_step: int = 0,
+    ) -> None:
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self._truncate_after(resume_from_step)
+        self._file = self.metrics_path.open("a", encoding="utf-8")
+        self._swanlab: Any = None
+        if swanlab_mode != "disabled":
+            self._swanlab = self._start_swanlab(swanlab_mode, swanlab_project, run_name, run_dir, scrub_secrets(config))
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop rows logged after the checkpoint we continue from (they will be redone)."""
+        if not self.metrics_path.exists():
+            return
+        kept = [row for row in read_metrics(self.metrics_path) if row.get("step", 0) <= step]
+        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(tmp, self.metrics_path)
+
+    @staticmethod
+    def _start_swanlab(mode: str, project: str, run_name: str, run_dir: Path, config: dict[str, Any]) -> Any:
+        """Start SwanLab; online failures fall back to offline, any failure to none, with a warning."""
+        try:
+            import swanlab
+        except Exception as error:  # noqa: BLE001 - an optional mirror must never stop training
+            warnings.warn(f"SwanLab unavailable ({error}); logging to metrics.jsonl only", stacklevel=2)
+            return None
+        for attempt_mode in (mode, "offline") if mode == "online" else (mode,):
+            try:
+                swanlab.init(
+                    project=project,
+                    experiment_name=run_name,
+                    config=config,
+                    mode=attempt_mode,
+                    logdir=str(run_dir / "swanlog"),
+                )
+                if attempt_mode != mode:
+                    warnings.warn("SwanLab online failed; logging offline to the run directory", stacklevel=2)
+                return swanlab
+            except Exception as error:  # noqa: BLE001
+                warnings.warn(f"SwanLab {attempt_mode} init failed: {error}", stacklevel=2)
+        warnings.warn("SwanLab disabled for this run; metrics.jsonl still has everything", stacklevel=2)
+        return None
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Append one step's metrics everywhere (metrics.jsonl first, flushed)."""
+        row = {"step": step, **{key: _jsonable(value) for key, value in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._swanlab is not None:
+            try:
+                self._swanlab.log({key: value for key, value in metrics.items() if value is not None}, step=step)
+            except Exception as error:  # noqa: BLE001 - never stop training for a mirror
+                warnings.warn(f"SwanLab log failed ({error}); continuing with metrics.jsonl only", stacklevel=2)
+                self._swanlab = None
+
+    def close(self) -> None:
+        """Flush and close every sink."""
+        self._file.close()
+        if self._swanlab is not None:
+            try:
+                self._swanlab.finish()
+            except Exception as error:  # noqa: BLE001
+                warnings.warn(f"SwanLab finish failed: {error}", stacklevel=2)
+            self._swanlab = None
