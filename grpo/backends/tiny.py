@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers.utils import logging as hf_logging
 
 TINY_MODEL_NAME = "grpo/tiny-qwen3-arith"
 TINY_MODEL_DIR = Path(__file__).parent / "tiny_model"
@@ -97,6 +98,13 @@ def load_tiny_model() -> tuple[Qwen3ForCausalLM, PreTrainedTokenizerFast]:
             "`python scripts/make_tiny_model.py`"
         )
     tokenizer = build_tokenizer()
-    model = Qwen3ForCausalLM.from_pretrained(TINY_MODEL_DIR, local_files_only=True)
+    # A 46-tensor file loads in milliseconds; its progress bar would only clutter every run.
+    bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = Qwen3ForCausalLM.from_pretrained(TINY_MODEL_DIR, local_files_only=True)
+    finally:
+        if bar_was_enabled:
+            hf_logging.enable_progress_bar()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.float().eval(), tokenizer
