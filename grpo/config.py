@@ -39,7 +39,7 @@ class TrainConfig:
     difficulty: int = _flag(1, "difficulty of the built-in arithmetic problems")
     fewshot: bool | None = _flag(None, "prepend the few-shot example to prompts (default: on for real models, off for the tiny one)")
     # Rollouts
-    steps: int = _flag(60, "number of training steps (batches)")
+    steps: int = _flag(80, "number of training steps (batches)")
     batch_size: int = _flag(8, "prompts per step")
     group_size: int = _flag(8, "completions sampled per prompt")
     max_tokens: int = _flag(24, "maximum generated tokens per completion")
@@ -60,7 +60,7 @@ class TrainConfig:
     num_substeps: int = _flag(2, "minibatches per step, one optimizer step each")
     epochs: int = _flag(1, "passes over each batch (PPO-style reuse)")
     # Optimizer
-    learning_rate: float = _flag(1e-4, "Adam learning rate")
+    learning_rate: float = _flag(2e-4, "Adam learning rate")
     beta1: float = _flag(0.9, "Adam beta1")
     beta2: float = _flag(0.95, "Adam beta2")
     eps: float = _flag(1e-8, "Adam epsilon")
@@ -68,8 +68,8 @@ class TrainConfig:
     grad_clip_norm: float = _flag(1.0, "global gradient-norm clip (0 = off)")
     # Evaluation, checkpoints, logging
     seed: int = _flag(0, "seed for data order, sampling and LoRA init")
-    eval_every: int = _flag(20, "evaluate on the test split every N steps (0 = never)")
-    eval_limit: int = _flag(100, "test problems per evaluation")
+    eval_every: int = _flag(40, "evaluate on the test split before training and every N steps (0 = never)")
+    eval_limit: int = _flag(300, "test problems per evaluation")
     save_every: int = _flag(20, "save a resumable checkpoint every N steps (0 = only at the end)")
     run_dir: str | None = _flag(None, "run directory (default: runs/<run name>)")
     run_name: str | None = _flag(None, "run name (default: derived from loss, seed and time)")

@@ -551,6 +551,9 @@ def train(config: TrainConfig, *, resume: bool = False, service_client: Any = No
             sampler_version = version
         return sampler
 
+    def evaluate_now() -> dict[str, float]:
+        return evaluate(pool, current_sampler(), test_problems, tokenizer, num_samples=1, temperature=config.temperature, max_tokens=config.max_tokens, seed=config.seed, max_retries=config.max_retries, log=note)
+
     def submit(step: int) -> None:
         indices = pick_batch(len(train_problems), config.batch_size, step, config.seed)
         jobs[step] = RolloutJob(
@@ -565,6 +568,10 @@ def train(config: TrainConfig, *, resume: bool = False, service_client: Any = No
     completed = start_step
     try:
         with stop_on_signals() as stop_requested:
+            if config.eval_every and start_step == 0:
+                baseline = evaluate_now()
+                logger.log(0, baseline)
+                (bar.write if progress else echo)(console_line(0, steps, baseline))
             for step in range(start_step, steps):
                 if stop_requested.is_set():
                     raise KeyboardInterrupt
@@ -598,7 +605,7 @@ def train(config: TrainConfig, *, resume: bool = False, service_client: Any = No
                 metrics["time/train"] = time.perf_counter() - train_start
                 completed, weights_dirty = step + 1, False
                 if config.eval_every and (completed % config.eval_every == 0 or completed == steps):
-                    metrics.update(evaluate(pool, current_sampler(), test_problems, tokenizer, num_samples=1, temperature=config.temperature, max_tokens=config.max_tokens, seed=config.seed, max_retries=config.max_retries, log=note))
+                    metrics.update(evaluate_now())
                 metrics["time/step"] = time.perf_counter() - step_start
                 logger.log(completed, metrics)
                 last_metrics = metrics

@@ -142,7 +142,9 @@ def test_periodic_and_final_checkpoints_and_eval(tmp_path: Path) -> None:
     config = tiny_config(tmp_path, steps=4, save_every=2, eval_every=2, eval_limit=8)
     result = quiet_train(config)
     rows = read_metrics(result.run_dir / "metrics.jsonl")
-    assert [("test/reward" in row) for row in rows] == [False, True, False, True]
+    # Step 0 is the evaluation of the starting weights, before any update.
+    assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
+    assert [("test/reward" in row) for row in rows] == [True, False, True, False, True]
     assert all(0.0 <= row["test/reward"] <= 1.0 for row in rows if "test/reward" in row)
     checkpoint = json.loads((result.run_dir / "checkpoint.json").read_text())
     assert checkpoint["step"] == 4
