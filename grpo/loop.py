@@ -316,7 +316,7 @@ def kl_shape(batch: TokenBatch, ref_logprobs_C: Sequence[np.ndarray], kl_coef: f
     mask = np.asarray(batch.mask, dtype=bool)
     ref_flat = np.zeros(len(batch.mask), dtype=np.float64)
     ref_flat[mask] = np.concatenate(ref_logprobs_C)
-    sampled = torch.from_numpy(np.asarray(batch.sampling_logprobs, dtype=np.float64))
+    sampled = torch.tensor(batch.sampling_logprobs, dtype=torch.float64)
     kl_tokens = losses.kl_penalty(sampled, torch.from_numpy(ref_flat), estimator=estimator).numpy() * mask
     shaped = np.where(mask, np.asarray(batch.advantages, dtype=np.float64) - kl_coef * kl_tokens, 0.0)
     kl_mean = float(kl_tokens.sum() / max(mask.sum(), 1))

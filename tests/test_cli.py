@@ -30,7 +30,7 @@ def test_help_shows_every_flag_with_its_default(capsys: pytest.CaptureFixture[st
                  "--eval-every", "--save-every", "--resume", "--run-dir", "--concurrency", "--max-steps-off-policy",
                  "--num-substeps", "--epochs", "--config"):
         assert flag in text, flag
-    assert "(default: 'importance_sampling')" in text and "(default: 0.0001)" in text
+    assert "(default: 'importance_sampling')" in text and "(default: 0.0002)" in text
 
 
 def test_flags_override_the_toml_file_which_overrides_defaults(tmp_path: Path) -> None:

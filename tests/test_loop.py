@@ -37,9 +37,12 @@ def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("loss_fn", sorted(losses.LOSSES))
 def test_every_loss_runs_with_every_reduction(tmp_path: Path, loss_fn: str) -> None:
+    from grpo.backends.local import LocalServiceClient
+
+    service = LocalServiceClient(root=tmp_path / "backend", seed=0)  # one model load for all reductions
     for reduction in losses.REDUCTIONS:
         config = tiny_config(tmp_path, f"{loss_fn}-{reduction}", loss_fn=loss_fn, reduction=reduction, steps=2, group_size=3)
-        result = quiet_train(config)
+        result = quiet_train(config, service_client=service)
         rows = read_metrics(result.run_dir / "metrics.jsonl")
         assert [row["step"] for row in rows] == [1, 2]
         assert all(np.isfinite(row["reward"]) for row in rows)
