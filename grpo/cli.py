@@ -183,3 +183,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"grpo {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"grpo {args.command}: interrupted", file=sys.stderr)
+        return 130

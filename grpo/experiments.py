@@ -318,17 +318,25 @@ def execute_runs(
         for index, spec, status in pending:
             echo(f"{'resume' if status == UNFINISHED else 'start '} {spec.run_dir} (log: {spec.run_dir / LOG_FILE})")
             futures[pool.submit(_launch, spec, status, train_command, env)] = index
-        for future in as_completed(futures):
-            outcome = future.result()
-            outcomes[futures[future]] = outcome
-            if outcome.returncode == 0:
-                verdict = "done  "
-            elif run_status(outcome.spec.run_dir) == FINISHED:
-                # The run's results are complete; only the process's exit went wrong.
-                verdict = f"done, then exit {outcome.returncode}:"
-            else:
-                verdict = f"FAILED (exit {outcome.returncode})"
-            echo(f"{verdict} {outcome.spec.run_dir} in {outcome.seconds:.1f}s")
+        try:
+            for future in as_completed(futures):
+                outcome = future.result()
+                outcomes[futures[future]] = outcome
+                if outcome.returncode == 0:
+                    verdict = "done  "
+                elif run_status(outcome.spec.run_dir) == FINISHED:
+                    # The run's results are complete; only the process's exit went wrong.
+                    verdict = f"done, then exit {outcome.returncode}:"
+                else:
+                    verdict = f"FAILED (exit {outcome.returncode})"
+                echo(f"{verdict} {outcome.spec.run_dir} in {outcome.seconds:.1f}s")
+        except KeyboardInterrupt:
+            # Ctrl-C reaches the trainers too (same process group): each saves a checkpoint.
+            # Start nothing new; rerunning the same command resumes every unfinished run.
+            for future in futures:
+                future.cancel()
+            echo("interrupted: no new runs started; rerun the same command to resume")
+            raise
     ordered = [outcomes[index] for index in range(len(specs))]
     counts = {action: sum(outcome.action == action for outcome in ordered) for action in ("skipped", "resumed", "started")}
     failed = sum(outcome.returncode not in (None, 0) and run_status(outcome.spec.run_dir) != FINISHED for outcome in ordered)
