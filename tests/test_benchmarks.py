@@ -1,0 +1,31 @@
+"""Every benchmark runs end to end in --quick mode and prints its table (no timing thresholds).
+
+This is the CI step that keeps the benchmarks from rotting: `python -m pytest` runs each
+benchmark's `main(["--quick"])` in-process (seconds each).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import datums, local, loop, losses
+
+
+@pytest.mark.parametrize(
+    ("benchmark", "expected"),
+    [
+        (losses, ["| importance_sampling | 256k |", "| gspo | 16k |", "loop/(cat+kernel)", "targets"]),
+        (datums, ["| pack_groups + batch_to_datums (loop) |", "checked equal"]),
+        (loop, ["| sequential (concurrency=1) |", "| concurrent + max_steps_off_policy=1 |"]),
+        (local, ["| 1 thread | 16 x 32"]),
+    ],
+    ids=["losses", "datums", "loop", "local"],
+)
+def test_quick_benchmark_completes_and_prints_its_table(
+    benchmark: object, expected: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert benchmark.main(["--quick"]) == 0  # type: ignore[attr-defined]
+    output = capsys.readouterr().out
+    assert "machine:" in output and "command: `python -m benchmarks." in output
+    for fragment in expected:
+        assert fragment in output, fragment
