@@ -379,7 +379,7 @@ def update(training_client: Any, batch: TokenBatch, loss: LossSetup, adam: AdamP
     """Minibatches x epochs of forward_backward (built-in or custom) + optim_step; mean metrics."""
     slices = minibatch_slices(batch, config.num_substeps)
     collected: list[dict[str, float]] = []
-    loss_fn_config = {**{k: v for k, v in loss.config.items() if v is not None}}
+    loss_fn_config: dict[str, Any] = {key: value for key, value in loss.config.items() if value is not None}
     if loss.reduction != "sum":
         loss_fn_config["reduction"] = loss.reduction
         if loss.norm_length is not None:
