@@ -35,6 +35,13 @@ the log-ratio and the advantage are replaced by 0 there *before* ``exp``, so an
 overflowing ratio on a prompt position cannot turn into NaN. An empty selection gives
 loss 0 with a zero gradient.
 
+The loss is differentiable with respect to ``logprobs`` only (lp_old, A and the mask are
+constants). Each kernel computes its gradient in closed form together with the loss
+(the formulas' "gradients that follow"), on plain tensors and in place where it owns
+them, and attaches it with a one-multiply backward; double backward is not supported.
+At millions of tokens this is several times faster than letting autograd record every
+elementwise step (``benchmarks/losses.py``).
+
 Metrics are over masked-in tokens (over sequences with ``n_i > 0`` for ``gspo``):
 ``loss``, ``train_tokens``, ``ratio_mean``/``ratio_min``/``ratio_max`` (0.0 when nothing
 is selected), ``clip_fraction`` (share whose gradient the clip removed or reweighted),
@@ -51,7 +58,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 
 import attrs
 import torch
@@ -112,50 +119,75 @@ def validate_reduction(reduction: str, norm_length: float | None) -> None:
 
 
 # --- packed inputs ---------------------------------------------------------------------
+# At a million tokens every float temporary costs a pass over memory and, when the
+# allocator hands back fresh pages, a page fault per 4 KiB: the kernels work in place on
+# the temporaries they own and compute gradients in closed form, without autograd's
+# saved intermediates.
 
 
-@attrs.frozen
-class _Units:
-    """Validated kernel inputs, one entry per unit (a token, or a sequence for GSPO).
+class _Units(NamedTuple):
+    """Validated kernel inputs as plain values (no autograd), one entry per unit.
 
-    ``log_ratio`` and ``advantages`` are already 0 on masked-out units, so any
-    elementwise objective built from them is exactly 0 there with a zero gradient.
+    A unit is a token, or a sequence for GSPO. ``log_ratio`` and ``advantages`` are
+    already 0 on masked-out units, so r = 1 there exactly and every objective built from
+    them is exactly 0 there. ``log_ratio`` is the kernel's own temporary: the objective
+    may overwrite it. ``logprobs`` and ``advantages`` may be the caller's tensors.
+    (A NamedTuple, not an attrs class: torch.compile cannot trace attrs' frozen __init__.)
     """
 
-    logprobs: Tensor | None
+    logprobs: Tensor | None  # lp values, detached; None for sequence units
     log_ratio: Tensor | None
     advantages: Tensor
-    mask: Tensor | None  # bool, None = every unit trains
+    selected: Tensor | None  # bool mask; None when every unit trains
+    mask: Tensor | None  # the same mask as 0.0/1.0 in the data's dtype
     seq_lens: Tensor  # int64 units per sequence, on the data's device
-    unit_count: Tensor  # 0-d int64: number of masked-in units
-    token_count: Tensor  # 0-d int64: number of masked-in tokens
+    unit_count: int  # masked-in units
+    token_count: int  # masked-in tokens
+    tokens_per_unit: Tensor | None = None  # sequence units: n_i clamped to >= 1
+
+    @property
+    def masked_out(self) -> int:
+        """Units that do not train (each holds r = 1 and A = 0)."""
+        return self.advantages.numel() - self.unit_count
 
     def counts_per_sequence(self) -> Tensor:
         """n_i: masked-in units of each sequence, in the data's float dtype."""
         if self.mask is None:
             return self.seq_lens.to(self.advantages.dtype)
-        return _segment_sum(self.mask.to(self.advantages.dtype), self.seq_lens)
+        return _segment_sum(self.mask, self.seq_lens)
 
     def per_sequence(self) -> _Units:
         """One unit per sequence: masked mean log-ratio and masked mean advantage A_i."""
-        log_ratio = _log_ratio(self)
         tokens_per_sequence = self.counts_per_sequence()
         denominator = tokens_per_sequence.clamp(min=1)
         has_tokens = tokens_per_sequence > 0
+        num_trained = int(has_tokens.count_nonzero())
+        all_trained = num_trained == has_tokens.numel()
         return _Units(
             logprobs=None,
-            log_ratio=_segment_sum(log_ratio, self.seq_lens) / denominator,
+            log_ratio=_segment_sum(_log_ratio(self), self.seq_lens) / denominator,
             advantages=_segment_sum(self.advantages, self.seq_lens) / denominator,
-            mask=has_tokens,
+            selected=None if all_trained else has_tokens,
+            mask=None if all_trained else has_tokens.to(self.advantages.dtype),
             seq_lens=torch.ones_like(self.seq_lens),
-            unit_count=has_tokens.count_nonzero(),
+            unit_count=num_trained,
             token_count=self.token_count,
+            tokens_per_unit=denominator,
         )
 
 
 def _segment_sum(values_N: Tensor, seq_lens_B: Tensor) -> Tensor:
-    """Σ of values over each consecutive segment (differentiable, no Python loop)."""
+    """Σ of values over each consecutive segment (no Python loop)."""
     return torch.segment_reduce(values_N, "sum", lengths=seq_lens_B)
+
+
+def _as_float(selected: Tensor, out: Tensor) -> Tensor:
+    """A bool tensor as 0.0/1.0, written into ``out``.
+
+    Read through a uint8 view: the bool cast takes a scalar loop ~5x slower, as does every
+    bool-conditioned op (where, masked_fill, float × bool); a float multiply does not.
+    """
+    return out.copy_(selected.view(torch.uint8))
 
 
 def _as_seq_lens(seq_lens: SeqLens | None, num_tokens: int, device: torch.device) -> Tensor:
@@ -189,7 +221,23 @@ def _as_like(name: str, values: Tensor, logprobs: Tensor) -> Tensor:
             f"{name} has shape {tuple(values.shape)} but logprobs has shape "
             f"{tuple(logprobs.shape)}; both must be flat over the same positions"
         )
-    return values.to(device=logprobs.device, dtype=logprobs.dtype)
+    return values.detach().to(device=logprobs.device, dtype=logprobs.dtype)
+
+
+def _selection(mask: Tensor | None, logprobs: Tensor) -> tuple[Tensor | None, int]:
+    """(the mask as bool, or None when it selects every position; the selected count)."""
+    if mask is None:
+        return None, logprobs.numel()
+    mask_tensor = torch.as_tensor(mask, device=logprobs.device)
+    if mask_tensor.shape != logprobs.shape:
+        raise ValueError(
+            f"mask has shape {tuple(mask_tensor.shape)} but logprobs has shape "
+            f"{tuple(logprobs.shape)}"
+        )
+    selected = mask_tensor if mask_tensor.dtype == torch.bool else mask_tensor != 0
+    count = int(selected.count_nonzero())
+    # An all-ones mask takes the unmasked path, so both give bit-identical results.
+    return (None if count == logprobs.numel() else selected), count
 
 
 def _pack(
@@ -207,41 +255,84 @@ def _pack(
         )
     if not logprobs.dtype.is_floating_point:
         raise ValueError(f"logprobs must be a floating tensor, got dtype {logprobs.dtype}")
+    values = logprobs.detach()
     advantages = _as_like("advantages", advantages, logprobs)
-    bool_mask: Tensor | None = None
-    if mask is not None:
-        mask_tensor = torch.as_tensor(mask, device=logprobs.device)
-        if mask_tensor.shape != logprobs.shape:
-            raise ValueError(
-                f"mask has shape {tuple(mask_tensor.shape)} but logprobs has shape "
-                f"{tuple(logprobs.shape)}"
-            )
-        bool_mask = mask_tensor if mask_tensor.dtype == torch.bool else mask_tensor != 0
-        advantages = torch.where(bool_mask, advantages, 0.0)
-    log_ratio: Tensor | None = None
-    if sampling_logprobs is not None:
-        log_ratio = logprobs - _as_like("sampling_logprobs", sampling_logprobs, logprobs)
-        if bool_mask is not None:
-            # Before exp: r on a masked position may overflow to inf, and inf·0 is NaN.
-            log_ratio = torch.where(bool_mask, log_ratio, 0.0)
-    token_count = (
-        bool_mask.count_nonzero()
-        if bool_mask is not None
-        else torch.tensor(logprobs.numel(), device=logprobs.device)
+    old = (
+        None
+        if sampling_logprobs is None
+        else _as_like("sampling_logprobs", sampling_logprobs, logprobs)
     )
+    selected, count = _selection(mask, logprobs)
+    lengths = _as_seq_lens(seq_lens, logprobs.numel(), logprobs.device)
+    if selected is None:
+        return _Units(
+            logprobs=values,
+            log_ratio=None if old is None else values - old,
+            advantages=advantages,
+            selected=None,
+            mask=None,
+            seq_lens=lengths,
+            unit_count=count,
+            token_count=count,
+        )
+    weight = _as_float(selected, torch.empty_like(values))
+    log_ratio = None
+    if old is not None:
+        # lp·m − lp_old·m: exactly lp − lp_old where m = 1 and exactly 0 where m = 0, even
+        # where lp − lp_old would overflow (r there would be inf, and inf·0 is NaN).
+        log_ratio = torch.mul(values, weight).addcmul_(old, weight, value=-1)
     return _Units(
-        logprobs=logprobs,
+        logprobs=values,
         log_ratio=log_ratio,
-        advantages=advantages,
-        mask=bool_mask,
-        seq_lens=_as_seq_lens(seq_lens, logprobs.numel(), logprobs.device),
-        unit_count=token_count,
-        token_count=token_count,
+        advantages=advantages * weight,
+        selected=selected,
+        mask=weight,
+        seq_lens=lengths,
+        unit_count=count,
+        token_count=count,
     )
 
 
-# --- per-token objectives --------------------------------------------------------------
-# Each returns (objective o per unit, ratio r per unit or None); o is 0 on masked units.
+# --- per-unit objectives ---------------------------------------------------------------
+# Each returns the objective o per unit (0 on masked units), its slope (do/dlp for token
+# units, do/d(mean log-ratio) for sequence units) and its statistics over the selected
+# units: Σ r, min r, max r (when lp_old is given) and the clip counts. The kernel turns
+# the slope into the gradient.
+
+
+_Products: TypeAlias = tuple[tuple[float, Tensor, Tensor], ...]
+
+
+class _Terms(NamedTuple):
+    """An objective's per-unit values, their slope and the statistics it reports.
+
+    ``objective`` is o per unit, or a sum of scaled products Σ_k c_k·a_k·b_k: then Σ_u o_u
+    is Σ_k c_k·(a_k · b_k), inner products that read their factors once and write
+    nothing, and o itself is only formed when a reduction needs it per sequence.
+    """
+
+    objective: Tensor | _Products
+    slope: Tensor | Callable[[], Tensor]  # a callable is only run when a gradient is needed
+    statistics: dict[str, Tensor | int]
+    slope_is_scratch: bool = True  # False when slope is a caller's tensor: never written
+
+
+def _objective_values(objective: Tensor | _Products) -> Tensor:
+    """o per unit."""
+    if isinstance(objective, Tensor):
+        return objective
+    values = torch.zeros_like(objective[0][1])
+    for scale, first, second in objective:
+        values.addcmul_(first, second, value=scale)
+    return values
+
+
+def _objective_sum(objective: Tensor | _Products) -> Tensor:
+    """Σ_u o_u."""
+    if isinstance(objective, Tensor):
+        return objective.sum()
+    totals = [torch.dot(first, second) * scale for scale, first, second in objective]
+    return torch.stack(totals).sum()
 
 
 def _log_ratio(units: _Units) -> Tensor:
@@ -256,19 +347,94 @@ def _logprobs(units: _Units) -> Tensor:
     return units.logprobs
 
 
+def _ratio_statistics(ratio: Tensor, units: _Units) -> dict[str, Tensor | int]:
+    """Σ r, min r and max r over the selected units (0 when none is), and zero clip counts."""
+    no_clips = {"clip_fraction": 0, "clip_low_fraction": 0, "clip_high_fraction": 0}
+    if units.unit_count == 0:
+        return {"ratio_mean": 0, "ratio_min": 0, "ratio_max": 0, **no_clips}
+    low, high = torch.aminmax(ratio)
+    if units.mask is None:
+        return {"ratio_mean": ratio.sum(), "ratio_min": low, "ratio_max": high, **no_clips}
+    # A masked unit holds r = 1 exactly, so a global extreme other than 1 is a selected
+    # unit's; so is 1 when both extremes are 1. Only one extreme at exactly 1 is ambiguous.
+    if bool((low == 1.0) ^ (high == 1.0)):
+        assert units.selected is not None
+        low = torch.where(units.selected, ratio, math.inf).min()
+        high = torch.where(units.selected, ratio, 0.0).max()
+    ratio_sum = torch.dot(ratio, units.mask)
+    return {"ratio_mean": ratio_sum, "ratio_min": low, "ratio_max": high, **no_clips}
+
+
+def _unclipped_statistics(units: _Units) -> dict[str, Tensor | int]:
+    """Statistics of an objective without a clip: those of r when lp_old is given, else none.
+
+    Call it last: r is computed in place of the log-ratio.
+    """
+    if units.log_ratio is None:
+        return {}
+    return _ratio_statistics(units.log_ratio.exp_(), units)
+
+
+def _selected_count(outside: Tensor, units: _Units, one_is_outside: bool) -> Tensor:
+    """How many selected units a ratio test marks, from the test over every unit.
+
+    A masked unit holds r = 1 exactly, so the test marks it only when it marks 1, and the
+    count over every unit then exceeds the selected count by exactly the masked units.
+    """
+    return outside.count_nonzero() - (units.masked_out if one_is_outside else 0)
+
+
+def _outside_counts(
+    ratio: Tensor, units: _Units, low: float, high: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(r < lo, r > hi) over every unit, and their counts over the selected units."""
+    below, above = ratio < low, ratio > high
+    below_count = _selected_count(below, units, low > 1)
+    return below, above, below_count, _selected_count(above, units, high < 1)
+
+
 def _clipped_surrogate(
-    ratio: Tensor, advantages: Tensor, low: float, high: float, dual_clip: float | None
-) -> Tensor:
-    objective = torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
+    ratio: Tensor, units: _Units, low: float, high: float, dual_clip: float | None
+) -> _Terms:
+    """min(r·A, clip(r, lo, hi)·A), dual-clipped to max(·, c·A) where A < 0; r is overwritten.
+
+    do/dr is A, except 0 on the clipped side (r > hi with A > 0, r < lo with A < 0) and
+    where the dual clip is active; do/dlp = r·do/dr.
+    """
+    advantages = units.advantages
+    statistics = _ratio_statistics(ratio, units)
+    below, above, below_count, above_count = _outside_counts(ratio, units, low, high)
+    unclipped = ratio * advantages
+    objective = ratio.clamp(low, high).mul_(advantages)
+    torch.minimum(unclipped, objective, out=objective)
+    # Masked units hold A = 0, so the sign tests exclude them without the mask.
+    negative = advantages < 0
+    clipped_side = (advantages > 0).logical_and_(above).logical_or_(below.logical_and_(negative))
     if dual_clip is None:
-        return objective
-    return torch.where(advantages < 0, torch.maximum(objective, dual_clip * advantages), objective)
+        clipped_count = clipped_side.count_nonzero()
+    else:
+        clipped_count = (clipped_side | negative.logical_and_(ratio > dual_clip)).count_nonzero()
+        # c·min(A, 0) is c·A where A < 0; where A >= 0 it is 0 <= o (r, lo >= 0): a no-op.
+        floor = advantages.clamp(max=0).mul_(dual_clip)
+        clipped_side.logical_or_(floor > objective)
+        torch.maximum(objective, floor, out=objective)
+    statistics.update(
+        clip_fraction=clipped_count, clip_low_fraction=below_count, clip_high_fraction=above_count
+    )
+
+    def slope() -> Tensor:
+        # The statistics are taken, so r's buffer can hold the 0/1 keep-weights.
+        return unclipped.mul_(_as_float(clipped_side.logical_not_(), out=ratio))
+
+    return _Terms(objective=objective, slope=slope, statistics=statistics)
 
 
-def _importance_sampling_objective(units: _Units) -> tuple[Tensor, Tensor | None]:
+def _importance_sampling_objective(units: _Units) -> _Terms:
     """Importance sampling: o_t = r·A, gradient d(−o_t)/d lp = −r·A."""
-    ratio = torch.exp(_log_ratio(units))
-    return ratio * units.advantages, ratio
+    ratio = _log_ratio(units).exp_()
+    statistics = _ratio_statistics(ratio, units)
+    objective = ratio.mul_(units.advantages)
+    return _Terms(objective=objective, slope=objective, statistics=statistics)
 
 
 def _ppo_objective(
@@ -277,117 +443,145 @@ def _ppo_objective(
     clip_low_threshold: float,
     clip_high_threshold: float,
     dual_clip: float | None,
-) -> tuple[Tensor, Tensor | None]:
+) -> _Terms:
     """PPO: o_t = min(r·A, clip(r, lo, hi)·A); dual clip c: max(o_t, c·A) where A < 0."""
-    ratio = torch.exp(_log_ratio(units))
-    objective = _clipped_surrogate(
-        ratio, units.advantages, clip_low_threshold, clip_high_threshold, dual_clip
-    )
-    return objective, ratio
+    ratio = _log_ratio(units).exp_()
+    return _clipped_surrogate(ratio, units, clip_low_threshold, clip_high_threshold, dual_clip)
 
 
 def _cispo_objective(
     units: _Units, *, clip_low_threshold: float, clip_high_threshold: float
-) -> tuple[Tensor, Tensor | None]:
+) -> _Terms:
     """CISPO: o_t = sg(clip(r, lo, hi))·lp·A, gradient −clip(r, lo, hi)·A everywhere."""
-    ratio = torch.exp(_log_ratio(units).detach())
-    weight = ratio.clamp(clip_low_threshold, clip_high_threshold) * units.advantages
-    return weight * _logprobs(units), ratio
+    ratio = _log_ratio(units).exp_()
+    statistics = _ratio_statistics(ratio, units)
+    # r >= 0 is never below a bound of 0 (the default): skip that pass.
+    below_count = (
+        _selected_count(ratio < clip_low_threshold, units, clip_low_threshold > 1)
+        if clip_low_threshold > 0
+        else 0
+    )
+    above_count = _selected_count(ratio > clip_high_threshold, units, clip_high_threshold < 1)
+    clipped_ratio = ratio.clamp_(clip_low_threshold, clip_high_threshold)
+    statistics.update(
+        # lo <= hi, so no ratio is both below and above: the counts add up.
+        clip_fraction=below_count + above_count,
+        clip_low_fraction=below_count,
+        clip_high_fraction=above_count,
+        clipped_ratio_mean=(
+            clipped_ratio.sum() if units.mask is None else torch.dot(clipped_ratio, units.mask)
+        ),
+    )
+    weight = clipped_ratio.mul_(units.advantages)
+    return _Terms(objective=((1.0, weight, _logprobs(units)),), slope=weight, statistics=statistics)
 
 
-def _dro_objective(units: _Units, *, beta: float) -> tuple[Tensor, Tensor | None]:
+def _dro_objective(units: _Units, *, beta: float) -> _Terms:
     """DRO: o_t = lp·A − (β/2)·(lp − lp_old)², gradient −A + β·(lp − lp_old)."""
     log_ratio = _log_ratio(units)
-    return _logprobs(units) * units.advantages - (beta / 2) * log_ratio.square(), None
+    # Formed here, not as products: the statistics then turn the log-ratio into r in place.
+    objective = torch.mul(_logprobs(units), units.advantages).addcmul_(
+        log_ratio, log_ratio, value=-beta / 2
+    )
+    slope = torch.add(units.advantages, log_ratio, alpha=-beta)
+    return _Terms(objective=objective, slope=slope, statistics=_unclipped_statistics(units))
 
 
 def _gspo_objective(
     units: _Units, *, clip_low_threshold: float, clip_high_threshold: float
-) -> tuple[Tensor, Tensor | None]:
-    """GSPO: s_i = exp(mean_{t∈i} (lp − lp_old)), o_i = min(s_i·A_i, clip(s_i, lo, hi)·A_i)."""
-    sequence_ratio = torch.exp(_log_ratio(units))
-    objective = _clipped_surrogate(
-        sequence_ratio, units.advantages, clip_low_threshold, clip_high_threshold, None
-    )
-    return objective, sequence_ratio
+) -> _Terms:
+    """GSPO: s_i = exp(mean_{t∈i}(lp − lp_old)), o_i = min(s_i·A_i, clip(s_i, lo, hi)·A_i)."""
+    sequence_ratio = _log_ratio(units).exp_()
+    return _clipped_surrogate(sequence_ratio, units, clip_low_threshold, clip_high_threshold, None)
 
 
-def _cross_entropy_objective(units: _Units) -> tuple[Tensor, Tensor | None]:
+def _cross_entropy_objective(units: _Units) -> _Terms:
     """Cross entropy: o_t = w·lp with per-token weights w (passed as advantages)."""
-    return units.advantages * _logprobs(units), None
-
-
-# --- clip statistics (metrics) ---------------------------------------------------------
-# Each returns counts (or sums) over the selected units as 0-d tensors; the metrics divide
-# them by the number of selected units. ``scratch`` is a buffer shaped like ``ratio`` that
-# they may overwrite. Counting uses count_nonzero: summing a bool tensor
-# first converts it to int64, several times slower at millions of tokens.
-
-
-def _no_clip_sums(
-    ratio: Tensor,
-    advantages: Tensor,
-    mask: Tensor | None,
-    config: Mapping[str, float | None],
-    scratch: Tensor,
-) -> dict[str, Tensor]:
-    zero = ratio.new_zeros((), dtype=torch.int64)
-    return {"clip_fraction": zero, "clip_low_fraction": zero, "clip_high_fraction": zero}
-
-
-def _outside_bounds(
-    ratio: Tensor, mask: Tensor | None, low: float, high: float
-) -> tuple[Tensor, Tensor]:
-    below, above = ratio < low, ratio > high
-    if mask is not None:
-        below &= mask
-        above &= mask
-    return below, above
-
-
-def _pessimistic_clip_sums(
-    ratio: Tensor,
-    advantages: Tensor,
-    mask: Tensor | None,
-    config: Mapping[str, float | None],
-    scratch: Tensor,
-) -> dict[str, Tensor]:
-    """Zero-gradient units: r > hi with A > 0; r < lo, or r > c under dual clip, with A < 0."""
-    below, above = _outside_bounds(
-        ratio, mask, config["clip_low_threshold"], config["clip_high_threshold"]
+    return _Terms(
+        objective=((1.0, units.advantages, _logprobs(units)),),
+        slope=units.advantages,
+        statistics=_unclipped_statistics(units),
+        slope_is_scratch=False,
     )
-    negative_clipped = below
-    dual_clip = config.get("dual_clip")
-    if dual_clip is not None:
-        negative_clipped = negative_clipped | (ratio > dual_clip)
-    # Masked units hold A = 0, so the advantage tests exclude them without the mask.
-    clipped = ((advantages > 0) & above) | ((advantages < 0) & negative_clipped)
-    return {
-        "clip_fraction": clipped.count_nonzero(),
-        "clip_low_fraction": below.count_nonzero(),
-        "clip_high_fraction": above.count_nonzero(),
-    }
 
 
-def _reweight_clip_sums(
-    ratio: Tensor,
-    advantages: Tensor,
-    mask: Tensor | None,
-    config: Mapping[str, float | None],
-    scratch: Tensor,
-) -> dict[str, Tensor]:
-    """Every ratio outside [lo, hi] has its gradient weight replaced by the bound."""
-    low, high = config["clip_low_threshold"], config["clip_high_threshold"]
-    below, above = _outside_bounds(ratio, mask, low, high)
-    clipped_ratio = torch.clamp(ratio, low, high, out=scratch)
-    if mask is not None:
-        clipped_ratio = torch.where(mask, clipped_ratio, ratio.new_zeros(()), out=scratch)
-    return {
-        "clip_fraction": (below | above).count_nonzero(),
-        "clip_low_fraction": below.count_nonzero(),
-        "clip_high_fraction": above.count_nonzero(),
-        "clipped_ratio_mean": clipped_ratio.sum(),
-    }
+# --- aggregation and the gradient ------------------------------------------------------
+
+
+def _aggregate(
+    objective: Tensor | _Products, units: _Units, reduction: str, norm_length: float | None
+) -> tuple[Tensor, float | Tensor]:
+    """(Σ of the objective under ``reduction``, its derivative w.r.t. each unit's o).
+
+    FORMULAS.md, Aggregation; 0 when nothing is selected. The derivative is one number,
+    or one per unit for ``seq_mean_token_mean``.
+    """
+    if reduction == "sum":
+        return _objective_sum(objective), 1.0
+    if reduction == "token_mean":
+        count = max(units.unit_count, 1)
+        return _objective_sum(objective) / count, 1.0 / count
+    units_per_sequence = units.counts_per_sequence()
+    num_sequences = max(int(units_per_sequence.count_nonzero()), 1)
+    if reduction == "seq_mean_token_mean":
+        values = _objective_values(objective)
+        inverse_counts = units_per_sequence.clamp(min=1).reciprocal_()
+        total = (_segment_sum(values, units.seq_lens) * inverse_counts).sum() / num_sequences
+        per_unit = torch.repeat_interleave(
+            inverse_counts.div_(num_sequences), units.seq_lens, output_size=values.numel()
+        )
+        return total, per_unit
+    if reduction == "seq_mean_token_sum":
+        return _objective_sum(objective) / num_sequences, 1.0 / num_sequences
+    assert norm_length is not None  # validate_reduction guarantees it for this reduction
+    total = _objective_sum(objective) / num_sequences / norm_length
+    return total, 1.0 / num_sequences / norm_length
+
+
+def _loss_gradient(
+    terms: _Terms, derivative: float | Tensor, tokens: _Units, units: _Units
+) -> Tensor:
+    """d loss/d lp per token: −(dΣ/do)·slope, spread over the tokens of sequence units.
+
+    For a sequence unit, d(mean_{t∈i} log-ratio)/d lp_t = m_t / n_i.
+    """
+    slope = terms.slope() if callable(terms.slope) else terms.slope
+    if isinstance(derivative, float):
+        gradient = slope.mul_(-derivative) if terms.slope_is_scratch else slope * -derivative
+    else:
+        gradient = (slope.mul_(derivative) if terms.slope_is_scratch else slope * derivative).neg_()
+    if units.tokens_per_unit is None:
+        return gradient
+    per_token = torch.repeat_interleave(
+        gradient.div_(units.tokens_per_unit),
+        tokens.seq_lens,
+        output_size=tokens.advantages.numel(),
+    )
+    return per_token if tokens.mask is None else per_token.mul_(tokens.mask)
+
+
+class _KnownGradient(torch.autograd.Function):
+    """A loss whose gradient w.r.t. logprobs is already computed: backward is one multiply."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, logprobs: Tensor, loss: Tensor, gradient: Tensor
+    ) -> Tensor:
+        ctx.save_for_backward(gradient)
+        return loss.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_loss: Tensor
+    ) -> tuple[Tensor, None, None]:
+        (gradient,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        if gradient.device.type == "cpu" and bool(grad_loss == 1):
+            # loss.backward() seeds 1: hand the gradient over as is. The engine has released
+            # the saved copy by then (unless retain_graph, when autograd copies it), so the
+            # leaf adopts this tensor without a fresh allocation.
+            return gradient, None, None
+        return gradient * grad_loss, None, None
 
 
 # --- the registry ----------------------------------------------------------------------
@@ -399,7 +593,7 @@ def _freeze_defaults(defaults: Mapping[str, float | None]) -> Mapping[str, float
 
 @attrs.frozen(slots=False)
 class LossKernel:
-    """A named loss: config defaults, its objective, and the clip statistics it reports.
+    """A named loss: its config defaults and its objective (with slope and clip counts).
 
     Calling it runs the whole kernel:
     ``loss, metrics = kernel(logprobs, sampling_logprobs, advantages, *, mask=None,
@@ -409,10 +603,7 @@ class LossKernel:
     name: str
     defaults: Mapping[str, float | None] = attrs.field(converter=_freeze_defaults)
     sequence_level: bool
-    objective: Callable[..., tuple[Tensor, Tensor | None]] = attrs.field(repr=False)
-    clip_sums: Callable[
-        [Tensor, Tensor, Tensor | None, Mapping[str, float | None], Tensor], dict[str, Tensor]
-    ] = attrs.field(repr=False)
+    objective: Callable[..., _Terms] = attrs.field(repr=False)
     weight_input: str = "advantages"
     """The datum ``loss_fn_inputs`` key holding the per-token weight (A, or w for CE)."""
     needs_sampling_logprobs: bool = True
@@ -458,19 +649,26 @@ class LossKernel:
         norm_length: float | None = None,
         **config: float | None,
     ) -> tuple[Tensor, dict[str, float]]:
-        """Scalar loss −aggregate(o) under ``reduction`` and float metrics over masked-in units."""
+        """Scalar loss −aggregate(o) under ``reduction`` and float metrics over masked-in units.
+
+        The loss is differentiable w.r.t. ``logprobs`` only (lp_old, A and the mask are
+        constants); its gradient is computed here, in closed form, with the loss.
+        """
         resolved = self.resolve(config)
         validate_reduction(reduction, norm_length)
         if sampling_logprobs is None and self.needs_sampling_logprobs:
             raise ValueError(
                 f"loss {self.name!r} needs sampling_logprobs (the sampler's log-probs), got None"
             )
-        units = _pack(logprobs, sampling_logprobs, advantages, mask, seq_lens)
-        if self.sequence_level:
-            units = units.per_sequence()
-        objective, ratio = self.objective(units, **resolved)
-        loss = -_aggregate(objective, units, reduction, norm_length)
-        return loss, _metrics(self, loss, units, ratio, resolved)
+        tokens = _pack(logprobs, sampling_logprobs, advantages, mask, seq_lens)
+        units = tokens.per_sequence() if self.sequence_level else tokens
+        terms = self.objective(units, **resolved)
+        total, derivative = _aggregate(terms.objective, units, reduction, norm_length)
+        loss = total.neg_()
+        if logprobs.requires_grad and torch.is_grad_enabled():
+            gradient = _loss_gradient(terms, derivative, tokens, units)
+            loss = _KnownGradient.apply(logprobs, loss, gradient)
+        return loss, _metrics(loss, units, terms)
 
 
 def _validate_thresholds(name: str, config: LossConfig) -> None:
@@ -495,62 +693,25 @@ def _validate_thresholds(name: str, config: LossConfig) -> None:
         )
 
 
-def _aggregate(
-    objective: Tensor, units: _Units, reduction: str, norm_length: float | None
-) -> Tensor:
-    """Σ of the objective under ``reduction`` (FORMULAS.md, Aggregation); 0 when empty."""
-    if reduction == "sum":
-        return objective.sum()
-    if reduction == "token_mean":
-        return objective.sum() / units.unit_count.clamp(min=1)
-    units_per_sequence = units.counts_per_sequence()
-    num_sequences = units_per_sequence.count_nonzero().clamp(min=1)
-    if reduction == "seq_mean_token_mean":
-        per_sequence = _segment_sum(objective, units.seq_lens) / units_per_sequence.clamp(min=1)
-        return per_sequence.sum() / num_sequences
-    if reduction == "seq_mean_token_sum":
-        return objective.sum() / num_sequences
-    assert norm_length is not None  # validate_reduction guarantees it for this reduction
-    return objective.sum() / num_sequences / norm_length
-
-
 @torch.no_grad()
-def _metrics(
-    kernel: LossKernel,
-    loss: Tensor,
-    units: _Units,
-    ratio: Tensor | None,
-    config: Mapping[str, float | None],
-) -> dict[str, float]:
+def _metrics(loss: Tensor, units: _Units, terms: _Terms) -> dict[str, float]:
     """Loss, token count, ratio statistics and clip shares over the selected units."""
-    names = ["loss", "train_tokens"]
-    values = [loss.detach(), units.token_count]
-    if units.log_ratio is not None:
-        ratio = torch.exp(units.log_ratio) if ratio is None else ratio.detach()
-        count = units.unit_count
-        per_unit = count.clamp(min=1).to(torch.float64)
-        # Every statistic below reuses one scratch buffer: at millions of tokens a fresh
-        # buffer per statistic costs page faults comparable to the arithmetic itself.
-        scratch = torch.empty_like(ratio)
-        if ratio.numel() == 0:
-            ratio_sum = ratio_min = ratio_max = ratio.new_zeros(())
-        elif units.mask is None:
-            ratio_sum = ratio.sum()
-            ratio_min, ratio_max = torch.aminmax(ratio)
-        else:
-            # r >= 0, so a masked unit set to 0 changes neither the sum nor the maximum.
-            selected = torch.where(units.mask, ratio, ratio.new_zeros(()), out=scratch)
-            ratio_sum, ratio_max = selected.sum(), selected.max()
-            selected = torch.where(units.mask, ratio, ratio.new_full((), math.inf), out=scratch)
-            ratio_min = selected.min().where(count > 0, 0.0)
-        names += ["ratio_mean", "ratio_min", "ratio_max"]
-        values += [ratio_sum.to(torch.float64) / per_unit, ratio_min, ratio_max]
-        sums = kernel.clip_sums(ratio, units.advantages, units.mask, config, scratch)
-        names += list(sums)
-        values += [total.to(torch.float64) / per_unit for total in sums.values()]
-    # One transfer for all metrics: a device sync per metric would cost more than the loss.
-    stacked = torch.stack([value.to(torch.float64) for value in values]).tolist()
-    return dict(zip(names, stacked, strict=True))
+    metrics = {"loss": float(loss), "train_tokens": float(units.token_count)}
+    if not terms.statistics:
+        return metrics
+    per_unit = float(max(units.unit_count, 1))
+    names = list(terms.statistics)
+    # One transfer for all statistics: a device sync each would cost more than the loss.
+    totals = torch.stack(
+        [
+            torch.as_tensor(value, dtype=torch.float64, device=units.advantages.device)
+            for value in terms.statistics.values()
+        ]
+    ).tolist()
+    for name, total in zip(names, totals, strict=True):
+        # Extremes are values; every other statistic is a sum over the selected units.
+        metrics[name] = total if name in ("ratio_min", "ratio_max") else total / per_unit
+    return metrics
 
 
 importance_sampling = LossKernel(
@@ -558,42 +719,36 @@ importance_sampling = LossKernel(
     defaults={},
     sequence_level=False,
     objective=_importance_sampling_objective,
-    clip_sums=_no_clip_sums,
 )
 ppo = LossKernel(
     name="ppo",
     defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "dual_clip": None},
     sequence_level=False,
     objective=_ppo_objective,
-    clip_sums=_pessimistic_clip_sums,
 )
 cispo = LossKernel(
     name="cispo",
     defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     sequence_level=False,
     objective=_cispo_objective,
-    clip_sums=_reweight_clip_sums,
 )
 dro = LossKernel(
     name="dro",
     defaults={"beta": 0.05},
     sequence_level=False,
     objective=_dro_objective,
-    clip_sums=_no_clip_sums,
 )
 gspo = LossKernel(
     name="gspo",
     defaults={"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
     sequence_level=True,
     objective=_gspo_objective,
-    clip_sums=_pessimistic_clip_sums,
 )
 cross_entropy = LossKernel(
     name="cross_entropy",
     defaults={},
     sequence_level=False,
     objective=_cross_entropy_objective,
-    clip_sums=_no_clip_sums,
     weight_input="weights",
     needs_sampling_logprobs=False,
 )
@@ -616,7 +771,6 @@ def get_loss(name: str) -> LossKernel:
 def resolve_config(name: str, config: Mapping[str, object]) -> LossConfig:
     """Kernel ``name``'s defaults merged with ``config`` after validating keys and thresholds."""
     return get_loss(name).resolve(config)
-
 
 # --- KL to a reference policy ------------------------------------------------------------
 
