@@ -298,6 +298,13 @@ def _ordered_bounds(
 
 _DUAL_CLIPS = st.one_of(st.none(), st.floats(1.5, 10.0))
 
+# Both bounds on one side of 1: every r = 1 (all masked units hold it) is then clipped,
+# which the kernels' masked-unit corrections must not count.
+_OFF_CENTER_BOUNDS = st.one_of(
+    _ordered_bounds(st.floats(0.1, 0.5), st.floats(0.55, 0.95)),
+    _ordered_bounds(st.floats(1.05, 2.0), st.floats(2.05, 3.0)),
+)
+
 LOSS_CONFIGS: dict[str, st.SearchStrategy[dict[str, float | None]]] = {
     "importance_sampling": st.just({}),
     "ppo": st.one_of(
@@ -305,9 +312,12 @@ LOSS_CONFIGS: dict[str, st.SearchStrategy[dict[str, float | None]]] = {
         st.tuples(_ordered_bounds(st.floats(0.0, 0.95), st.floats(1.05, 3.0)), _DUAL_CLIPS).map(
             lambda config: {**config[0], "dual_clip": config[1]}
         ),
+        _OFF_CENTER_BOUNDS,
     ),
     "cispo": st.one_of(
-        st.just({}), _ordered_bounds(st.floats(0.0, 0.95), st.floats(1.05, 6.0))
+        st.just({}),
+        _ordered_bounds(st.floats(0.0, 0.95), st.floats(1.05, 6.0)),
+        _OFF_CENTER_BOUNDS,
     ),
     "dro": st.one_of(st.just({}), st.floats(0.0, 1.0).map(lambda beta: {"beta": beta})),
     "gspo": st.one_of(
@@ -316,6 +326,7 @@ LOSS_CONFIGS: dict[str, st.SearchStrategy[dict[str, float | None]]] = {
             st.floats(1e-4, 0.5).map(lambda gap: 1.0 - gap),
             st.floats(1e-4, 0.5).map(lambda gap: 1.0 + gap),
         ),
+        _OFF_CENTER_BOUNDS,
     ),
     "cross_entropy": st.just({}),
 }

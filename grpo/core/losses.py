@@ -42,6 +42,14 @@ them, and attaches it with a one-multiply backward; double backward is not suppo
 At millions of tokens this is several times faster than letting autograd record every
 elementwise step (``benchmarks/losses.py``).
 
+The token-level policy kernels also have a single-pass form (``fused_losses``) that
+``torch.compile`` turns into one vectorized loop: ``fused=None`` (the default) runs it on
+CPU batches of at least ``FUSED_MIN_TOKENS`` positions, where it is several times faster
+again; its first call compiles for a few seconds (once per process, dtype and variant).
+``fused=True`` forces it, ``fused=False`` keeps the eager kernel; where torch.compile
+fails the eager kernel runs, after one RuntimeWarning. ``gspo`` (sequence-level) and
+``cross_entropy`` (two inner products: eager is as fast) have no fused form.
+
 Metrics are over masked-in tokens (over sequences with ``n_i > 0`` for ``gspo``):
 ``loss``, ``train_tokens``, ``ratio_mean``/``ratio_min``/``ratio_max`` (0.0 when nothing
 is selected), ``clip_fraction`` (share whose gradient the clip removed or reweighted),
@@ -55,14 +63,20 @@ k3 ``exp(−δ) + δ − 1``; ``kl_penalty`` gives the elementwise term.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 
 import attrs
+import numpy as np
 import torch
 from torch import Tensor
+
+from grpo.core import fused_losses
+from grpo.core.fused_losses import FusedTerms
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
@@ -72,6 +86,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KL_ESTIMATORS",
     "LOSSES",
+    "FUSED_MIN_TOKENS",
     "REDUCTIONS",
     "LossKernel",
     "cispo",
@@ -224,6 +239,13 @@ def _as_like(name: str, values: Tensor, logprobs: Tensor) -> Tensor:
     return values.detach().to(device=logprobs.device, dtype=logprobs.dtype)
 
 
+def _count_true(selected: Tensor) -> int:
+    """How many entries of a bool tensor are True (numpy's count is ~5x torch's on CPU)."""
+    if selected.device.type == "cpu":
+        return int(np.count_nonzero(selected.numpy()))
+    return int(selected.count_nonzero())
+
+
 def _selection(mask: Tensor | None, logprobs: Tensor) -> tuple[Tensor | None, int]:
     """(the mask as bool, or None when it selects every position; the selected count)."""
     if mask is None:
@@ -235,18 +257,29 @@ def _selection(mask: Tensor | None, logprobs: Tensor) -> tuple[Tensor | None, in
             f"{tuple(logprobs.shape)}"
         )
     selected = mask_tensor if mask_tensor.dtype == torch.bool else mask_tensor != 0
-    count = int(selected.count_nonzero())
+    count = _count_true(selected)
     # An all-ones mask takes the unmasked path, so both give bit-identical results.
     return (None if count == logprobs.numel() else selected), count
 
 
-def _pack(
+class _Inputs(NamedTuple):
+    """A kernel call's inputs, validated: flat detached values and the selection."""
+
+    logprobs: Tensor
+    sampling_logprobs: Tensor | None
+    advantages: Tensor  # the caller's values (not yet masked)
+    selected: Tensor | None  # bool mask; None when every position trains
+    count: int  # selected positions
+    seq_lens: Tensor  # int64, on the data's device
+
+
+def _validate(
     logprobs: Tensor,
     sampling_logprobs: Tensor | None,
     advantages: Tensor,
     mask: Tensor | None,
     seq_lens: SeqLens | None,
-) -> _Units:
+) -> _Inputs:
     if not isinstance(logprobs, Tensor):
         raise TypeError(f"logprobs must be a torch.Tensor, got {type(logprobs).__name__}")
     if logprobs.ndim != 1:
@@ -255,7 +288,6 @@ def _pack(
         )
     if not logprobs.dtype.is_floating_point:
         raise ValueError(f"logprobs must be a floating tensor, got dtype {logprobs.dtype}")
-    values = logprobs.detach()
     advantages = _as_like("advantages", advantages, logprobs)
     old = (
         None
@@ -264,6 +296,12 @@ def _pack(
     )
     selected, count = _selection(mask, logprobs)
     lengths = _as_seq_lens(seq_lens, logprobs.numel(), logprobs.device)
+    return _Inputs(logprobs.detach(), old, advantages, selected, count, lengths)
+
+
+def _pack(inputs: _Inputs) -> _Units:
+    """The inputs as token units, with the log-ratio and the advantages masked."""
+    values, old, advantages, selected, count, lengths = inputs
     if selected is None:
         return _Units(
             logprobs=values,
@@ -375,18 +413,18 @@ def _unclipped_statistics(units: _Units) -> dict[str, Tensor | int]:
     return _ratio_statistics(units.log_ratio.exp_(), units)
 
 
-def _selected_count(outside: Tensor, units: _Units, one_is_outside: bool) -> Tensor:
+def _selected_count(outside: Tensor, units: _Units, one_is_outside: bool) -> int:
     """How many selected units a ratio test marks, from the test over every unit.
 
     A masked unit holds r = 1 exactly, so the test marks it only when it marks 1, and the
     count over every unit then exceeds the selected count by exactly the masked units.
     """
-    return outside.count_nonzero() - (units.masked_out if one_is_outside else 0)
+    return _count_true(outside) - (units.masked_out if one_is_outside else 0)
 
 
 def _outside_counts(
     ratio: Tensor, units: _Units, low: float, high: float
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, int, int]:
     """(r < lo, r > hi) over every unit, and their counts over the selected units."""
     below, above = ratio < low, ratio > high
     below_count = _selected_count(below, units, low > 1)
@@ -411,9 +449,9 @@ def _clipped_surrogate(
     negative = advantages < 0
     clipped_side = (advantages > 0).logical_and_(above).logical_or_(below.logical_and_(negative))
     if dual_clip is None:
-        clipped_count = clipped_side.count_nonzero()
+        clipped_count = _count_true(clipped_side)
     else:
-        clipped_count = (clipped_side | negative.logical_and_(ratio > dual_clip)).count_nonzero()
+        clipped_count = _count_true(clipped_side | negative.logical_and_(ratio > dual_clip))
         # c·min(A, 0) is c·A where A < 0; where A >= 0 it is 0 <= o (r, lo >= 0): a no-op.
         floor = advantages.clamp(max=0).mul_(dual_clip)
         clipped_side.logical_or_(floor > objective)
@@ -508,34 +546,44 @@ def _cross_entropy_objective(units: _Units) -> _Terms:
 # --- aggregation and the gradient ------------------------------------------------------
 
 
+def _reduction_derivative(
+    reduction: str,
+    norm_length: float | None,
+    unit_count: int,
+    units_per_sequence: Callable[[], Tensor],
+    seq_lens: Tensor,
+) -> float | Tensor:
+    """d(aggregate)/d o_u under ``reduction`` (FORMULAS.md, Aggregation): the aggregate is Σ_u d_u·o_u.
+
+    One number, or one per unit for ``seq_mean_token_mean`` (1/(B·n_i) on sequence i).
+    ``units_per_sequence`` gives n_i as floats; it is only called by the ``seq_mean_*``
+    reductions.
+    """
+    if reduction == "sum":
+        return 1.0
+    if reduction == "token_mean":
+        return 1.0 / max(unit_count, 1)
+    counts = units_per_sequence()
+    num_sequences = max(int(counts.count_nonzero()), 1)
+    if reduction == "seq_mean_token_mean":
+        inverse_counts = counts.clamp(min=1).reciprocal_().div_(num_sequences)
+        return torch.repeat_interleave(inverse_counts, seq_lens, output_size=int(seq_lens.sum()))
+    if reduction == "seq_mean_token_sum":
+        return 1.0 / num_sequences
+    assert norm_length is not None  # validate_reduction guarantees it for this reduction
+    return 1.0 / num_sequences / norm_length
+
+
 def _aggregate(
     objective: Tensor | _Products, units: _Units, reduction: str, norm_length: float | None
 ) -> tuple[Tensor, float | Tensor]:
-    """(Σ of the objective under ``reduction``, its derivative w.r.t. each unit's o).
-
-    FORMULAS.md, Aggregation; 0 when nothing is selected. The derivative is one number,
-    or one per unit for ``seq_mean_token_mean``.
-    """
-    if reduction == "sum":
-        return _objective_sum(objective), 1.0
-    if reduction == "token_mean":
-        count = max(units.unit_count, 1)
-        return _objective_sum(objective) / count, 1.0 / count
-    units_per_sequence = units.counts_per_sequence()
-    num_sequences = max(int(units_per_sequence.count_nonzero()), 1)
-    if reduction == "seq_mean_token_mean":
-        values = _objective_values(objective)
-        inverse_counts = units_per_sequence.clamp(min=1).reciprocal_()
-        total = (_segment_sum(values, units.seq_lens) * inverse_counts).sum() / num_sequences
-        per_unit = torch.repeat_interleave(
-            inverse_counts.div_(num_sequences), units.seq_lens, output_size=values.numel()
-        )
-        return total, per_unit
-    if reduction == "seq_mean_token_sum":
-        return _objective_sum(objective) / num_sequences, 1.0 / num_sequences
-    assert norm_length is not None  # validate_reduction guarantees it for this reduction
-    total = _objective_sum(objective) / num_sequences / norm_length
-    return total, 1.0 / num_sequences / norm_length
+    """(Σ_u d_u·o_u, the derivative d): the aggregate under ``reduction``, 0 if none selected."""
+    derivative = _reduction_derivative(
+        reduction, norm_length, units.unit_count, units.counts_per_sequence, units.seq_lens
+    )
+    if isinstance(derivative, float):
+        return _objective_sum(objective) * derivative, derivative
+    return torch.dot(_objective_values(objective), derivative), derivative
 
 
 def _loss_gradient(
@@ -584,6 +632,83 @@ class _KnownGradient(torch.autograd.Function):
         return gradient * grad_loss, None, None
 
 
+# --- the compiled single-pass path -----------------------------------------------------
+
+FUSED_MIN_TOKENS = 1 << 18
+"""Positions from which ``fused=None`` runs the compiled form (on CPU).
+
+The compiled form wins from ~256k positions (``benchmarks/losses.py``), but its first call
+compiles for seconds; from a million positions that is paid back within a few hundred calls.
+"""
+
+# Forms whose compilation failed in this process: they run eagerly from then on. A cache
+# like torch's own compile cache (results never depend on it, only speed).
+_UNCOMPILABLE_FORMS: set[Callable[..., FusedTerms]] = set()
+
+
+@functools.cache
+def _compiled_form(form: Callable[..., FusedTerms]) -> Callable[..., FusedTerms]:
+    """``form`` under torch.compile, with symbolic sizes: one compilation serves every N."""
+    return torch.compile(form, dynamic=True)
+
+
+def _run_fused(
+    form: Callable[..., FusedTerms],
+    inputs: _Inputs,
+    logprobs: Tensor,
+    reduction: str,
+    norm_length: float | None,
+    config: LossConfig,
+) -> tuple[Tensor, dict[str, float]] | None:
+    """The kernel through its compiled single-pass form; None if it does not compile here."""
+    if form in _UNCOMPILABLE_FORMS:
+        return None
+    values, old, advantages, selected, count, lengths = inputs
+    num_positions = values.numel()
+    if selected is None:
+        # One graph for masked and unmasked batches: an all-true mask costs a byte a token.
+        selected = torch.ones(num_positions, dtype=torch.bool, device=values.device)
+    derivative = _reduction_derivative(
+        reduction,
+        norm_length,
+        count,
+        lambda: _segment_sum(_as_float(selected, torch.empty_like(values)), lengths),
+        lengths,
+    )
+    like = {"dtype": values.dtype, "device": values.device}
+    # 0-d tensors, not floats: a new threshold or batch size then needs no recompilation.
+    config_tensors = {
+        key: torch.tensor(math.inf if value is None else value, **like)
+        for key, value in config.items()
+    }
+    want_gradient = logprobs.requires_grad and torch.is_grad_enabled()
+    try:
+        with torch.no_grad():
+            terms = _compiled_form(form)(
+                values,
+                old,
+                advantages,
+                selected,
+                torch.as_tensor(derivative, **like),
+                want_gradient,
+                **config_tensors,
+            )
+    except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager
+        _UNCOMPILABLE_FORMS.add(form)
+        warnings.warn(
+            f"torch.compile could not build the fused {form.__name__} here "
+            f"({type(error).__name__}: {error}); using the eager kernel from now on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    loss = terms.total.neg()
+    if want_gradient:
+        assert terms.gradient is not None
+        loss = _KnownGradient.apply(logprobs, loss, terms.gradient)
+    return loss, _metrics(loss, count, count, terms.statistics, values.device)
+
+
 # --- the registry ----------------------------------------------------------------------
 
 
@@ -597,7 +722,7 @@ class LossKernel:
 
     Calling it runs the whole kernel:
     ``loss, metrics = kernel(logprobs, sampling_logprobs, advantages, *, mask=None,
-    seq_lens=None, reduction="sum", norm_length=None, **config)``.
+    seq_lens=None, reduction="sum", norm_length=None, fused=None, **config)``.
     """
 
     name: str
@@ -608,6 +733,8 @@ class LossKernel:
     """The datum ``loss_fn_inputs`` key holding the per-token weight (A, or w for CE)."""
     needs_sampling_logprobs: bool = True
     """Whether the objective uses lp_old (cross_entropy only reports ratios when given it)."""
+    fused_form: Callable[..., FusedTerms] | None = attrs.field(default=None, repr=False)
+    """The single-pass form for torch.compile (``fused_losses``), None if there is none."""
 
     def __attrs_post_init__(self) -> None:
         # The instance's docstring is its formula, so help(losses.ppo) states the math.
@@ -647,12 +774,17 @@ class LossKernel:
         seq_lens: SeqLens | None = None,
         reduction: str = "sum",
         norm_length: float | None = None,
+        fused: bool | None = None,
         **config: float | None,
     ) -> tuple[Tensor, dict[str, float]]:
         """Scalar loss −aggregate(o) under ``reduction`` and float metrics over masked-in units.
 
         The loss is differentiable w.r.t. ``logprobs`` only (lp_old, A and the mask are
         constants); its gradient is computed here, in closed form, with the loss.
+        ``fused``: None runs the compiled single-pass form on CPU batches of at least
+        ``FUSED_MIN_TOKENS`` positions (where it wins), True runs it at any size and
+        device, False never; the eager kernel runs otherwise, and whenever the batch
+        selects nothing or torch.compile fails here (with a warning).
         """
         resolved = self.resolve(config)
         validate_reduction(reduction, norm_length)
@@ -660,7 +792,15 @@ class LossKernel:
             raise ValueError(
                 f"loss {self.name!r} needs sampling_logprobs (the sampler's log-probs), got None"
             )
-        tokens = _pack(logprobs, sampling_logprobs, advantages, mask, seq_lens)
+        if fused not in (None, True, False):
+            raise ValueError(f"fused must be None (auto), True or False, got {fused!r}")
+        inputs = _validate(logprobs, sampling_logprobs, advantages, mask, seq_lens)
+        form = self._fused_form_for(inputs, fused)
+        if form is not None:
+            result = _run_fused(form, inputs, logprobs, reduction, norm_length, resolved)
+            if result is not None:
+                return result
+        tokens = _pack(inputs)
         units = tokens.per_sequence() if self.sequence_level else tokens
         terms = self.objective(units, **resolved)
         total, derivative = _aggregate(terms.objective, units, reduction, norm_length)
@@ -668,7 +808,32 @@ class LossKernel:
         if logprobs.requires_grad and torch.is_grad_enabled():
             gradient = _loss_gradient(terms, derivative, tokens, units)
             loss = _KnownGradient.apply(logprobs, loss, gradient)
-        return loss, _metrics(loss, units, terms)
+        device = logprobs.device
+        return loss, _metrics(loss, units.unit_count, units.token_count, terms.statistics, device)
+
+    def _fused_form_for(
+        self, inputs: _Inputs, fused: bool | None
+    ) -> Callable[..., FusedTerms] | None:
+        """The fused form this call should run, or None for the eager kernel."""
+        if fused is False:
+            return None
+        form = self.fused_form
+        if form is None:
+            if fused:
+                raise ValueError(
+                    f"loss {self.name!r} has no fused form (fused forms: "
+                    f"{', '.join(name for name, k in LOSSES.items() if k.fused_form)}); "
+                    "pass fused=None or fused=False"
+                )
+            return None
+        # Nothing selected, or a single position: the eager kernel's special cases.
+        if inputs.count == 0 or inputs.logprobs.numel() < 2:
+            return None
+        if fused is None and (
+            inputs.logprobs.device.type != "cpu" or inputs.logprobs.numel() < FUSED_MIN_TOKENS
+        ):
+            return None
+        return form
 
 
 def _validate_thresholds(name: str, config: LossConfig) -> None:
@@ -694,18 +859,24 @@ def _validate_thresholds(name: str, config: LossConfig) -> None:
 
 
 @torch.no_grad()
-def _metrics(loss: Tensor, units: _Units, terms: _Terms) -> dict[str, float]:
+def _metrics(
+    loss: Tensor,
+    unit_count: int,
+    token_count: int,
+    statistics: Mapping[str, Tensor | int],
+    device: torch.device,
+) -> dict[str, float]:
     """Loss, token count, ratio statistics and clip shares over the selected units."""
-    metrics = {"loss": float(loss), "train_tokens": float(units.token_count)}
-    if not terms.statistics:
+    metrics = {"loss": float(loss), "train_tokens": float(token_count)}
+    if not statistics:
         return metrics
-    per_unit = float(max(units.unit_count, 1))
-    names = list(terms.statistics)
+    per_unit = float(max(unit_count, 1))
+    names = list(statistics)
     # One transfer for all statistics: a device sync each would cost more than the loss.
     totals = torch.stack(
         [
-            torch.as_tensor(value, dtype=torch.float64, device=units.advantages.device)
-            for value in terms.statistics.values()
+            torch.as_tensor(value, dtype=torch.float64, device=device)
+            for value in statistics.values()
         ]
     ).tolist()
     for name, total in zip(names, totals, strict=True):
@@ -719,24 +890,28 @@ importance_sampling = LossKernel(
     defaults={},
     sequence_level=False,
     objective=_importance_sampling_objective,
+    fused_form=fused_losses.fused_importance_sampling,
 )
 ppo = LossKernel(
     name="ppo",
     defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "dual_clip": None},
     sequence_level=False,
     objective=_ppo_objective,
+    fused_form=fused_losses.fused_ppo,
 )
 cispo = LossKernel(
     name="cispo",
     defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     sequence_level=False,
     objective=_cispo_objective,
+    fused_form=fused_losses.fused_cispo,
 )
 dro = LossKernel(
     name="dro",
     defaults={"beta": 0.05},
     sequence_level=False,
     objective=_dro_objective,
+    fused_form=fused_losses.fused_dro,
 )
 gspo = LossKernel(
     name="gspo",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import attrs
 import numpy as np
@@ -22,6 +23,17 @@ from tests.strategies import (
 KERNELS = sorted(losses.LOSSES)
 POLICY_KERNELS = [name for name in KERNELS if name != "cross_entropy"]
 NORM_LENGTH = 7.0
+# Each law holds on both paths: the eager kernel and the single-pass fused form. Here the
+# fused form runs uncompiled (the same math, fast to call on hypothesis' many shapes);
+# tests/core/test_fused_losses.py checks the compiled form against the eager kernel.
+PATHS = pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fused_forms_run_uncompiled() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(losses, "_compiled_form", lambda form: form)
+        yield
 
 
 def _norm_length(reduction: str) -> float | None:
@@ -174,9 +186,11 @@ def _run(
     batch: PackedLossBatch,
     reduction: str = "sum",
     dtype: torch.dtype = torch.float64,
+    *,
+    fused: bool = False,
     **config: float | None,
 ) -> tuple[torch.Tensor, np.ndarray, dict[str, float]]:
-    """(loss, d loss/d lp as numpy, metrics) of the kernel on batch."""
+    """(loss, d loss/d lp as numpy, metrics) of the kernel on batch (eager or fused path)."""
     logprobs, sampling_logprobs, advantages, mask = batch.tensors(dtype)
     loss, metrics = losses.LOSSES[name](
         logprobs,
@@ -186,6 +200,7 @@ def _run(
         seq_lens=batch.seq_lens,
         reduction=reduction,
         norm_length=_norm_length(reduction),
+        fused=fused and losses.LOSSES[name].fused_form is not None,
         **config,
     )
     loss.backward()
@@ -212,16 +227,17 @@ def _assert_metrics_close(actual: dict[str, float], expected: dict[str, float]) 
         )
 
 
+@PATHS
 @pytest.mark.parametrize("name", KERNELS)
 @given(data=st.data())
 def test_kernel_matches_per_token_reference_loss_gradient_and_metrics(
-    name: str, data: st.DataObject
+    name: str, fused: bool, data: st.DataObject
 ) -> None:
     batch = data.draw(packed_loss_batches(), label="batch")
     config = data.draw(LOSS_CONFIGS[name], label="config")
     tolerance = 1e-12 * _scale(batch)
     for reduction in losses.REDUCTIONS:
-        loss, gradient, metrics = _run(name, batch, reduction, **config)
+        loss, gradient, metrics = _run(name, batch, reduction, **config, fused=fused)
         expected_loss, expected_gradient, expected_metrics = _reference(
             name, config, batch, reduction, _norm_length(reduction)
         )
@@ -232,6 +248,31 @@ def test_kernel_matches_per_token_reference_loss_gradient_and_metrics(
         )
         expected_metrics["loss"] = loss.item()
         _assert_metrics_close(metrics, expected_metrics)
+
+
+@PATHS
+@pytest.mark.parametrize("bounds", [(0.3, 0.6), (1.5, 2.5)], ids=["below-1", "above-1"])
+@pytest.mark.parametrize("name", ["ppo", "cispo", "gspo"])
+def test_clip_counts_skip_masked_positions_when_both_bounds_exclude_ratio_one(
+    name: str, bounds: tuple[float, float], fused: bool
+) -> None:
+    """Masked positions hold r = 1; with both bounds on one side of 1 they must not count."""
+    batch = PackedLossBatch(
+        logprobs=np.array([-1.0, -2.0, -0.5, -0.3, -0.7, -1.2, -0.9]),
+        sampling_logprobs=np.array([-1.1, -1.5, -0.5, -0.2, -2.0, -0.2, -0.4]),
+        advantages=np.array([1.0, -1.0, 0.5, 2.0, -0.5, 0.0, 1.5]),
+        mask=np.array([True, True, False, True, False, True, True]),
+        seq_lens=(3, 1, 3),
+    )
+    config = {"clip_low_threshold": bounds[0], "clip_high_threshold": bounds[1]}
+    for reduction in losses.REDUCTIONS:
+        loss, gradient, metrics = _run(name, batch, reduction, **config, fused=fused)
+        expected_loss, expected_gradient, expected_metrics = _reference(
+            name, config, batch, reduction, _norm_length(reduction)
+        )
+        assert math.isclose(loss.item(), expected_loss, rel_tol=1e-9, abs_tol=1e-12), reduction
+        np.testing.assert_allclose(gradient, expected_gradient, rtol=1e-9, atol=1e-12)
+        _assert_metrics_close(metrics, expected_metrics | {"loss": loss.item()})
 
 
 @given(batch=packed_loss_batches())
@@ -248,34 +289,37 @@ def test_cross_entropy_without_sampling_logprobs_reports_only_loss_and_tokens(
 # --- laws -----------------------------------------------------------------------------
 
 
+@PATHS
 @given(batch=packed_loss_batches(), reduction=st.sampled_from(losses.REDUCTIONS))
 def test_importance_sampling_equals_ppo_with_bounds_zero_and_infinity(
-    batch: PackedLossBatch, reduction: str
+    fused: bool, batch: PackedLossBatch, reduction: str
 ) -> None:
-    is_loss, is_gradient, is_metrics = _run("importance_sampling", batch, reduction)
+    is_loss, is_gradient, is_metrics = _run("importance_sampling", batch, reduction, fused=fused)
     ppo_loss, ppo_gradient, ppo_metrics = _run(
-        "ppo", batch, reduction, clip_low_threshold=0.0, clip_high_threshold=math.inf
+        "ppo", batch, reduction, clip_low_threshold=0.0, clip_high_threshold=math.inf, fused=fused
     )
     assert torch.equal(is_loss, ppo_loss)
     np.testing.assert_array_equal(is_gradient, ppo_gradient)
     assert is_metrics == ppo_metrics
 
 
+@PATHS
 @given(batch=packed_loss_batches(), config=LOSS_CONFIGS["cispo"])
 def test_cispo_gradient_equals_negative_clipped_ratio_times_advantage(
-    batch: PackedLossBatch, config: dict
+    fused: bool, batch: PackedLossBatch, config: dict
 ) -> None:
     resolved = losses.resolve_config("cispo", config)
     ratio = np.exp(np.where(batch.mask, batch.logprobs - batch.sampling_logprobs, 0.0))
     clipped_ratio = np.clip(ratio, resolved["clip_low_threshold"], resolved["clip_high_threshold"])
-    _, gradient, _ = _run("cispo", batch, **config)
+    _, gradient, _ = _run("cispo", batch, **config, fused=fused)
     expected = np.where(batch.mask, -clipped_ratio * batch.advantages, 0.0)
     np.testing.assert_allclose(gradient, expected, rtol=1e-12, atol=0)
 
 
+@PATHS
 @given(batch=packed_loss_batches(), config=LOSS_CONFIGS["cispo"])
 def test_cispo_gradient_does_not_depend_on_whether_ratio_is_clipped(
-    batch: PackedLossBatch, config: dict
+    fused: bool, batch: PackedLossBatch, config: dict
 ) -> None:
     """Moving every clipped ratio onto its bound changes neither the loss nor the gradient."""
     resolved = losses.resolve_config("cispo", config)
@@ -284,8 +328,8 @@ def test_cispo_gradient_does_not_depend_on_whether_ratio_is_clipped(
         bounds = np.log([resolved["clip_low_threshold"], resolved["clip_high_threshold"]])
     clipped_log_ratio = np.where(batch.mask, np.clip(log_ratio, *bounds), log_ratio)
     on_bounds = attrs.evolve(batch, sampling_logprobs=batch.logprobs - clipped_log_ratio)
-    loss, gradient, _ = _run("cispo", batch, **config)
-    bound_loss, bound_gradient, _ = _run("cispo", on_bounds, **config)
+    loss, gradient, _ = _run("cispo", batch, **config, fused=fused)
+    bound_loss, bound_gradient, _ = _run("cispo", on_bounds, **config, fused=fused)
     tolerance = 1e-12 * _scale(batch)
     assert math.isclose(loss.item(), bound_loss.item(), rel_tol=1e-9, abs_tol=tolerance)
     np.testing.assert_allclose(gradient, bound_gradient, rtol=1e-9, atol=tolerance)
@@ -293,9 +337,10 @@ def test_cispo_gradient_does_not_depend_on_whether_ratio_is_clipped(
     assert np.all(gradient[is_clipped] != 0)
 
 
+@PATHS
 @given(batch=packed_loss_batches(), config=LOSS_CONFIGS["ppo"])
 def test_ppo_gradient_vanishes_exactly_on_the_clipped_side(
-    batch: PackedLossBatch, config: dict
+    fused: bool, batch: PackedLossBatch, config: dict
 ) -> None:
     resolved = losses.resolve_config("ppo", config | {"dual_clip": None})
     low, high = resolved["clip_low_threshold"], resolved["clip_high_threshold"]
@@ -304,20 +349,21 @@ def test_ppo_gradient_vanishes_exactly_on_the_clipped_side(
     clipped_side = batch.mask & (
         ((advantages > 0) & (ratio > high)) | ((advantages < 0) & (ratio < low))
     )
-    _, gradient, metrics = _run("ppo", batch, **resolved)
+    _, gradient, metrics = _run("ppo", batch, **resolved, fused=fused)
     assert np.all(gradient[clipped_side] == 0.0)
     unclipped = batch.mask & ~clipped_side
     np.testing.assert_allclose(gradient[unclipped], -(ratio * advantages)[unclipped], rtol=1e-12)
     assert metrics["clip_fraction"] == pytest.approx(clipped_side.sum() / max(batch.mask.sum(), 1))
 
 
+@PATHS
 @given(
     batch=packed_loss_batches(),
     config=LOSS_CONFIGS["ppo"],
     dual_clip=st.floats(1.5, 10.0),
 )
 def test_ppo_dual_clip_caps_negative_advantage_loss_at_c_times_advantage(
-    batch: PackedLossBatch, config: dict, dual_clip: float
+    fused: bool, batch: PackedLossBatch, config: dict, dual_clip: float
 ) -> None:
     """Where A < 0 and max(r, lo) > c the token's objective is c·A with zero gradient;
     everywhere else dual clip changes nothing."""
@@ -326,8 +372,8 @@ def test_ppo_dual_clip_caps_negative_advantage_loss_at_c_times_advantage(
     ratio = np.exp(np.where(batch.mask, batch.logprobs - batch.sampling_logprobs, 0.0))
     advantages = batch.advantages
     dual_active = batch.mask & (advantages < 0) & (np.maximum(ratio, low) > dual_clip)
-    plain_loss, plain_gradient, _ = _run("ppo", batch, **plain)
-    dual_loss, dual_gradient, _ = _run("ppo", batch, **(plain | {"dual_clip": dual_clip}))
+    plain_loss, plain_gradient, _ = _run("ppo", batch, **plain, fused=fused)
+    dual_loss, dual_gradient, _ = _run("ppo", batch, **(plain | {"dual_clip": dual_clip}), fused=fused)
     assert np.all(dual_gradient[dual_active] == 0.0)
     np.testing.assert_array_equal(dual_gradient[~dual_active], plain_gradient[~dual_active])
     # The loss is −Σ o, so replacing max(r, lo)·A by c·A on active tokens shifts it by:
@@ -337,8 +383,9 @@ def test_ppo_dual_clip_caps_negative_advantage_loss_at_c_times_advantage(
     )
 
 
+@PATHS
 @given(data=st.data())
-def test_policy_losses_are_zero_with_zero_advantages(data: st.DataObject) -> None:
+def test_policy_losses_are_zero_with_zero_advantages(fused: bool, data: st.DataObject) -> None:
     batch = data.draw(packed_loss_batches(advantages=st.just(0.0)), label="batch")
     batch = attrs.evolve(batch, advantages=np.zeros_like(batch.advantages))
     reduction = data.draw(st.sampled_from(losses.REDUCTIONS), label="reduction")
@@ -347,23 +394,26 @@ def test_policy_losses_are_zero_with_zero_advantages(data: st.DataObject) -> Non
         if name == "dro":
             # DRO's proximal term −(β/2)(lp − lp_old)² does not vanish with A; at β = 0 it must.
             config = config | {"beta": 0.0}
-        loss, gradient, _ = _run(name, batch, reduction, **config)
+        loss, gradient, _ = _run(name, batch, reduction, **config, fused=fused)
         assert loss.item() == 0.0, name
         assert np.all(gradient == 0.0), name
 
 
+@PATHS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @given(data=st.data())
-def test_masked_positions_change_nothing(dtype: torch.dtype, data: st.DataObject) -> None:
+def test_masked_positions_change_nothing(
+    dtype: torch.dtype, fused: bool, data: st.DataObject
+) -> None:
     """Redrawing masked positions wildly (exp overflows there) changes no loss, gradient, metric."""
     batch = data.draw(packed_loss_batches(), label="batch")
     perturbed = data.draw(masked_perturbations(batch), label="perturbed")
     reduction = data.draw(st.sampled_from(losses.REDUCTIONS), label="reduction")
     for name in KERNELS:
         config = data.draw(LOSS_CONFIGS[name], label=f"{name} config")
-        loss, gradient, metrics = _run(name, batch, reduction, dtype, **config)
+        loss, gradient, metrics = _run(name, batch, reduction, dtype, **config, fused=fused)
         perturbed_loss, perturbed_gradient, perturbed_metrics = _run(
-            name, perturbed, reduction, dtype, **config
+            name, perturbed, reduction, dtype, **config, fused=fused
         )
         assert loss.dtype == dtype
         assert torch.isfinite(perturbed_loss), name
@@ -374,8 +424,11 @@ def test_masked_positions_change_nothing(dtype: torch.dtype, data: st.DataObject
         assert metrics == perturbed_metrics, name
 
 
+@PATHS
 @given(data=st.data())
-def test_sum_is_additive_over_any_split_of_the_batch_into_sequences(data: st.DataObject) -> None:
+def test_sum_is_additive_over_any_split_of_the_batch_into_sequences(
+    fused: bool, data: st.DataObject
+) -> None:
     batch = data.draw(packed_loss_batches(), label="batch")
     split = data.draw(st.integers(0, len(batch.seq_lens)), label="split")
     cut = sum(batch.seq_lens[:split])
@@ -394,9 +447,9 @@ def test_sum_is_additive_over_any_split_of_the_batch_into_sequences(data: st.Dat
     tolerance = 1e-12 * _scale(batch)
     for name in KERNELS:
         config = data.draw(LOSS_CONFIGS[name], label=f"{name} config")
-        loss, gradient, _ = _run(name, batch, **config)
-        head_loss, head_gradient, _ = _run(name, head, **config)
-        tail_loss, tail_gradient, _ = _run(name, tail, **config)
+        loss, gradient, _ = _run(name, batch, **config, fused=fused)
+        head_loss, head_gradient, _ = _run(name, head, **config, fused=fused)
+        tail_loss, tail_gradient, _ = _run(name, tail, **config, fused=fused)
         assert math.isclose(
             loss.item(), (head_loss + tail_loss).item(), rel_tol=1e-9, abs_tol=tolerance
         ), name
@@ -405,8 +458,9 @@ def test_sum_is_additive_over_any_split_of_the_batch_into_sequences(data: st.Dat
         )
 
 
+@PATHS
 @given(data=st.data())
-def test_empty_selection_gives_zero_loss_and_zero_gradient(data: st.DataObject) -> None:
+def test_empty_selection_gives_zero_loss_and_zero_gradient(fused: bool, data: st.DataObject) -> None:
     batch = data.draw(packed_loss_batches(), label="batch")
     nothing_trains = data.draw(
         masked_perturbations(attrs.evolve(batch, mask=np.zeros_like(batch.mask))), label="batch"
@@ -414,7 +468,7 @@ def test_empty_selection_gives_zero_loss_and_zero_gradient(data: st.DataObject) 
     reduction = data.draw(st.sampled_from(losses.REDUCTIONS), label="reduction")
     for name in KERNELS:
         config = data.draw(LOSS_CONFIGS[name], label=f"{name} config")
-        loss, gradient, metrics = _run(name, nothing_trains, reduction, **config)
+        loss, gradient, metrics = _run(name, nothing_trains, reduction, **config, fused=fused)
         assert loss.item() == 0.0, name
         assert np.all(gradient == 0.0), name
         # Ratio statistics of an empty selection are documented as 0.0.
