@@ -7,7 +7,9 @@ float32 CPU batches of ragged sequences (mean length 1024, ~30% of positions mas
 prompt), at 16k, 256k, 2M and 8M tokens (--quick: 16k and 256k), under 1 torch thread and
 under torch's default thread count, it times:
 
-- the kernel on flat packed tensors, forward only (no_grad) and forward+backward;
+- the kernel on flat packed tensors, forward only (no_grad) and forward+backward, both
+  eager (`fused=False`) and through its compiled single-pass form (`fused=True`); "default"
+  is what a plain call runs (the compiled form from `FUSED_MIN_TOKENS` on CPU);
 - (a) a straightforward per-datum implementation: a Python loop over per-datum leaf
   tensors, as the seed article's CISPO custom loss; compared with the kernel on packed
   tensors (loop/kernel) and with the kernel fed the same per-datum leaves (`torch.cat`,
@@ -16,18 +18,24 @@ under torch's default thread count, it times:
 - (b) the memory roofline: one `torch.add(a, b, out=c)` over float32 buffers sized to the
   bytes the kernel must touch (forward reads lp, lp_old, A as float32 and the bool mask:
   13 bytes a token, 9 without lp_old; backward also writes the float32 gradient: +4);
-- (c) the kernel under `torch.compile` (forward+backward), or "n/a (reason)".
+- (c) `torch.compile`: the fused column is the kernel's compiled form (`fused_losses`,
+  compiled afresh under each thread setting; its build time is printed), or "n/a (reason)";
+  `--quick` compiles only the first kernel's form, `--no-compile` none.
 
 Targets (issue 5): forward+backward at least 20x faster than the loop at 256 sequences x
 1024 tokens; within 4x of the roofline at 2M tokens and above. `--keep-freed-memory` makes
-glibc keep freed blocks, to show what page faults on fresh temporaries cost.
+glibc keep freed blocks, to show what page faults on fresh temporaries cost; run with
+`THP_MEM_ALLOC_ENABLE=1` in the environment to have PyTorch back large tensors with
+transparent huge pages (512x fewer page faults on a fresh gradient).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -46,7 +54,8 @@ from benchmarks.common import (
     thread_settings,
     torch_threads,
 )
-from grpo.core.losses import LOSSES, LossKernel
+import grpo.core.losses as losses_module
+from grpo.core.losses import FUSED_MIN_TOKENS, LOSSES, LossKernel
 
 SIZES = (16_384, 262_144, 2_097_152, 8_388_608)
 QUICK_SIZES = (16_384, 262_144)
@@ -190,10 +199,18 @@ def loop_loss(kernel: LossKernel, logprobs_D: Sequence[Tensor], batch: PackedBat
 # --- the kernel ---------------------------------------------------------------------------
 
 
-def kernel_loss(kernel: LossKernel, logprobs_N: Tensor, batch: PackedBatch) -> Tensor:
-    """The registry kernel on the packed batch (sum reduction, registry defaults); its metrics are computed too."""
+def kernel_loss(
+    kernel: LossKernel, logprobs_N: Tensor, batch: PackedBatch, fused: bool | None = None
+) -> Tensor:
+    """The registry kernel on the packed batch (sum reduction, registry defaults); its metrics are computed too.
+
+    `fused`: None is what a user gets (the compiled form from FUSED_MIN_TOKENS on CPU),
+    False the eager kernel, True the compiled single-pass form.
+    """
     sampling = batch.sampling_logprobs_N if kernel.needs_sampling_logprobs else None
-    loss, _metrics = kernel(logprobs_N, sampling, batch.advantages_N, mask=batch.mask_N, seq_lens=batch.seq_lens_B)
+    loss, _metrics = kernel(
+        logprobs_N, sampling, batch.advantages_N, mask=batch.mask_N, seq_lens=batch.seq_lens_B, fused=fused
+    )
     return loss
 
 
@@ -236,29 +253,35 @@ def roofline(num_bytes: int, *, repeats: int, budget_s: float) -> Timing:
 
 @attrs.frozen
 class Compiled:
-    """A compiled kernel and its compile time, or why it is not available."""
+    """How long the kernel's compiled form took to build, or why it is not timed."""
 
-    call: Callable[..., tuple[Tensor, dict[str, float]]] | None
+    available: bool
     compile_s: float
     reason: str
 
 
-def compile_kernel(kernel: LossKernel, batch: PackedBatch) -> Compiled:
-    """torch.compile(kernel) with dynamic shapes, compiled by a first forward+backward; n/a on any error."""
-    try:
-        import torch._dynamo
+def compile_fused(kernel: LossKernel, batch: PackedBatch) -> Compiled:
+    """Build the compiled single-pass form (forward and forward+backward graphs) under the current threads.
 
-        torch._dynamo.reset()
-        compiled = torch.compile(kernel, dynamic=True)
-        started = time.perf_counter()
-        flat = batch.logprobs_N.clone().requires_grad_(True)
-        sampling = batch.sampling_logprobs_N if kernel.needs_sampling_logprobs else None
-        loss, _ = compiled(flat, sampling, batch.advantages_N, mask=batch.mask_N, seq_lens=batch.seq_lens_B)
-        loss.backward()
-        return Compiled(call=compiled, compile_s=time.perf_counter() - started, reason="")
-    except Exception as error:  # noqa: BLE001 - any compiler failure is reported, not raised
-        first_line = (str(error).strip().splitlines() or [""])[0][:120]
-        return Compiled(call=None, compile_s=0.0, reason=f"n/a ({type(error).__name__}: {first_line})")
+    Inductor fixes a kernel's thread count when it generates it, so every thread setting
+    starts from an empty compile cache.
+    """
+    if kernel.fused_form is None:
+        return Compiled(available=False, compile_s=0.0, reason="n/a (no fused form: sequence-level)")
+    torch._dynamo.reset()
+    losses_module._compiled_form.cache_clear()
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager is not a compiled timing
+        try:
+            flat = batch.logprobs_N.clone().requires_grad_(True)
+            kernel_loss(kernel, flat, batch, fused=True).backward()
+            with torch.no_grad():
+                kernel_loss(kernel, batch.logprobs_N, batch, fused=True)
+        except RuntimeWarning as error:
+            first_line = (str(error).strip().splitlines() or [""])[0][:160]
+            return Compiled(available=False, compile_s=0.0, reason=f"n/a ({first_line})")
+    return Compiled(available=True, compile_s=time.perf_counter() - started, reason="")
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -270,22 +293,40 @@ class Row:
 
     kernel: str
     num_tokens: int
-    forward: Timing
-    forward_backward: Timing
+    eager_forward: Timing
+    eager_forward_backward: Timing
+    fused_forward: Timing | None
+    fused_forward_backward: Timing | None
+    fused_note: str
     packed_forward: Timing
     packed_forward_backward: Timing
     loop_forward: Timing | None
     loop_forward_backward: Timing | None
     roofline_forward: Timing
     roofline_forward_backward: Timing
-    compiled_forward_backward: Timing | None
-    compiled_note: str
+
+    @property
+    def default_is_fused(self) -> bool:
+        """Whether a plain call (fused=None) runs the compiled form at this size."""
+        return self.fused_forward_backward is not None and self.num_tokens >= FUSED_MIN_TOKENS
+
+    @property
+    def forward(self) -> Timing:
+        """The forward a plain call runs."""
+        return self.fused_forward if self.default_is_fused and self.fused_forward else self.eager_forward
+
+    @property
+    def forward_backward(self) -> Timing:
+        """The forward+backward a plain call runs."""
+        if self.default_is_fused and self.fused_forward_backward is not None:
+            return self.fused_forward_backward
+        return self.eager_forward_backward
 
 
 def time_kernel(
     kernel: LossKernel,
     batch: PackedBatch,
-    compiled: Compiled | None,
+    compiled: Compiled,
     rooflines: dict[int, Timing],
     *,
     repeats: int,
@@ -302,12 +343,18 @@ def time_kernel(
         for leaf in leaves:
             leaf.grad = None
 
-    def forward() -> None:
-        with torch.no_grad():
-            kernel_loss(kernel, batch.logprobs_N, batch)
+    def forward(fused: bool) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad():
+                kernel_loss(kernel, batch.logprobs_N, batch, fused=fused)
 
-    def forward_backward() -> None:
-        kernel_loss(kernel, flat, batch).backward()
+        return run
+
+    def forward_backward(fused: bool) -> Callable[[], None]:
+        def run() -> None:
+            kernel_loss(kernel, flat, batch, fused=fused).backward()
+
+        return run
 
     def packed_forward() -> None:
         with torch.no_grad():
@@ -326,39 +373,26 @@ def time_kernel(
     def timed(call: Callable[[], None], setup: Callable[[], None] | None = None) -> Timing:
         return measure(call, repeats=repeats, budget_s=budget_s, setup=setup)
 
-    compiled_timing: Timing | None = None
-    compiled_note = compiled.reason if compiled is not None else "n/a (--quick or --no-compile: not compiled)"
-    if compiled is not None and compiled.call is not None:
-        call = compiled.call
-        sampling = batch.sampling_logprobs_N if kernel.needs_sampling_logprobs else None
-
-        def compiled_forward_backward() -> None:
-            loss, _ = call(flat, sampling, batch.advantages_N, mask=batch.mask_N, seq_lens=batch.seq_lens_B)
-            loss.backward()
-
-        compiled_timing = timed(compiled_forward_backward, clear_flat)
-        compiled_note = f"compiled in {compiled.compile_s:.1f} s"
-
     forward_bytes = kernel_bytes(kernel, batch.num_tokens, backward=False)
     backward_bytes = kernel_bytes(kernel, batch.num_tokens, backward=True)
     for num_bytes in (forward_bytes, backward_bytes):
         if num_bytes not in rooflines:
             rooflines[num_bytes] = roofline(num_bytes, repeats=repeats, budget_s=budget_s)
+    loop_timed = batch.num_tokens <= LOOP_MAX_TOKENS
     return Row(
         kernel=kernel.name,
         num_tokens=batch.num_tokens,
-        forward=timed(forward),
-        forward_backward=timed(forward_backward, clear_flat),
+        eager_forward=timed(forward(False)),
+        eager_forward_backward=timed(forward_backward(False), clear_flat),
+        fused_forward=timed(forward(True)) if compiled.available else None,
+        fused_forward_backward=timed(forward_backward(True), clear_flat) if compiled.available else None,
+        fused_note=f"compiled in {compiled.compile_s:.1f} s" if compiled.available else compiled.reason,
         packed_forward=timed(packed_forward),
         packed_forward_backward=timed(packed_forward_backward, clear_leaves),
-        loop_forward=timed(loop_forward) if batch.num_tokens <= LOOP_MAX_TOKENS else None,
-        loop_forward_backward=(
-            timed(loop_forward_backward, clear_leaves) if batch.num_tokens <= LOOP_MAX_TOKENS else None
-        ),
+        loop_forward=timed(loop_forward) if loop_timed else None,
+        loop_forward_backward=timed(loop_forward_backward, clear_leaves) if loop_timed else None,
         roofline_forward=rooflines[forward_bytes],
         roofline_forward_backward=rooflines[backward_bytes],
-        compiled_forward_backward=compiled_timing,
-        compiled_note=compiled_note,
     )
 
 
@@ -374,116 +408,118 @@ def size_label(num_tokens: int) -> str:
     return f"{num_tokens / (1 << 10):g}k"
 
 
+def ratio(numerator: Timing | None, denominator: Timing | None) -> str:
+    """numerator/denominator of the best timings, or "-" when either is missing."""
+    if numerator is None or denominator is None:
+        return "-"
+    return f"{numerator.best_s / denominator.best_s:.3g}x"
+
+
 def loop_cells(loop: Timing | None, kernel: Timing, packed: Timing) -> list[str]:
     """The loop's time and its ratios to the kernel and to cat+kernel ("not timed" above LOOP_MAX_TOKENS)."""
     if loop is None:
         return [f"not timed (> {size_label(LOOP_MAX_TOKENS)})", "-", "-"]
-    return [millis(loop.best_s), f"{loop.best_s / kernel.best_s:.3g}x", f"{loop.best_s / packed.best_s:.3g}x"]
+    return [millis(loop.best_s), ratio(loop, kernel), ratio(loop, packed)]
+
+
+def _table(rows: Sequence[Row], *, backward: bool) -> str:
+    cells = []
+    for row in rows:
+        eager = row.eager_forward_backward if backward else row.eager_forward
+        fused = row.fused_forward_backward if backward else row.fused_forward
+        default = row.forward_backward if backward else row.forward
+        roof = row.roofline_forward_backward if backward else row.roofline_forward
+        packed = row.packed_forward_backward if backward else row.packed_forward
+        loop = row.loop_forward_backward if backward else row.loop_forward
+        cells.append(
+            [
+                row.kernel,
+                size_label(row.num_tokens),
+                millis(eager.best_s),
+                millis(fused.best_s) if fused is not None else row.fused_note,
+                "fused" if row.default_is_fused else "eager",
+                tokens_per_second(row.num_tokens, default),
+                millis(roof.best_s),
+                ratio(eager, roof),
+                ratio(fused, roof),
+                millis(packed.best_s),
+                *loop_cells(loop, default, packed),
+            ]
+        )
+    header = [
+        "kernel",
+        "tokens",
+        "eager ms",
+        "fused ms",
+        "default",
+        "default Mtok/s",
+        "roofline ms",
+        "eager/roofline",
+        "fused/roofline",
+        "cat+default ms",
+        "loop ms",
+        "loop/default",
+        "loop/(cat+default)",
+    ]
+    return markdown_table(header, cells)
 
 
 def tables(rows: Sequence[Row]) -> str:
     """Forward and forward+backward tables of one thread setting."""
-    forward_rows = [
-        [
-            row.kernel,
-            size_label(row.num_tokens),
-            millis(row.forward.best_s),
-            tokens_per_second(row.num_tokens, row.forward),
-            millis(row.roofline_forward.best_s),
-            f"{row.forward.best_s / row.roofline_forward.best_s:.3g}x",
-            millis(row.packed_forward.best_s),
-            *loop_cells(row.loop_forward, row.forward, row.packed_forward),
-        ]
-        for row in rows
-    ]
-    backward_rows = [
-        [
-            row.kernel,
-            size_label(row.num_tokens),
-            millis(row.forward_backward.best_s),
-            tokens_per_second(row.num_tokens, row.forward_backward),
-            millis(row.roofline_forward_backward.best_s),
-            f"{row.forward_backward.best_s / row.roofline_forward_backward.best_s:.3g}x",
-            millis(row.packed_forward_backward.best_s),
-            *loop_cells(row.loop_forward_backward, row.forward_backward, row.packed_forward_backward),
-            (
-                f"{millis(row.compiled_forward_backward.best_s)} ({row.compiled_forward_backward.best_s / row.roofline_forward_backward.best_s:.3g}x roofline; {row.compiled_note})"
-                if row.compiled_forward_backward is not None
-                else row.compiled_note
-            ),
-        ]
-        for row in rows
-    ]
-    common = ["kernel", "tokens"]
+    notes = sorted({f"{row.kernel}: {row.fused_note}" for row in rows})
     return "\n\n".join(
         [
             "forward (no_grad; loss and metrics)",
-            markdown_table(
-                [*common, "kernel ms", "Mtok/s", "roofline ms", "kernel/roofline", "cat+kernel ms", "loop ms", "loop/kernel", "loop/(cat+kernel)"],
-                forward_rows,
-            ),
+            _table(rows, backward=False),
             "forward+backward",
-            markdown_table(
-                [
-                    *common,
-                    "kernel ms",
-                    "Mtok/s",
-                    "roofline ms",
-                    "kernel/roofline",
-                    "cat+kernel ms",
-                    "loop ms",
-                    "loop/kernel",
-                    "loop/(cat+kernel)",
-                    "torch.compile(kernel) ms",
-                ],
-                backward_rows,
-            ),
+            _table(rows, backward=True),
+            "fused forms: " + "; ".join(notes),
         ]
     )
 
 
+def _verdict(value: float, met: bool) -> str:
+    return f"{value:.3g}x: {'met' if met else 'missed'}"
+
+
 def target_lines(rows: Sequence[Row], quick: bool) -> list[list[str]]:
     """Per kernel: the loop speed-up at 256 x 1024 and the worst roofline ratio at >= 2M, met or missed."""
+    not_measured = "not measured" + (" (--quick)" if quick else "")
     lines = []
     for name in LOSSES:
         mine = [row for row in rows if row.kernel == name]
-        at_target = [row for row in mine if row.num_tokens == LOOP_TARGET_TOKENS]
-        loop_timing = at_target[0].loop_forward_backward if at_target else None
-        speedup = loop_timing.best_s / at_target[0].forward_backward.best_s if loop_timing is not None else math.nan
-        packed_speedup = (
-            loop_timing.best_s / at_target[0].packed_forward_backward.best_s if loop_timing is not None else math.nan
-        )
+        at_target = [row for row in mine if row.num_tokens == LOOP_TARGET_TOKENS and row.loop_forward_backward]
         large = [row for row in mine if row.num_tokens >= ROOFLINE_TARGET_TOKENS]
-        worst_backward = max(
-            (row.forward_backward.best_s / row.roofline_forward_backward.best_s for row in large), default=math.nan
-        )
-        worst_forward = max((row.forward.best_s / row.roofline_forward.best_s for row in large), default=math.nan)
-        compiled = [
-            row.compiled_forward_backward.best_s / row.roofline_forward_backward.best_s
-            for row in large
-            if row.compiled_forward_backward is not None
-        ]
-        lines.append(
-            [
-                name,
-                f"{speedup:.3g}x: {'met' if speedup >= LOOP_TARGET_SPEEDUP else 'missed'}" if at_target else "not measured",
-                f"{packed_speedup:.3g}x: {'met' if packed_speedup >= LOOP_TARGET_SPEEDUP else 'missed'}" if at_target else "not measured",
-                (
-                    f"{worst_backward:.3g}x: {'met' if worst_backward <= ROOFLINE_TARGET_RATIO else 'missed'}"
-                    if large
-                    else "not measured" + (" (--quick)" if quick else "")
-                ),
-                f"{worst_forward:.3g}x" if large else "not measured",
-                f"{max(compiled):.3g}x" if compiled else "n/a",
+        line = [name]
+        if at_target:
+            row = at_target[0]
+            loop = row.loop_forward_backward
+            assert loop is not None
+            for kernel_timing in (row.forward_backward, row.fused_forward_backward, row.packed_forward_backward):
+                if kernel_timing is None:
+                    line.append("n/a")
+                else:
+                    speedup = loop.best_s / kernel_timing.best_s
+                    line.append(_verdict(speedup, speedup >= LOOP_TARGET_SPEEDUP))
+        else:
+            line += [not_measured] * 3
+        for pick in (lambda row: row.forward_backward, lambda row: row.fused_forward_backward):
+            ratios = [
+                pick(row).best_s / row.roofline_forward_backward.best_s for row in large if pick(row) is not None
             ]
-        )
+            line.append(_verdict(max(ratios), max(ratios) <= ROOFLINE_TARGET_RATIO) if ratios else "n/a" if large else not_measured)
+        forward_ratios = [row.forward.best_s / row.roofline_forward.best_s for row in large]
+        line.append(f"{max(forward_ratios):.3g}x" if forward_ratios else not_measured)
+        lines.append(line)
     return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the loss-kernel benchmark and print its tables."""
     parser = argument_parser(__doc__.splitlines()[0])
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (it takes tens of seconds a kernel)")
+    parser.add_argument(
+        "--no-compile", action="store_true", help="skip the compiled forms (they take seconds a kernel to build)"
+    )
     parser.add_argument(
         "--keep-freed-memory",
         action="store_true",
@@ -495,19 +531,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = QUICK_SIZES if args.quick else SIZES
     repeats, budget_s = (3, 0.5) if args.quick else (7, 4.0)
     flags = [flag for flag, on in (("--quick", args.quick), ("--no-compile", args.no_compile), ("--keep-freed-memory", args.keep_freed_memory)) if on]
-    command = " ".join(["python -m benchmarks.losses", *flags])
+    # PyTorch's CPU allocator reads THP_MEM_ALLOC_ENABLE once, at its first allocation: it
+    # can only come from the environment, so the command shows it when set.
+    environment = ["THP_MEM_ALLOC_ENABLE=1"] if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else []
+    command = " ".join([*environment, "python -m benchmarks.losses", *flags])
     print_header("Loss kernels (float32, CPU, reduction sum, registry defaults)", command)
+    print(f"default: what a plain call runs (fused=None): the compiled form on CPU from {FUSED_MIN_TOKENS:,} tokens")
     batches = {num_tokens: make_batch(num_tokens, seed=index) for index, num_tokens in enumerate(sizes)}
     for kernel in LOSSES.values():
         check_kernel_matches_loop(kernel, batches[sizes[0]])
     print(f"per-datum loop checked equal to every kernel (loss and gradient) at {size_label(sizes[0])} tokens")
     print(f"timings: best of up to {repeats} calls after a warm-up (each measurement capped at ~{budget_s:g} s)\n")
+    # --quick compiles one form only: building all of them takes about a minute.
+    to_compile = [] if args.no_compile else [name for name, kernel in LOSSES.items() if kernel.fused_form]
+    to_compile = to_compile[:1] if args.quick else to_compile
     for label, threads in thread_settings(args.quick):
         rows: list[Row] = []
         rooflines: dict[int, Timing] = {}
         with torch_threads(threads):
             for kernel in LOSSES.values():
-                compiled = None if args.quick or args.no_compile else compile_kernel(kernel, batches[sizes[0]])
+                compiled = (
+                    compile_fused(kernel, batches[sizes[0]])
+                    if kernel.name in to_compile
+                    else Compiled(available=False, compile_s=0.0, reason="n/a (not compiled in this run)")
+                )
                 for num_tokens in sizes:
                     rows.append(time_kernel(kernel, batches[num_tokens], compiled, rooflines, repeats=repeats, budget_s=budget_s))
         print(f"### torch {label}\n")
@@ -517,11 +564,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             markdown_table(
                 [
                     "kernel",
-                    "loop/kernel fwd+bwd @256k",
-                    "loop/(cat+kernel) fwd+bwd @256k",
-                    "worst fwd+bwd/roofline @>=2M",
-                    "worst fwd/roofline @>=2M",
-                    "compiled fwd+bwd/roofline @>=2M",
+                    "loop/default fwd+bwd @256k",
+                    "loop/fused fwd+bwd @256k",
+                    "loop/(cat+default) fwd+bwd @256k",
+                    "worst default fwd+bwd/roofline @>=2M",
+                    "worst fused fwd+bwd/roofline @>=2M",
+                    "worst default fwd/roofline @>=2M",
                 ],
                 target_lines(rows, args.quick),
             )

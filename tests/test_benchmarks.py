@@ -14,7 +14,16 @@ from benchmarks import datums, local, loop, losses
 @pytest.mark.parametrize(
     ("benchmark", "expected"),
     [
-        (losses, ["| importance_sampling | 256k |", "| gspo | 16k |", "loop/(cat+kernel)", "targets"]),
+        (
+            losses,
+            [
+                "| importance_sampling | 256k |",
+                "| gspo | 16k |",
+                "loop/(cat+default)",
+                "importance_sampling: compiled in",
+                "targets",
+            ],
+        ),
         (datums, ["| pack_groups + batch_to_datums (loop) |", "checked equal"]),
         (loop, ["| sequential (concurrency=1) |", "| concurrent + max_steps_off_policy=1 |"]),
         (local, ["| 1 thread | 16 x 32"]),
