@@ -635,10 +635,11 @@ class _KnownGradient(torch.autograd.Function):
 # --- the compiled single-pass path -----------------------------------------------------
 
 FUSED_MIN_TOKENS = 1 << 18
-"""Positions from which ``fused=None`` runs the compiled form (on CPU).
+"""Positions (256 sequences of 1024) from which ``fused=None`` runs the compiled form on CPU.
 
-The compiled form wins from ~256k positions (``benchmarks/losses.py``), but its first call
-compiles for seconds; from a million positions that is paid back within a few hundred calls.
+From here the compiled form is faster than the eager kernel (``benchmarks/losses.py``).
+Its first call in a process compiles for a few seconds (per kernel, dtype and variant):
+noise in a training run, but not worth it for the small calls of tests and notebooks.
 """
 
 # Forms whose compilation failed in this process: they run eagerly from then on. A cache

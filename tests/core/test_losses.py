@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from grpo.core import losses
@@ -380,6 +380,85 @@ def test_ppo_dual_clip_caps_negative_advantage_loss_at_c_times_advantage(
     shift = -np.sum(((dual_clip - np.maximum(ratio, low)) * advantages)[dual_active])
     assert math.isclose(
         (dual_loss - plain_loss).item(), shift, rel_tol=1e-9, abs_tol=1e-12 * _scale(batch)
+    )
+
+
+@st.composite
+def _batches_with_an_active_dual_clip(draw: st.DrawFn) -> tuple[PackedLossBatch, float]:
+    """(negative-advantage batch, dual clip c) with at least one trained token at r > c."""
+    batch = draw(packed_loss_batches(advantages=st.floats(-3.0, -0.1)), label="batch")
+    assume(batch.logprobs.size > 0)
+    dual_clip = draw(st.floats(1.5, 10.0), label="dual_clip")
+    position = draw(st.integers(0, batch.logprobs.size - 1), label="position")
+    mask, advantages = batch.mask.copy(), batch.advantages.copy()
+    log_ratios = batch.logprobs - batch.sampling_logprobs
+    mask[position] = True
+    advantages[position] = draw(st.floats(-3.0, -0.1), label="advantage")
+    log_ratios[position] = math.log(dual_clip) + draw(st.floats(1e-3, 20.0), label="excess")
+    active = attrs.evolve(
+        batch,
+        sampling_logprobs=batch.logprobs - log_ratios,
+        advantages=advantages,
+        mask=mask,
+    )
+    return active, dual_clip
+
+
+@PATHS
+@given(data=_batches_with_an_active_dual_clip(), config=LOSS_CONFIGS["ppo"])
+def test_ppo_matches_reference_where_the_dual_clip_is_active(
+    fused: bool, data: tuple[PackedLossBatch, float], config: dict
+) -> None:
+    """Every batch holds a dual-clipped token, whose gradient and clip share the main
+    reference test reaches only by chance (it needs A < 0, r > c and a dual clip drawn)."""
+    batch, dual_clip = data
+    config = config | {"dual_clip": dual_clip}
+    tolerance = 1e-12 * _scale(batch)
+    for reduction in losses.REDUCTIONS:
+        loss, gradient, metrics = _run("ppo", batch, reduction, **config, fused=fused)
+        expected_loss, expected_gradient, expected_metrics = _reference(
+            "ppo", config, batch, reduction, _norm_length(reduction)
+        )
+        assert math.isclose(loss.item(), expected_loss, rel_tol=1e-9, abs_tol=tolerance), reduction
+        np.testing.assert_allclose(
+            gradient, expected_gradient, rtol=1e-9, atol=1e-12, err_msg=reduction
+        )
+        _assert_metrics_close(metrics, expected_metrics | {"loss": loss.item()})
+
+
+@PATHS
+@pytest.mark.parametrize("name", KERNELS)
+@given(
+    data=st.data(),
+    reduction=st.sampled_from(losses.REDUCTIONS),
+    scale=st.one_of(
+        st.sampled_from([0.0, -1.0]), st.floats(0.125, 8.0).filter(lambda scale: scale != 1.0)
+    ),
+)
+def test_backward_of_a_scaled_loss_gives_the_scaled_gradient(
+    name: str, fused: bool, data: st.DataObject, reduction: str, scale: float
+) -> None:
+    """d(c·loss)/d lp = c·d loss/d lp (e.g. loss / num_microbatches before backward):
+    the precomputed gradient must be multiplied by the gradient flowing into the loss."""
+    batch = data.draw(packed_loss_batches(), label="batch")
+    config = data.draw(LOSS_CONFIGS[name], label="config")
+    logprobs, sampling_logprobs, advantages, mask = batch.tensors()
+    loss, _ = losses.LOSSES[name](
+        logprobs,
+        sampling_logprobs,
+        advantages,
+        mask=mask,
+        seq_lens=batch.seq_lens,
+        reduction=reduction,
+        norm_length=_norm_length(reduction),
+        fused=fused and losses.LOSSES[name].fused_form is not None,
+        **config,
+    )
+    (scale * loss).backward()
+    _, expected_gradient, _ = _reference(name, config, batch, reduction, _norm_length(reduction))
+    assert logprobs.grad is not None
+    np.testing.assert_allclose(
+        logprobs.grad.numpy(), scale * expected_gradient, rtol=1e-9, atol=1e-12 * abs(scale)
     )
 
 
