@@ -615,7 +615,9 @@ class _KnownGradient(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, logprobs: Tensor, loss: Tensor, gradient: Tensor
     ) -> Tensor:
-        ctx.save_for_backward(gradient)
+        # Held as an attribute, not saved: backward hands it over as the only reference,
+        # so autograd makes it the leaf's .grad instead of copying it (32 MiB at 8M tokens).
+        ctx.gradient = gradient  # type: ignore[attr-defined]
         return loss.clone()
 
     @staticmethod
@@ -623,13 +625,15 @@ class _KnownGradient(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_loss: Tensor
     ) -> tuple[Tensor, None, None]:
-        (gradient,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        gradient = ctx.__dict__.pop("gradient", None)
+        if gradient is None:
+            raise RuntimeError(
+                "this loss's gradient was already handed to an earlier backward; call the "
+                "kernel again instead of backward(retain_graph=True) a second time"
+            )
         if gradient.device.type == "cpu" and bool(grad_loss == 1):
-            # loss.backward() seeds 1: hand the gradient over as is. The engine has released
-            # the saved copy by then (unless retain_graph, when autograd copies it), so the
-            # leaf adopts this tensor without a fresh allocation.
-            return gradient, None, None
-        return gradient * grad_loss, None, None
+            return gradient, None, None  # loss.backward() seeds 1
+        return gradient.mul_(grad_loss), None, None
 
 
 # --- the compiled single-pass path -----------------------------------------------------

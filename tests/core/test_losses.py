@@ -554,6 +554,19 @@ def test_empty_selection_gives_zero_loss_and_zero_gradient(fused: bool, data: st
         assert all(value == 0.0 for value in metrics.values()), (name, metrics)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def test_a_second_backward_through_the_same_loss_says_to_call_the_kernel_again(
+    fused: bool,
+) -> None:
+    logprobs = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64, requires_grad=True)
+    loss, _ = losses.ppo(
+        logprobs, torch.tensor([-1.1, -1.9, -0.5]), torch.tensor([1.0, -1.0, 0.5]), fused=fused
+    )
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="call the kernel again"):
+        loss.backward()
+
+
 def test_empty_batch_gives_zero_loss_and_empty_gradient() -> None:
     logprobs = torch.zeros(0, dtype=torch.float64, requires_grad=True)
     for name in KERNELS:
