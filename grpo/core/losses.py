@@ -700,9 +700,10 @@ def _run_fused(
             )
     except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager
         _UNCOMPILABLE_FORMS.add(form)
+        reason = (str(error).strip().splitlines() or [""])[0][:300]  # compiler logs run long
         warnings.warn(
             f"torch.compile could not build the fused {form.__name__} here "
-            f"({type(error).__name__}: {error}); using the eager kernel from now on",
+            f"({type(error).__name__}: {reason}); using the eager kernel from now on",
             RuntimeWarning,
             stacklevel=3,
         )
