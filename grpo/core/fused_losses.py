@@ -8,11 +8,12 @@ elementwise ops and full reductions, so inductor turns it into one vectorized lo
 reads each input once and writes the gradient once; run eagerly, the same function is a
 plain (slow, many-temporaries) statement of the math, which is how the tests check it.
 
-Inputs: ``logprobs``, ``sampling_logprobs``, ``advantages`` are flat float tensors, ``mask`` a bool tensor of the same length (masked
-positions contribute nothing, whatever finite or infinite values they hold), ``derivative``
-a 0-d or flat tensor, config values 0-d tensors (tensors, not floats, so that a new
-threshold does not recompile). ``dual_clip`` = +inf means no dual clip. Statistics are
-sums, counts and extremes; the caller divides by the selected count.
+Inputs: ``logprobs``, ``sampling_logprobs``, ``advantages`` are flat float tensors,
+``mask`` a bool tensor of the same length (masked positions contribute nothing, whatever
+finite or infinite values they hold), ``derivative`` a 0-d or flat tensor, config values
+0-d tensors (tensors, not floats, so that a new threshold does not recompile).
+``dual_clip`` = +inf means no dual clip. Statistics are sums, counts and extremes; the
+caller divides by the selected count.
 """
 
 from __future__ import annotations
