@@ -553,7 +553,7 @@ def _reduction_derivative(
     units_per_sequence: Callable[[], Tensor],
     seq_lens: Tensor,
 ) -> float | Tensor:
-    """d(aggregate)/d o_u under ``reduction`` (FORMULAS.md, Aggregation): the aggregate is Σ_u d_u·o_u.
+    """d(aggregate)/d o_u under ``reduction`` (FORMULAS.md, Aggregation): aggregate = Σ_u d_u·o_u.
 
     One number, or one per unit for ``seq_mean_token_mean`` (1/(B·n_i) on sequence i).
     ``units_per_sequence`` gives n_i as floats; it is only called by the ``seq_mean_*``

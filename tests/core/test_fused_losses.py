@@ -110,7 +110,9 @@ def _assert_same(
 def test_compiled_form_matches_the_eager_kernel_at_any_batch_size(name: str) -> None:
     config = {"dual_clip": 3.0} if name == "ppo" else {}
     first, second = _batch(40, seed=1), _batch(57, seed=2)
-    _assert_same(_call(name, first, fused=True, **config), _call(name, first, fused=False, **config))
+    _assert_same(
+        _call(name, first, fused=True, **config), _call(name, first, fused=False, **config)
+    )
     # dynamic=True: a batch of another size reuses the compiled graph instead of compiling.
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     _assert_same(
@@ -137,7 +139,9 @@ def test_compiled_variants_match_the_eager_kernel(
         "with_gradient": with_gradient,
         "with_sampling_logprobs": with_sampling_logprobs,
     }
-    _assert_same(_call(name, batch, fused=True, **options), _call(name, batch, fused=False, **options))
+    _assert_same(
+        _call(name, batch, fused=True, **options), _call(name, batch, fused=False, **options)
+    )
 
 
 def _spy_on_compilation(monkeypatch: pytest.MonkeyPatch) -> list[str]:
