@@ -188,9 +188,10 @@ def _run(
     dtype: torch.dtype = torch.float64,
     *,
     fused: bool = False,
+    scale: float = 1.0,
     **config: float | None,
 ) -> tuple[torch.Tensor, np.ndarray, dict[str, float]]:
-    """(loss, d loss/d lp as numpy, metrics) of the kernel on batch (eager or fused path)."""
+    """(loss, d(scale·loss)/d lp as numpy, metrics) of the kernel on batch (eager or fused)."""
     logprobs, sampling_logprobs, advantages, mask = batch.tensors(dtype)
     loss, metrics = losses.LOSSES[name](
         logprobs,
@@ -203,7 +204,7 @@ def _run(
         fused=fused and losses.LOSSES[name].fused_form is not None,
         **config,
     )
-    loss.backward()
+    (loss if scale == 1.0 else scale * loss).backward()
     assert logprobs.grad is not None
     return loss.detach(), logprobs.grad.numpy(), metrics
 
@@ -442,23 +443,10 @@ def test_backward_of_a_scaled_loss_gives_the_scaled_gradient(
     the precomputed gradient must be multiplied by the gradient flowing into the loss."""
     batch = data.draw(packed_loss_batches(), label="batch")
     config = data.draw(LOSS_CONFIGS[name], label="config")
-    logprobs, sampling_logprobs, advantages, mask = batch.tensors()
-    loss, _ = losses.LOSSES[name](
-        logprobs,
-        sampling_logprobs,
-        advantages,
-        mask=mask,
-        seq_lens=batch.seq_lens,
-        reduction=reduction,
-        norm_length=_norm_length(reduction),
-        fused=fused and losses.LOSSES[name].fused_form is not None,
-        **config,
-    )
-    (scale * loss).backward()
+    _, gradient, _ = _run(name, batch, reduction, **config, fused=fused, scale=scale)
     _, expected_gradient, _ = _reference(name, config, batch, reduction, _norm_length(reduction))
-    assert logprobs.grad is not None
     np.testing.assert_allclose(
-        logprobs.grad.numpy(), scale * expected_gradient, rtol=1e-9, atol=1e-12 * abs(scale)
+        gradient, scale * expected_gradient, rtol=1e-9, atol=1e-12 * abs(scale)
     )
 
 
