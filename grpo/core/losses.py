@@ -741,6 +741,8 @@ class LossKernel:
     """Whether the objective uses lp_old (cross_entropy only reports ratios when given it)."""
     fused_form: Callable[..., FusedTerms] | None = attrs.field(default=None, repr=False)
     """The single-pass form for torch.compile (``fused_losses``), None if there is none."""
+    service_builtin: bool = True
+    """Whether PyTRIO's ``forward_backward`` has this loss built in (else it runs as a custom loss)."""
 
     def __attrs_post_init__(self) -> None:
         # The instance's docstring is its formula, so help(losses.ppo) states the math.
@@ -924,6 +926,7 @@ gspo = LossKernel(
     defaults={"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
     sequence_level=True,
     objective=_gspo_objective,
+    service_builtin=False,
 )
 cross_entropy = LossKernel(
     name="cross_entropy",
