@@ -1,0 +1,368 @@
+"""The run directory: its layout and every read and write of its files.
+
+A run directory (``runs/<name>/`` by default) is owned by one `grpo train` process at a
+time and holds:
+
+- ``config.json``: the resolved configuration (no secrets);
+- ``metrics.jsonl``: one JSON row per logged step, the record of truth; every row is
+  flushed and fsynced before the checkpoint that covers it is written, so a checkpoint
+  never points past the last complete row;
+- ``checkpoint.json``: the latest resumable checkpoint (step and state path; a path inside
+  the run directory is stored relative to it, so a moved run directory still resumes);
+- ``summary.json``: written when the run finished;
+- ``backend/``: the local backend's checkpoints; ``train.log``: output of a run launched by
+  `grpo compare`/`grpo sweep`; ``.lock`` (+ ``.lock.owner``): the owner's OS file lock.
+
+Every JSON file is written atomically (temp file, fsync, rename, fsync of the directory).
+Read errors name the file, the line and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import attrs
+import filelock
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_FILE = "checkpoint.json"
+SUMMARY_FILE = "summary.json"
+LOG_FILE = "train.log"
+LOCK_FILE = ".lock"
+BACKEND_DIR = "backend"
+STEP_KEY = "step"
+
+FINISHED, UNFINISHED, NEW = "finished", "unfinished", "new"
+
+_LOCAL_SCHEME = "local://"
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be used as asked; the message names the file and the fix."""
+
+
+# --- writing -------------------------------------------------------------------------------
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename or a new file in ``directory`` durable (no-op where directories can't sync)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
+    """Write ``payload`` as JSON via a temp file, fsync and rename: never half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as handle:
+        json.dump(payload, handle, indent=2, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_directory(path.parent)
+
+
+def _jsonable(value: Any) -> Any:
+    """Non-finite floats become null so every line stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsWriter:
+    """Appends rows to ``metrics.jsonl``; each row is on disk (fsynced) when ``append`` returns."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / METRICS_FILE
+        self._file: IO[str] = self.path.open("a", encoding="utf-8")
+
+    def append(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Write ``{"step": step, **metrics}`` as one line and make it durable."""
+        row = {STEP_KEY: step, **{key: _jsonable(value) for key, value in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        """Close the file (rows are already durable)."""
+        self._file.close()
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+def read_json(path: Path, *, what: str) -> dict[str, Any]:
+    """The JSON object in ``path``; RunDirError naming the file and line when it is not one."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RunDirError(f"{path} not found ({what})") from None
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise RunDirError(
+            f"{path} line {error.lineno} column {error.colno} is not valid JSON ({error.msg}); "
+            f"the {what} is damaged: restore it or start a new run"
+        ) from None
+    if not isinstance(payload, dict):
+        raise RunDirError(f"{path} holds {type(payload).__name__}, not a JSON object ({what})")
+    return payload
+
+
+def _optional_json(path: Path, *, what: str) -> dict[str, Any] | None:
+    return read_json(path, what=what) if path.is_file() else None
+
+
+def read_config(run_dir: Path) -> dict[str, Any]:
+    """The run's ``config.json``; RunDirError saying it is no run directory when absent."""
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        raise RunDirError(
+            f"{run_dir} is not a run directory (no {CONFIG_FILE}); "
+            "give a directory made by `grpo train`"
+        )
+    return read_json(path, what="run configuration")
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The run's ``summary.json`` (None while it has not finished)."""
+    return _optional_json(run_dir / SUMMARY_FILE, what="run summary")
+
+
+@attrs.frozen
+class Checkpoint:
+    """A resumable checkpoint: the step it covers and the backend's state path."""
+
+    step: int
+    state_path: str
+
+
+def _stored_path(run_dir: Path, path: str) -> dict[str, str]:
+    """``path`` as stored in checkpoint.json: relative to the run dir when it points inside."""
+    scheme = _LOCAL_SCHEME if path.startswith(_LOCAL_SCHEME) else ""
+    plain = Path(path[len(scheme) :])
+    root = run_dir.resolve()
+    if plain.is_absolute() and plain.resolve().is_relative_to(root):
+        return {"state_path": plain.resolve().relative_to(root).as_posix(), "scheme": scheme}
+    return {"state_path": path}
+
+
+def _loaded_path(run_dir: Path, record: Mapping[str, Any]) -> str:
+    """The state path a checkpoint.json record points at, made absolute again."""
+    if "scheme" in record:
+        return str(record["scheme"]) + str(run_dir.resolve() / str(record["state_path"]))
+    return str(record["state_path"])
+
+
+def write_checkpoint(run_dir: Path, checkpoint: Checkpoint, *, run_name: str) -> None:
+    """Record ``checkpoint`` as the run's latest (atomically)."""
+    write_json_atomic(
+        run_dir / CHECKPOINT_FILE,
+        {
+            STEP_KEY: checkpoint.step,
+            "run_name": run_name,
+            **_stored_path(run_dir, checkpoint.state_path),
+        },
+    )
+
+
+def read_checkpoint(run_dir: Path) -> Checkpoint | None:
+    """The run's latest checkpoint (None before the first one)."""
+    path = run_dir / CHECKPOINT_FILE
+    record = _optional_json(path, what="checkpoint record")
+    if record is None:
+        return None
+    if not isinstance(record.get(STEP_KEY), int) or not isinstance(record.get("state_path"), str):
+        raise RunDirError(
+            f"{path} lacks an integer 'step' or a 'state_path'; the checkpoint record is "
+            "damaged: restore it or start a new run"
+        )
+    return Checkpoint(step=record[STEP_KEY], state_path=_loaded_path(run_dir, record))
+
+
+def run_status(run_dir: Path) -> str:
+    """FINISHED (summary.json), UNFINISHED (a config but no summary: stopped or crashed) or NEW."""
+    if (run_dir / SUMMARY_FILE).is_file():
+        return FINISHED
+    if (run_dir / CONFIG_FILE).is_file() or (run_dir / METRICS_FILE).is_file():
+        return UNFINISHED
+    return NEW
+
+
+def eval_weights_path(run_dir: Path) -> str:
+    """The weights `grpo eval --run-dir` uses: the final sampler weights, else the last checkpoint."""
+    summary = read_summary(run_dir)
+    if summary is not None and summary.get("sampler_path"):
+        return str(summary["sampler_path"])
+    checkpoint = read_checkpoint(run_dir)
+    if checkpoint is None:
+        raise RunDirError(
+            f"{run_dir} has no {SUMMARY_FILE} or {CHECKPOINT_FILE} yet: nothing to evaluate"
+        )
+    return checkpoint.state_path
+
+
+@attrs.frozen
+class MetricsRead:
+    """The valid rows of a metrics.jsonl, and the 1-based line numbers that were not rows."""
+
+    rows: list[dict[str, Any]]
+    bad_lines: tuple[int, ...]
+    truncated_tail: bool
+    """The last line was cut off (no newline, not JSON): what a crash mid-write leaves."""
+
+
+def scan_metrics(path: Path) -> MetricsRead:
+    """Parse every line of a metrics.jsonl; damaged lines are reported by number, not dropped."""
+    if not path.is_file():
+        return MetricsRead(rows=[], bad_lines=(), truncated_tail=False)
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    ends_with_newline = lines[-1] == ""
+    if ends_with_newline:
+        lines.pop()
+    rows: list[dict[str, Any]] = []
+    bad: list[int] = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            bad.append(number)
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get(STEP_KEY), int):
+            bad.append(number)
+            continue
+        rows.append(row)
+    truncated = bool(bad) and bad[-1] == len(lines) and not ends_with_newline
+    return MetricsRead(rows=rows, bad_lines=tuple(bad), truncated_tail=truncated)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of a run's metrics.jsonl; RunDirError naming a damaged line (a cut-off tail is skipped)."""
+    path = run_dir / METRICS_FILE
+    scanned = scan_metrics(path)
+    damaged = scanned.bad_lines[:-1] if scanned.truncated_tail else scanned.bad_lines
+    if damaged:
+        raise RunDirError(
+            f"{path} line {damaged[0]} is not a metrics row (JSON with an integer 'step'); "
+            "repair or delete that line"
+        )
+    return scanned.rows
+
+
+def merge_rows_by_step(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per step, in step order, each key keeping its latest non-null value.
+
+    A final-evaluation row shares its step with the last training row; null values
+    (non-finite floats in the log) are dropped as missing.
+    """
+    merged: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        step = row.get(STEP_KEY)
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise RunDirError(f"metrics row without an integer {STEP_KEY!r}: {dict(row)!r}")
+        merged.setdefault(step, {STEP_KEY: step}).update(
+            {key: value for key, value in row.items() if value is not None}
+        )
+    return [merged[step] for step in sorted(merged)]
+
+
+def rewrite_metrics(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Replace metrics.jsonl with ``rows`` atomically (used when a resume drops redone steps)."""
+    path = run_dir / METRICS_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(dict(row)) + "\n" for row in rows)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_directory(run_dir)
+
+
+def prepare_metrics_for_resume(run_dir: Path, checkpoint_step: int | None) -> int:
+    """Keep exactly the rows a resume from ``checkpoint_step`` does not redo; return rows dropped.
+
+    Without a checkpoint the run restarts from step 0, so every row goes (including a
+    baseline evaluation at step 0, which is redone). With one at step k, rows of steps
+    <= k stay, and the rows of steps 1..k must all be there: a damaged line among them is
+    reported by number (it cannot be redone from this checkpoint), never dropped.
+    """
+    path = run_dir / METRICS_FILE
+    scanned = scan_metrics(path)
+    if checkpoint_step is None:
+        if path.exists():
+            rewrite_metrics(run_dir, [])
+        return len(scanned.rows)
+    damaged = scanned.bad_lines[:-1] if scanned.truncated_tail else scanned.bad_lines
+    kept = [row for row in scanned.rows if row[STEP_KEY] <= checkpoint_step]
+    covered = {row[STEP_KEY] for row in kept}
+    missing = [step for step in range(1, checkpoint_step + 1) if step not in covered]
+    if damaged or missing:
+        where = f"line {damaged[0]} is damaged" if damaged else f"step {missing[0]} has no row"
+        raise RunDirError(
+            f"{path}: {where}, but the checkpoint covers steps up to {checkpoint_step}; those "
+            "rows cannot be redone from it. Repair the line from a backup, or delete "
+            f"{CHECKPOINT_FILE} to rerun the whole run in place"
+        )
+    rewrite_metrics(run_dir, kept)
+    return len(scanned.rows) - len(kept)
+
+
+# --- ownership -----------------------------------------------------------------------------
+
+
+def _owner_description(owner_path: Path) -> str:
+    try:
+        owner = json.loads(owner_path.read_text(encoding="utf-8"))
+        return f"pid {owner['pid']} on {owner['host']}, since {owner['since']}: {owner['command']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+@contextmanager
+def owned(run_dir: Path) -> Iterator[None]:
+    """Hold the run directory's OS file lock while the block runs; RunDirError if it is taken.
+
+    The lock is the kernel's (``flock`` through `filelock`): it is released when the
+    process exits in any way, so a killed run never leaves a stale lock.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock_path = run_dir / LOCK_FILE
+    owner_path = run_dir / (LOCK_FILE + ".owner")
+    lock = filelock.FileLock(lock_path, timeout=0)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        raise RunDirError(
+            f"{run_dir} is in use by {_owner_description(owner_path)}; wait for that run to "
+            "end, or use another --run-dir / --run-name"
+        ) from None
+    try:
+        owner = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(sys.argv),
+        }
+        owner_path.write_text(json.dumps(owner), encoding="utf-8")
+        yield
+    finally:
+        owner_path.unlink(missing_ok=True)
+        lock.release()
