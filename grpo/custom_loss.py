@@ -7,11 +7,9 @@ A user's CISPO is one line::
 PyTRIO runs a forward on the datums, hands the callable the datums and one leaf log-prob
 tensor per datum (``requires_grad``), backpropagates the returned loss and trains on the
 gradient. The sampler's log-probs and the advantages never reach the trainer: the callable
-reads them from the full datums once, when it is built, so the datums sent may be
-stripped to ``target_tokens`` (as the seed article does).
-
-``datum_mask`` is the one rule deciding which positions train; the local backend uses it
-too, so its built-in losses and custom losses mask identically.
+reads them from the full datums once, when it is built (``grpo.datums.read_datums``, the
+same reader and mask rule as the local backend's built-in losses), so the datums sent may
+be stripped to ``target_tokens`` (as the seed article does).
 """
 
 from __future__ import annotations
@@ -19,76 +17,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
-import numpy as np
 import torch
 from pytrio.types import Datum
 from torch import Tensor
 
-from grpo.core.losses import LossKernel, get_loss, validate_reduction
+from grpo.core.loss_spec import LossSpec
+from grpo.core.losses import LossKernel
+from grpo.datums import read_datums
 
-__all__ = ["IGNORE_INDEX", "CustomLoss", "as_custom_loss", "datum_mask"]
-
-IGNORE_INDEX = -100
-"""A target token equal to this trains nothing (the usual label-padding convention)."""
+__all__ = ["CustomLoss", "as_custom_loss"]
 
 
 def _at_datum(index: int | None) -> str:
     return "" if index is None else f" (datum {index})"
-
-
-def _input(datum: Datum, key: str, dtype: type[np.generic], index: int | None) -> np.ndarray:
-    """loss_fn_inputs[key] as a flat numpy array, or a ValueError naming what is missing."""
-    try:
-        tensor = datum.loss_fn_inputs[key]
-    except KeyError:
-        present = ", ".join(sorted(datum.loss_fn_inputs)) or "nothing"
-        raise ValueError(
-            f"loss_fn_inputs has no {key!r}{_at_datum(index)} (it holds {present}); build the "
-            "custom loss from the full datums, before stripping them to target_tokens"
-        ) from None
-    # TensorData keeps a flat Python list; one asarray beats any per-element conversion.
-    return np.asarray(tensor.data, dtype=dtype)
-
-
-def _check_length(name: str, values: np.ndarray, num_targets: int, index: int | None) -> None:
-    if values.size != num_targets:
-        raise ValueError(
-            f"{name} has {values.size} entries but target_tokens has "
-            f"{num_targets}{_at_datum(index)}"
-        )
-
-
-def _datum_mask(
-    datum: Datum,
-    targets: np.ndarray,
-    weights: np.ndarray | None,
-    weight_input: str,
-    index: int | None,
-) -> np.ndarray:
-    if "mask" in datum.loss_fn_inputs:
-        name, selector = "mask", _input(datum, "mask", np.float32, index)
-    elif weights is not None:
-        name, selector = weight_input, weights
-    else:
-        name, selector = weight_input, _input(datum, weight_input, np.float32, index)
-    _check_length(name, selector, targets.size, index)
-    return (selector != 0) & (targets != IGNORE_INDEX)
-
-
-def datum_mask(datum: Datum, *, weight_input: str = "advantages") -> np.ndarray:
-    """Training positions of a datum: ``mask != 0`` if it has a ``mask`` entry, else
-    ``weight_input != 0`` (advantages; weights for cross_entropy); never a target of −100."""
-    targets = _input(datum, "target_tokens", np.int64, None)
-    return _datum_mask(datum, targets, None, weight_input, None)
-
-
-def _check_finite(name: str, values: np.ndarray, index: int) -> None:
-    if not np.all(np.isfinite(values)):
-        position = int(np.flatnonzero(~np.isfinite(values))[0])
-        raise ValueError(
-            f"{name} holds {values[position]} at position {position}{_at_datum(index)}; "
-            "every entry must be finite"
-        )
 
 
 @attrs.frozen
@@ -100,10 +41,7 @@ class CustomLoss:
     are prefixed with the loss name (``cispo/clip_fraction``).
     """
 
-    kernel: LossKernel
-    config: dict[str, float | None]
-    reduction: str
-    norm_length: float | None
+    spec: LossSpec
     sampling_logprobs: Tensor | None = attrs.field(repr=False)
     weights: Tensor = attrs.field(repr=False)
     mask: Tensor = attrs.field(repr=False)
@@ -134,21 +72,14 @@ class CustomLoss:
                     f"{length}{_at_datum(index)}; build as_custom_loss from the datums you train on"
                 )
         logprobs = torch.cat([tensor.reshape(-1) for tensor in logprobs_list])
-        loss, metrics = self.kernel(
-            logprobs,
-            self.sampling_logprobs,
-            self.weights,
-            mask=self.mask,
-            seq_lens=self.seq_lens,
-            reduction=self.reduction,
-            norm_length=self.norm_length,
-            **self.config,
+        loss, metrics = self.spec(
+            logprobs, self.sampling_logprobs, self.weights, mask=self.mask, seq_lens=self.seq_lens
         )
-        return loss, {f"{self.kernel.name}/{key}": value for key, value in metrics.items()}
+        return loss, {f"{self.spec.name}/{key}": value for key, value in metrics.items()}
 
 
 def as_custom_loss(
-    loss: str | LossKernel,
+    loss: str | LossKernel | LossSpec,
     datums: Sequence[Datum],
     *,
     reduction: str = "sum",
@@ -157,37 +88,29 @@ def as_custom_loss(
 ) -> CustomLoss:
     """The ``forward_backward_custom`` loss_fn running kernel ``loss`` over these full datums.
 
-    Validates the loss name, config and reduction and every datum (lengths against
-    target_tokens, finite values) here, before any remote call.
+    ``loss`` is a kernel name, a kernel, or a ready ``LossSpec`` (then ``reduction``,
+    ``norm_length`` and ``config`` must be left out). Validates the loss and every datum
+    (lengths against target_tokens, finite values where trained) here, before any call.
     """
-    kernel = loss if isinstance(loss, LossKernel) else get_loss(loss)
-    resolved = kernel.resolve(config)
-    validate_reduction(reduction, norm_length)
-    if len(datums) == 0:
-        raise ValueError("datums is empty; pass the full datums you are about to train on")
-    sampling_logprobs, weights, masks, seq_lens = [], [], [], []
-    for index, datum in enumerate(datums):
-        targets = _input(datum, "target_tokens", np.int64, index)
-        datum_weights = _input(datum, kernel.weight_input, np.float32, index)
-        _check_length(kernel.weight_input, datum_weights, targets.size, index)
-        _check_finite(kernel.weight_input, datum_weights, index)
-        if kernel.needs_sampling_logprobs:
-            datum_logprobs = _input(datum, "logprobs", np.float32, index)
-            _check_length("logprobs", datum_logprobs, targets.size, index)
-            _check_finite("logprobs", datum_logprobs, index)
-            sampling_logprobs.append(datum_logprobs)
-        weights.append(datum_weights)
-        masks.append(_datum_mask(datum, targets, datum_weights, kernel.weight_input, index))
-        seq_lens.append(targets.size)
+    if isinstance(loss, LossSpec):
+        if config or reduction != "sum" or norm_length is not None:
+            raise ValueError(
+                "as_custom_loss got a LossSpec and loss settings; put the settings in the spec"
+            )
+        spec = loss
+    else:
+        spec = LossSpec.build(loss, config, reduction=reduction, norm_length=norm_length)
+    arrays = read_datums(
+        datums,
+        weight_input=spec.kernel.weight_input,
+        with_sampling_logprobs=spec.kernel.needs_sampling_logprobs,
+    )
     return CustomLoss(
-        kernel=kernel,
-        config=resolved,
-        reduction=reduction,
-        norm_length=norm_length,
+        spec=spec,
         sampling_logprobs=(
-            torch.from_numpy(np.concatenate(sampling_logprobs)) if sampling_logprobs else None
+            None if arrays.sampling_logprobs_N is None else torch.from_numpy(arrays.sampling_logprobs_N)
         ),
-        weights=torch.from_numpy(np.concatenate(weights)),
-        mask=torch.from_numpy(np.concatenate(masks)),
-        seq_lens=tuple(seq_lens),
+        weights=torch.from_numpy(arrays.weights_N),
+        mask=torch.from_numpy(arrays.mask_N),
+        seq_lens=tuple(int(length) for length in arrays.seq_lens_B),
     )

@@ -1,21 +1,144 @@
-"""Packed token batches to PyTRIO `Datum`s, and back.
+"""The Datum boundary: packed token batches to PyTRIO `Datum`s, and datums back to arrays.
 
-The arrays come from validated core records (`TokenBatch`), so the fast path builds the
-pydantic objects with `model_construct`, skipping a second per-element validation that
-costs more than everything else on the client at a million tokens (see
-`benchmarks/datums.py`). The result is the same object a validated construction gives.
+Everything that knows how a `Datum` is laid out lives here, once:
+
+- the ignore index (a target of ``IGNORE_INDEX`` trains nothing) and the mask rule
+  (``datum_mask``: ``mask != 0`` if a ``mask`` entry is present, else the weight input
+  ``!= 0``, never an ignored target), shared by the local backend's built-in losses and
+  `as_custom_loss`, so both mask identically;
+- ``read_datums``: datums to the flat arrays a loss kernel takes (one reader for the local
+  backend and the custom-loss adapter);
+- ``batch_to_datums``: a core `TokenBatch` to datums. Its arrays come from validated core
+  records, so it builds the pydantic objects with ``model_construct``, skipping a second
+  per-element validation that costs more than everything else on the client at a million
+  tokens (``benchmarks/datums.py``); the result equals a validated construction.
+
+Backends may import this module (and the core); see docs/DESIGN.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import numpy as np
 from pytrio.types import Datum, EncodedTextChunk, ModelInput, TensorData
 
 from grpo.core.records import TokenBatch
 
 POLICY_INPUT_KEYS = ("target_tokens", "logprobs", "advantages")
+
+IGNORE_INDEX = -100
+"""A target token equal to this trains nothing (the usual label-padding convention)."""
+
+
+def _at_datum(index: int | None) -> str:
+    return "" if index is None else f" (datum {index})"
+
+
+def datum_array(datum: Datum, key: str, dtype: type[np.generic], index: int | None = None) -> np.ndarray:
+    """``loss_fn_inputs[key]`` as a flat numpy array, or a ValueError naming what is missing."""
+    try:
+        tensor = datum.loss_fn_inputs[key]
+    except KeyError:
+        present = ", ".join(sorted(datum.loss_fn_inputs)) or "nothing"
+        raise ValueError(
+            f"loss_fn_inputs has no {key!r}{_at_datum(index)} (it holds {present}); pass the "
+            f"full datums (before stripping them to target_tokens)"
+        ) from None
+    # TensorData keeps a flat Python list; one asarray beats any per-element conversion.
+    return np.asarray(tensor.data, dtype=dtype)
+
+
+def _check_length(name: str, values: np.ndarray, num_targets: int, index: int | None) -> None:
+    if values.size != num_targets:
+        raise ValueError(
+            f"{name} has {values.size} entries but target_tokens has "
+            f"{num_targets}{_at_datum(index)}"
+        )
+
+
+def _check_finite(name: str, values: np.ndarray, mask: np.ndarray, index: int | None) -> None:
+    bad = mask & ~np.isfinite(values)
+    if bad.any():
+        position = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"{name} holds {values[position]} at position {position}{_at_datum(index)}; "
+            "every entry at a trained position must be finite"
+        )
+
+
+def _mask(datum: Datum, targets: np.ndarray, weights: np.ndarray, weight_input: str, index: int | None) -> np.ndarray:
+    if "mask" in datum.loss_fn_inputs:
+        name, selector = "mask", datum_array(datum, "mask", np.float32, index)
+    else:
+        name, selector = weight_input, weights
+    _check_length(name, selector, targets.size, index)
+    return (selector != 0) & (targets != IGNORE_INDEX)
+
+
+def _weights(datum: Datum, weight_input: str, num_targets: int, optional: bool, index: int | None) -> np.ndarray:
+    if optional and weight_input not in datum.loss_fn_inputs:
+        return np.ones(num_targets, dtype=np.float32)
+    weights = datum_array(datum, weight_input, np.float32, index)
+    _check_length(weight_input, weights, num_targets, index)
+    return weights
+
+
+def datum_mask(datum: Datum, *, weight_input: str = "advantages", weights_optional: bool = False) -> np.ndarray:
+    """Training positions of a datum: ``mask != 0`` if it has a ``mask`` entry, else
+    ``weight_input != 0`` (absent optional weights count as 1); never an IGNORE_INDEX target."""
+    targets = datum_array(datum, "target_tokens", np.int64)
+    weights = _weights(datum, weight_input, targets.size, weights_optional, None)
+    return _mask(datum, targets, weights, weight_input, None)
+
+
+@attrs.frozen
+class DatumArrays:
+    """Datums as flat arrays over all their target positions (N), datum by datum (B)."""
+
+    target_tokens_B: list[np.ndarray]
+    sampling_logprobs_N: np.ndarray | None
+    weights_N: np.ndarray
+    mask_N: np.ndarray
+    seq_lens_B: np.ndarray
+
+
+def read_datums(
+    datums: Sequence[Datum],
+    *,
+    weight_input: str = "advantages",
+    with_sampling_logprobs: bool = True,
+    weights_optional: bool = False,
+) -> DatumArrays:
+    """Targets, sampling log-probs, weights and the mask rule's mask of every datum, flattened.
+
+    ValueError naming the datum when an entry is missing, has the wrong length, or holds a
+    non-finite value at a trained position.
+    """
+    targets_B, logprobs_B, weights_B, masks_B = [], [], [], []
+    for index, datum in enumerate(datums):
+        targets = datum_array(datum, "target_tokens", np.int64, index)
+        weights = _weights(datum, weight_input, targets.size, weights_optional, index)
+        mask = _mask(datum, targets, weights, weight_input, index)
+        _check_finite(weight_input, weights, mask, index)
+        if with_sampling_logprobs:
+            logprobs = datum_array(datum, "logprobs", np.float32, index)
+            _check_length("logprobs", logprobs, targets.size, index)
+            _check_finite("logprobs", logprobs, mask, index)
+            logprobs_B.append(logprobs)
+        targets_B.append(targets)
+        weights_B.append(weights)
+        masks_B.append(mask)
+    if not targets_B:
+        raise ValueError("datums is empty; pass the datums you are about to train on")
+    return DatumArrays(
+        target_tokens_B=targets_B,
+        sampling_logprobs_N=np.concatenate(logprobs_B) if with_sampling_logprobs else None,
+        weights_N=np.concatenate(weights_B),
+        mask_N=np.concatenate(masks_B),
+        seq_lens_B=np.array([targets.size for targets in targets_B], dtype=np.int64),
+    )
 
 
 def _tensor(values: np.ndarray, dtype: str) -> TensorData:

@@ -39,6 +39,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from grpo.backends import tiny
+from grpo.datums import IGNORE_INDEX
 
 LORA_ALPHA = 32
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -275,7 +276,7 @@ class ModelHost:
     def target_logprobs(
         self, inputs: Sequence[Sequence[int]], targets: Sequence[np.ndarray], *, auto_shift: bool
     ) -> list[Tensor]:
-        """log p(target_t | input_<=t) per datum (autograd-connected), 0 where target is -100.
+        """log p(target_t | input_<=t) per datum (autograd-connected), 0 where target is IGNORE_INDEX.
 
         With ``auto_shift`` the targets are aligned with the inputs (HF labels): entry t is
         log p(target_t | input_<t) and entry 0 is 0.
@@ -283,7 +284,7 @@ class ModelHost:
         lengths = [len(tokens) for tokens in inputs]
         width = max(lengths)
         input_ids = torch.zeros(len(inputs), width, dtype=torch.long)
-        target_ids = torch.full((len(inputs), width), -100, dtype=torch.long)
+        target_ids = torch.full((len(inputs), width), IGNORE_INDEX, dtype=torch.long)
         for row, (tokens, target) in enumerate(zip(inputs, targets, strict=True)):
             input_ids[row, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
             target_ids[row, : len(tokens)] = torch.from_numpy(np.asarray(target, dtype=np.int64))
@@ -295,7 +296,7 @@ class ModelHost:
             logits, predicted = logits[:, :-1], target_ids[:, 1:]
         else:
             predicted = target_ids
-        ignored = predicted == -100
+        ignored = predicted == IGNORE_INDEX
         gathered = logits.gather(-1, predicted.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         logprobs = torch.where(ignored, 0.0, gathered - torch.logsumexp(logits, dim=-1))
         if auto_shift:

@@ -77,8 +77,8 @@ from grpo.backends._local_model import AdapterWeights, LoraSpec, ModelHost, load
 from grpo.backends._local_sampling import PendingSample, SampleSpec, sample_batch, validate_sample_request
 from grpo.backends._local_worker import Worker
 from grpo.backends.tiny import TINY_MODEL_NAME
-from grpo.core.losses import get_loss, resolve_config, validate_reduction
-from grpo.custom_loss import datum_mask
+from grpo.core.loss_spec import LossSpec
+from grpo.datums import IGNORE_INDEX, DatumArrays, datum_array, read_datums
 
 __all__ = ["LocalSamplingClient", "LocalServiceClient", "LocalTrainingClient", "default_root"]
 
@@ -232,19 +232,12 @@ def _read_sampler_weights(model_path: str, host: ModelHost) -> AdapterWeights:
 
 @attrs.frozen
 class _LossBatch:
-    """A validated forward/forward_backward request as flat arrays (one entry per target)."""
+    """A validated forward/forward_backward request: the loss and the datums as flat arrays."""
 
-    loss_name: str
-    config: dict[str, float | None]
-    reduction: str
-    norm_length: float | None
+    spec: LossSpec
     auto_shift: bool
     inputs: list[list[int]]
-    targets: list[np.ndarray]
-    sampling_logprobs: np.ndarray | None  # None for cross_entropy
-    weights: np.ndarray  # advantages, or cross-entropy weights
-    mask: np.ndarray
-    seq_lens: np.ndarray
+    arrays: DatumArrays
 
 
 class LocalTrainingClient:
@@ -341,7 +334,7 @@ class LocalTrainingClient:
         )
         _reject_images(data)
         inputs = [datum.model_input.to_ints() for datum in data]
-        targets = [_array(datum, "target_tokens", np.int64) for datum in data]
+        targets = [datum_array(datum, "target_tokens", np.int64) for datum in data]
         self._started = True
         return self._engine.worker.call(
             lambda: self._run_custom(data, inputs, targets, loss_fn, loss_fn_config)
@@ -365,84 +358,62 @@ class LocalTrainingClient:
             tokenizer_vocab_size=self._host.vocab_size,
         )
         _reject_images(data)
-        loss_name = loss_fn.strip().lower()
-        options = dict(loss_fn_config or {})
-        reduction = options.pop("reduction", "sum")
-        norm_length = options.pop("norm_length", None)
         try:
-            validate_reduction(reduction, norm_length)  # type: ignore[arg-type]
-            config = resolve_config(loss_name, options)
+            spec = LossSpec.from_loss_fn_config(loss_fn, loss_fn_config)
         except ValueError as error:
             raise ValidationError(
-                f"invalid loss_fn_config for {loss_name!r}: {error}", code="validation.invalid_loss_config"
+                f"invalid loss_fn_config for {loss_fn!r}: {error}", code="validation.invalid_loss_config"
             ) from None
-        inputs = [datum.model_input.to_ints() for datum in data]
-        targets = [_array(datum, "target_tokens", np.int64) for datum in data]
-        # One masking rule for built-in and custom losses: grpo.custom_loss.datum_mask.
-        if loss_name == "cross_entropy":
-            weights = [
-                _array(datum, "weights", np.float32) if "weights" in datum.loss_fn_inputs
-                else np.ones(len(target), dtype=np.float32)
-                for datum, target in zip(data, targets, strict=True)
-            ]
-            masks = [
-                datum_mask(datum, weight_input="weights")
-                if {"weights", "mask"} & datum.loss_fn_inputs.keys()
-                else target != -100
-                for datum, target in zip(data, targets, strict=True)
-            ]
-            sampling_logprobs = None
-        else:
-            weights = [_array(datum, "advantages", np.float32) for datum in data]
-            masks = [datum_mask(datum) for datum in data]
-            sampling_logprobs = np.concatenate([_array(datum, "logprobs", np.float32) for datum in data])
+        # One reader and masking rule for built-in and custom losses: grpo.datums.
+        # Cross-entropy weights are optional (absent means 1), and it reports no ratios.
+        cross_entropy = spec.name == "cross_entropy"
+        try:
+            arrays = read_datums(
+                data,
+                weight_input=spec.kernel.weight_input,
+                with_sampling_logprobs=not cross_entropy,
+                weights_optional=cross_entropy,
+            )
+        except ValueError as error:
+            raise ValidationError(str(error), code="validation.invalid_datum") from None
         if auto_shift:  # the first label predicts nothing (PyTRIO drops it)
-            for mask in masks:
-                mask[0] = False
+            arrays.mask_N[np.cumsum(arrays.seq_lens_B) - arrays.seq_lens_B] = False
         return _LossBatch(
-            loss_name=loss_name,
-            config=config,
-            reduction=reduction,  # type: ignore[arg-type]
-            norm_length=norm_length,  # type: ignore[arg-type]
+            spec=spec,
             auto_shift=auto_shift,
-            inputs=inputs,
-            targets=targets,
-            sampling_logprobs=sampling_logprobs,
-            weights=np.concatenate(weights),
-            mask=np.concatenate(masks),
-            seq_lens=np.array([len(target) for target in targets], dtype=np.int64),
+            inputs=[datum.model_input.to_ints() for datum in data],
+            arrays=arrays,
         )
 
     def _run_loss(self, batch: _LossBatch, *, backward: bool) -> ForwardBackwardOutput:
         """The kernel on the model's log-probs (worker thread); backward accumulates gradients."""
         self._host.activate_training(self._adapter)
-        kernel = get_loss(batch.loss_name)
-        sampling = None if batch.sampling_logprobs is None else torch.from_numpy(batch.sampling_logprobs)
-        weights, mask = torch.from_numpy(batch.weights), torch.from_numpy(batch.mask)
+        arrays, spec = batch.arrays, batch.spec
+        sampling = None if arrays.sampling_logprobs_N is None else torch.from_numpy(arrays.sampling_logprobs_N)
+        weights, mask = torch.from_numpy(arrays.weights_N), torch.from_numpy(arrays.mask_N)
 
-        def evaluate(logprobs: Tensor, reduction: str, norm_length: float | None) -> tuple[Tensor, dict[str, float]]:
-            return kernel(
-                logprobs, sampling, weights, mask=mask, seq_lens=batch.seq_lens,
-                reduction=reduction, norm_length=norm_length, **batch.config,
-            )
+        def evaluate(logprobs: Tensor, loss: LossSpec) -> tuple[Tensor, dict[str, float]]:
+            return loss(logprobs, sampling, weights, mask=mask, seq_lens=arrays.seq_lens_B)
 
         with torch.enable_grad() if backward else torch.no_grad():
-            logprobs_list = self._host.target_logprobs(batch.inputs, batch.targets, auto_shift=batch.auto_shift)
+            logprobs_list = self._host.target_logprobs(
+                batch.inputs, arrays.target_tokens_B, auto_shift=batch.auto_shift
+            )
             logprobs = torch.cat(logprobs_list)
-            loss, kernel_metrics = evaluate(logprobs, batch.reduction, batch.norm_length)
+            loss, kernel_metrics = evaluate(logprobs, spec)
             if backward:
                 loss.backward()
-        if batch.reduction == "sum":
+        if spec.reduction == "sum":
             loss_sum = float(loss.detach())
         else:
             with torch.no_grad():
-                loss_sum = float(evaluate(logprobs.detach(), "sum", None)[0])
-        token_count = int(batch.mask.sum())
+                loss_sum = float(evaluate(logprobs.detach(), attrs.evolve(spec, reduction="sum", norm_length=None))[0])
+        token_count = int(arrays.mask_N.sum())
         metrics = {
             "loss_sum": loss_sum,
             "loss_mean": loss_sum / token_count if token_count else 0.0,
             "token_count": float(token_count),
-            **{f"{batch.loss_name}/{key}": value for key, value in kernel_metrics.items()},
+            **{f"{spec.name}/{key}": value for key, value in kernel_metrics.items()},
         }
         return ForwardBackwardOutput(loss_fn_outputs=_outputs(logprobs_list), metrics=metrics)
 
@@ -468,8 +439,8 @@ class LocalTrainingClient:
                         "Custom loss output has no gradients. Ensure loss_fn returns a tensor with gradients.",
                         code="validation.missing_custom_loss_gradient",
                     )
-                # The service trains ignored targets (-100) on nothing, whatever the gradient.
-                gradients.append(torch.where(torch.from_numpy(target) == -100, 0.0, leaf.grad))
+                # The service trains ignored targets on nothing, whatever the gradient.
+                gradients.append(torch.where(torch.from_numpy(target) == IGNORE_INDEX, 0.0, leaf.grad))
             torch.autograd.backward(logprobs_list, gradients)
         # PyTRIO reports its linear surrogate: cross entropy with weights -grad.
         gradient, logprobs = torch.cat(gradients), torch.cat([lp.detach() for lp in logprobs_list])
@@ -659,10 +630,6 @@ def _release_adapter(worker: Worker, host: ModelHost, adapter: str) -> None:
         worker.call(lambda: host.delete_adapter(adapter))
     except RuntimeError:  # the service is closed: nothing left to free
         pass
-
-
-def _array(datum: Datum, key: str, dtype: type) -> np.ndarray:
-    return np.asarray(datum.loss_fn_inputs[key].data, dtype=dtype)
 
 
 def _reject_images(data: Sequence[Datum]) -> None:
