@@ -114,7 +114,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from grpo.backends.pytrio import make_service_client
     from grpo.data import load_problems
-    from grpo.loop import build_problems, evaluate, wants_fewshot, _tokenizer_max_len
+    from grpo.rollouts import build_problems, evaluate, tokenizer_max_len
 
     run_config = TrainConfig()
     local_root = None
@@ -143,7 +143,7 @@ def run_eval(args: argparse.Namespace) -> int:
             sampler = service.create_training_client_from_state(model_path).save_weights_and_get_sampling_client()
     tokenizer = sampler.get_tokenizer()
     rows = load_problems(args.dataset or run_config.dataset, args.split, seed=run_config.seed, difficulty=run_config.difficulty, limit=args.limit)
-    problems = build_problems(tokenizer, rows, fewshot=wants_fewshot(run_config), max_tokens=max_tokens, max_len=_tokenizer_max_len(tokenizer), split=args.split)
+    problems = build_problems(tokenizer, rows, fewshot=run_config.use_fewshot, max_tokens=max_tokens, max_len=tokenizer_max_len(tokenizer), split=args.split)
     with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
         metrics = evaluate(pool, sampler, problems, tokenizer, num_samples=args.samples, temperature=args.temperature, max_tokens=max_tokens, seed=args.seed, max_retries=3, log=print)
     label = model_path or f"base model {base_model}"

@@ -7,17 +7,25 @@ flag's name, type, default and help live here once. Field `foo_bar` is flag `--f
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from grpo.backends.tiny import TINY_MODEL_NAME
+from grpo.core import losses
+from grpo.core.loss_spec import LossSpec
 
 BACKENDS = ("local", "pytrio")
 SWANLAB_MODES = ("online", "offline", "disabled")
 ADVANTAGE_NAMES = ("center", "standardize", "rloo", "batch_standardize")
 KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")
+
+
+class ConfigError(ValueError):
+    """A flag or input that cannot work; raised before any sampling or training."""
 
 
 def _flag(default: Any, help: str, **metadata: Any) -> Any:
@@ -76,6 +84,117 @@ class TrainConfig:
     swanlab_mode: str = _flag("disabled", "SwanLab logging mode", choices=SWANLAB_MODES)
     swanlab_project: str = _flag("grpo", "SwanLab project name")
     max_retries: int = _flag(3, "retries of a failed sampling/training call before the run stops with a checkpoint")
+
+    def __attrs_post_init__(self) -> None:
+        _validate(self)
+        _resolve_loss(self)
+
+    @property
+    def loss_spec(self) -> LossSpec:
+        """The resolved loss: kernel, config (cispo flags folded in), reduction, norm length."""
+        return _resolve_loss(self)
+
+    @property
+    def runs_custom_loss(self) -> bool:
+        """Whether the loss runs through forward_backward_custom: asked for, or the service lacks it."""
+        spec = self.loss_spec
+        return (
+            self.custom_loss
+            or not spec.kernel.service_builtin
+            or (self.backend == "pytrio" and not spec.service_builtin)
+        )
+
+    @property
+    def use_fewshot(self) -> bool:
+        """Few-shot prompts for real models; the built-in tiny model was warm-started without."""
+        return self.fewshot if self.fewshot is not None else self.base_model != TINY_MODEL_NAME
+
+
+def parse_loss_config(entries: Sequence[str]) -> dict[str, Any]:
+    """`KEY=VALUE` strings to a dict (numbers parsed; `none`/`off` mean None)."""
+    parsed: dict[str, Any] = {}
+    for entry in entries:
+        key, sep, raw = entry.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--loss-config {entry!r} must look like KEY=VALUE, e.g. clip_high_threshold=1.28")
+        raw = raw.strip()
+        if raw.lower() in ("none", "off", "null"):
+            parsed[key.strip()] = None
+            continue
+        try:
+            parsed[key.strip()] = float(raw)
+        except ValueError:
+            raise ConfigError(f"--loss-config {key.strip()}={raw!r}: value must be a number (or 'none')") from None
+    return parsed
+
+
+def _resolve_loss(config: TrainConfig) -> LossSpec:
+    """Check the loss name, its config keys and thresholds, and the reduction."""
+    try:
+        kernel = losses.get_loss(config.loss_fn)
+    except ValueError as error:
+        raise ConfigError(f"--loss-fn: {error}") from None
+    overrides = parse_loss_config(config.loss_config)
+    norm_length = overrides.pop("norm_length", None)
+    if kernel.name == "cispo":
+        overrides = {
+            "clip_low_threshold": config.cispo_clip_low_threshold,
+            "clip_high_threshold": config.cispo_clip_high_threshold,
+            **overrides,
+        }
+    if config.reduction not in losses.REDUCTIONS:
+        raise ConfigError(f"--reduction {config.reduction!r} is not one of {', '.join(losses.REDUCTIONS)}")
+    if config.reduction == "seq_mean_token_sum_norm" and norm_length is None:
+        norm_length = float(config.max_tokens)
+    try:
+        return LossSpec.build(kernel, overrides, reduction=config.reduction, norm_length=norm_length)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"--loss-config: {error}") from None
+
+
+def _validate(config: TrainConfig) -> None:
+    """Every flag check that needs no data or model; the error names the flag and the fix."""
+    checks: list[tuple[bool, str]] = [
+        (config.backend in ("local", "pytrio"), f"--backend must be local or pytrio, got {config.backend!r}"),
+        (config.steps >= 1, f"--steps must be >= 1, got {config.steps}"),
+        (config.batch_size >= 1, f"--batch-size must be >= 1, got {config.batch_size}"),
+        (config.group_size >= 2, f"--group-size must be >= 2 (a group of one has no baseline), got {config.group_size}"),
+        (config.max_tokens >= 1, f"--max-tokens must be >= 1, got {config.max_tokens}"),
+        (config.temperature >= 0, f"--temperature must be >= 0, got {config.temperature}"),
+        (0 < config.top_p <= 1, f"--top-p must be in (0, 1], got {config.top_p}"),
+        (config.concurrency >= 1, f"--concurrency must be >= 1, got {config.concurrency}"),
+        (config.max_steps_off_policy >= 0, f"--max-steps-off-policy must be >= 0, got {config.max_steps_off_policy}"),
+        (1 <= config.num_substeps <= config.batch_size, f"--num-substeps must be in [1, --batch-size={config.batch_size}], got {config.num_substeps}"),
+        (config.epochs >= 1, f"--epochs must be >= 1, got {config.epochs}"),
+        (config.learning_rate > 0, f"--learning-rate must be > 0, got {config.learning_rate}"),
+        (0 <= config.beta1 < 1 and 0 <= config.beta2 < 1, f"--beta1/--beta2 must be in [0, 1), got {config.beta1}, {config.beta2}"),
+        (config.kl_coef >= 0, f"--kl-coef must be >= 0, got {config.kl_coef}"),
+        (config.eval_every >= 0, f"--eval-every must be >= 0, got {config.eval_every}"),
+        (config.eval_limit >= 1, f"--eval-limit must be >= 1, got {config.eval_limit}"),
+        (config.save_every >= 0, f"--save-every must be >= 0, got {config.save_every}"),
+        (config.max_retries >= 0, f"--max-retries must be >= 0, got {config.max_retries}"),
+        (config.swanlab_mode in SWANLAB_MODES, f"--swanlab-mode must be online, offline or disabled, got {config.swanlab_mode!r}"),
+        (config.advantage in ADVANTAGE_NAMES, f"--advantage {config.advantage!r} is not one of {', '.join(ADVANTAGE_NAMES)}"),
+        (config.kl_estimator in losses.KL_ESTIMATORS, f"--kl-estimator must be one of {', '.join(losses.KL_ESTIMATORS)}, got {config.kl_estimator!r}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def default_run_name(config: TrainConfig) -> str:
+    """`<loss>-seed<k>-<local time>`: unique per launch, readable in a listing."""
+    return f"{config.loss_fn}-seed{config.seed}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def resolve_run(config: TrainConfig) -> TrainConfig:
+    """The config with its derived run name and run directory filled in (done once, at start).
+
+    `steps` under `--all-data` depends on the dataset's size and is resolved by the loop.
+    """
+    run_name = config.run_name or (Path(config.run_dir).name if config.run_dir else default_run_name(config))
+    run_dir = config.run_dir or str(Path("runs") / run_name)
+    return attrs.evolve(config, run_name=run_name, run_dir=run_dir)
 
 
 FIELD_NAMES: frozenset[str] = frozenset(field.name for field in attrs.fields(TrainConfig))

@@ -28,7 +28,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from grpo.logging import read_metrics
+from grpo.run_dir import read_metrics
 
 METRICS_FILE = "metrics.jsonl"
 STEP_KEY = "step"
@@ -77,7 +77,7 @@ def read_run_metrics(run_dir: str | Path) -> MetricRows:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a `grpo train` run directory?")
-    return merge_rows_by_step(read_metrics(path))
+    return merge_rows_by_step(read_metrics(Path(run_dir)))
 
 
 def metric_keys(rows: Sequence[Mapping[str, Any]]) -> set[str]:

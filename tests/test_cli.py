@@ -14,7 +14,7 @@ import pytest
 
 from grpo.cli import build_parser, config_from_args, main
 from grpo.config import TrainConfig
-from grpo.logging import read_metrics
+from grpo.run_dir import read_metrics
 
 TINY_FLAGS = ["--batch-size", "2", "--group-size", "3", "--max-tokens", "24", "--eval-every", "0", "--concurrency", "4", "--num-substeps", "1"]
 
@@ -62,7 +62,7 @@ def test_sigint_mid_run_leaves_resumable_checkpoint_and_complete_logs(tmp_path: 
     command = [sys.executable, "-m", "grpo", "train", *TINY_FLAGS, "--steps", "400", "--run-dir", str(run_dir)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while time.time() < deadline and len(read_metrics(run_dir / "metrics.jsonl")) < 2:
+    while time.time() < deadline and len(read_metrics(run_dir)) < 2:
         time.sleep(0.2)
     assert process.poll() is None, process.communicate()
     process.send_signal(signal.SIGINT)
@@ -70,12 +70,12 @@ def test_sigint_mid_run_leaves_resumable_checkpoint_and_complete_logs(tmp_path: 
     assert process.returncode == 130, err
     assert "--resume" in err
     checkpoint = json.loads((run_dir / "checkpoint.json").read_text())
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == list(range(1, checkpoint["step"] + 1))
     # Resume and finish (fewer total steps than first asked, to stay quick).
     target = checkpoint["step"] + 1
     assert main(["train", "--resume", str(run_dir), "--steps", str(target)]) == 0
-    assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, target + 1))
+    assert [row["step"] for row in read_metrics(run_dir)] == list(range(1, target + 1))
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == target
 
 

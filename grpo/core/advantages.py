@@ -232,8 +232,8 @@ def kl_shaped_advantages(
     """
     mask = np.asarray(mask_N, dtype=bool)
     advantages = np.asarray(advantages_N, dtype=np.float64)
-    sampled = torch.as_tensor(np.asarray(sampling_logprobs_N), dtype=torch.float64)
-    reference = torch.as_tensor(np.asarray(ref_logprobs_N), dtype=torch.float64)
+    sampled = torch.tensor(np.asarray(sampling_logprobs_N), dtype=torch.float64)
+    reference = torch.tensor(np.asarray(ref_logprobs_N), dtype=torch.float64)
     if not advantages.shape == mask.shape == tuple(sampled.shape) == tuple(reference.shape):
         raise ValueError(
             f"advantages {advantages.shape}, sampling_logprobs {tuple(sampled.shape)}, "
