@@ -47,6 +47,7 @@ def test_every_loss_runs_with_every_reduction(tmp_path: Path, loss_fn: str) -> N
         assert [row["step"] for row in rows] == [1, 2]
         assert all(np.isfinite(row["reward"]) for row in rows)
         trained = [row for row in rows if row["datums"] > 0]
+        assert trained, f"no step of {loss_fn}/{reduction} trained: every group was degenerate"
         for row in trained:
             assert np.isfinite(row["loss"]), (loss_fn, reduction, row)
             assert f"{loss_fn}/train_tokens" in row
