@@ -1,6 +1,6 @@
 """Group advantages: how much better each completion scored than the others of its prompt.
 
-For the rewards R_1..R_G of one prompt (FORMULAS.md "Group advantages"):
+For the rewards R_1..R_G of one prompt (docs/FORMULAS.md "Group advantages"):
 - `center` (seed demo, Dr. GRPO): A_i = R_i − mean(R)
 - `standardize` (DeepSeekMath): A_i = (R_i − mean(R)) / (std(R) + ε), std with ddof 0, ε = 1e-8
 - `rloo` (leave one out): A_i = R_i − mean_{j≠i} R_j = G/(G−1)·(R_i − mean(R)); 0 when G = 1

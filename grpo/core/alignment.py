@@ -1,7 +1,7 @@
 """Token alignment: a prompt and its completion as next-token training arrays, and packing.
 
 For prompt P (length p >= 1), completion C (length c >= 1), sampler log-probs lp(C) and
-the completion's advantage A (FORMULAS.md "Token alignment"), all of length p + c − 1:
+the completion's advantage A (docs/FORMULAS.md "Token alignment"), all of length p + c − 1:
 - input_tokens      = P + C[:-1]
 - target_tokens     = [pad]·(p − 1) + C
 - sampling_logprobs = [0]·(p − 1) + lp(C)
