@@ -114,6 +114,8 @@ class RunState:
     """Updates applied, at batch granularity: one per trained step."""
     weights_dirty: bool = False
     """True from the first optimizer step of a step until its row is logged."""
+    probe_datums: Any = None
+    """The last minibatch, stripped to targets: a checkpoint is refused if its log-probs are not finite."""
     sampler: Any = None
     sampler_version: int = -1
     jobs: dict[int, RolloutJob] = attrs.Factory(dict)
@@ -268,6 +270,7 @@ def update(run: Run, state: RunState, batch: TokenBatch) -> dict[str, float]:
             output = _retry(run, lambda: submit().result(), "forward_backward")
             metrics = update_metrics(spec, output_logprobs(output.loss_fn_outputs), minibatch)
             if not math.isfinite(metrics["loss"]):
+                state.weights_dirty = True  # the weights that gave this loss are not checkpointed
                 raise NonFiniteUpdate(
                     f"the loss of update {len(collected) + 1} is {metrics['loss']}: the trainer's "
                     "log-probs are not finite (diverged weights?); lower --learning-rate"
@@ -276,6 +279,7 @@ def update(run: Run, state: RunState, batch: TokenBatch) -> dict[str, float]:
             _retry(run, lambda: client.optim_step(run.adam).result(), "optim_step")
             fault_point("optim")
             collected.append(metrics)
+    state.probe_datums = forward_only(datums)
     averaged = {key: float(np.mean([m[key] for m in collected])) for key in collected[0]}
     averaged["ratio/max_abs_log"] = max(m["ratio/max_abs_log"] for m in collected)
     averaged["optim_steps"] = float(len(collected))
@@ -306,7 +310,23 @@ def log_step(run: Run, state: RunState, step: int, metrics: dict[str, float], wr
 
 
 def save_checkpoint(run: Run, state: RunState, name: str) -> None:
-    """A resumable checkpoint of the weights of step ``state.completed``."""
+    """A resumable checkpoint of the weights of step ``state.completed``, if they are sound.
+
+    One forward of the last minibatch first: weights that give non-finite log-probs (a
+    diverged update) are never saved as resumable (NonFiniteUpdate instead).
+    """
+    if state.probe_datums is not None:
+        probe = _retry(
+            run, lambda: run.training_client.forward(state.probe_datums, loss_fn="cross_entropy").result(),
+            "forward (checkpoint check)",
+        )
+        if not np.isfinite(output_logprobs(probe.loss_fn_outputs)).all():
+            state.weights_dirty = True
+            raise NonFiniteUpdate(
+                f"the weights after step {state.completed} give non-finite log-probs (a diverged "
+                f"update); they are not checkpointed, the last good checkpoint is step "
+                f"{state.last_saved_step}; lower --learning-rate"
+            )
     result = _retry(run, lambda: run.training_client.save_state(name).result(), "save_state")
     fault_point("save")
     rundir.write_checkpoint(

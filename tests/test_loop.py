@@ -385,3 +385,12 @@ def test_two_runs_cannot_own_one_directory(tmp_path: Path) -> None:
     with rundir.owned(tmp_path / "run"):
         with pytest.raises(rundir.RunDirError, match=r"in use by pid \d+"):
             quiet_train(config)
+
+
+def test_diverged_weights_stop_the_run_and_are_never_checkpointed(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, steps=4, learning_rate=1e30, save_every=1)
+    with pytest.raises(RunStopped, match="NonFiniteUpdate: the weights after step 1 give non-finite") as stopped:
+        quiet_train(config)
+    assert stopped.value.exit_code == 1
+    assert rundir.read_checkpoint(tmp_path / "run") is None
+    assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1]
