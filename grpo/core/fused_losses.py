@@ -10,10 +10,11 @@ plain (slow, many-temporaries) statement of the math, which is how the tests che
 
 Inputs: ``logprobs``, ``sampling_logprobs``, ``advantages`` are flat float tensors,
 ``mask`` a bool tensor of the same length (masked positions contribute nothing, whatever
-finite or infinite values they hold), ``derivative`` a 0-d or flat tensor, config values
+values they hold, NaN included), ``derivative`` a 0-d or flat tensor, config values
 0-d tensors (tensors, not floats, so that a new threshold does not recompile).
 ``dual_clip`` = +inf means no dual clip. Statistics are sums, counts and extremes; the
-caller divides by the selected count.
+caller divides by the selected count. Each form also counts the selected positions where
+an input is NaN or ±inf, in the same loop: the caller rejects the batch when it is not 0.
 """
 
 from __future__ import annotations
@@ -33,11 +34,21 @@ __all__ = [
 
 
 class FusedTerms(NamedTuple):
-    """Σ d·o, the gradient −d·∂o/∂lp (None when not asked for) and the statistics."""
+    """Σ d·o, the gradient −d·∂o/∂lp (None when not asked for), the statistics, and how
+    many selected positions hold a non-finite input (then the rest is meaningless)."""
 
     total: Tensor
     gradient: Tensor | None
     statistics: dict[str, Tensor]
+    nonfinite: Tensor
+
+
+def _nonfinite_count(
+    logprobs: Tensor, sampling_logprobs: Tensor, advantages: Tensor, mask: Tensor
+) -> Tensor:
+    """Selected positions where lp, lp_old or A is NaN or ±inf."""
+    finite = torch.isfinite(logprobs) & torch.isfinite(sampling_logprobs)
+    return (mask & ~(finite & torch.isfinite(advantages))).sum()
 
 
 def _ratio(logprobs: Tensor, sampling_logprobs: Tensor) -> tuple[Tensor, Tensor]:
@@ -87,7 +98,9 @@ def fused_importance_sampling(
     _, ratio = _ratio(logprobs, sampling_logprobs)
     objective = ratio * advantages
     total, gradient = _finish(objective, objective, derivative, mask, want_gradient)
-    return FusedTerms(total, gradient, {**_ratio_statistics(ratio, mask), **_no_clips(ratio)})
+    statistics = {**_ratio_statistics(ratio, mask), **_no_clips(ratio)}
+    nonfinite = _nonfinite_count(logprobs, sampling_logprobs, advantages, mask)
+    return FusedTerms(total, gradient, statistics, nonfinite)
 
 
 def fused_ppo(
@@ -107,6 +120,7 @@ def fused_ppo(
     where the dual clip c·A is the larger term.
     """
     _, ratio = _ratio(logprobs, sampling_logprobs)
+    nonfinite = _nonfinite_count(logprobs, sampling_logprobs, advantages, mask)
     advantages = torch.where(mask, advantages, 0.0)
     negative = advantages < 0
     below = ratio < clip_low_threshold
@@ -128,7 +142,7 @@ def fused_ppo(
     }
     slope = torch.where(clipped_side | dual_active, 0.0, unclipped)
     total, gradient = _finish(objective, slope, derivative, mask, want_gradient)
-    return FusedTerms(total, gradient, statistics)
+    return FusedTerms(total, gradient, statistics, nonfinite)
 
 
 def fused_cispo(
@@ -155,7 +169,8 @@ def fused_cispo(
         "clipped_ratio_mean": torch.where(mask, clipped_ratio, 0.0).sum(),
     }
     total, gradient = _finish(weight * logprobs, weight, derivative, mask, want_gradient)
-    return FusedTerms(total, gradient, statistics)
+    nonfinite = _nonfinite_count(logprobs, sampling_logprobs, advantages, mask)
+    return FusedTerms(total, gradient, statistics, nonfinite)
 
 
 def fused_dro(
@@ -172,4 +187,6 @@ def fused_dro(
     objective = logprobs * advantages - beta / 2 * log_ratio * log_ratio
     slope = advantages - beta * log_ratio
     total, gradient = _finish(objective, slope, derivative, mask, want_gradient)
-    return FusedTerms(total, gradient, {**_ratio_statistics(ratio, mask), **_no_clips(ratio)})
+    statistics = {**_ratio_statistics(ratio, mask), **_no_clips(ratio)}
+    nonfinite = _nonfinite_count(logprobs, sampling_logprobs, advantages, mask)
+    return FusedTerms(total, gradient, statistics, nonfinite)
