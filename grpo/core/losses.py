@@ -38,8 +38,9 @@ selection gives loss 0 with a zero gradient.
 Numbers never poison a step: a NaN or ±inf in ``logprobs``, ``sampling_logprobs`` or the
 advantages (weights) at a masked-in position, and a mask value other than 0 and 1, raise
 a ValueError naming the tensor and the first bad index (``sampling_logprobs[17] is nan at
-a masked-in position``). The check is one reduction per tensor (inside the fused form's
-single loop on the compiled path); the index is only searched for when it fails.
+a masked-in position``). The check costs one inner product on the eager path and an add
+and a multiply a position inside the fused form's single loop; the index is only
+searched for when it fails.
 float16 and bfloat16 inputs are computed in float32: the loss is float32 and the gradient
 flows back to ``logprobs`` in its own dtype.
 
@@ -303,8 +304,8 @@ class _Inputs(NamedTuple):
     """A kernel call's inputs, validated: flat detached values and the selection.
 
     Values are in the compute dtype (float32 for low-precision logprobs) and not yet
-    checked for finiteness: ``_finite`` does that for the eager kernel, the fused form
-    counts non-finite masked-in values in its own loop.
+    checked for finiteness: ``_pack_finite`` does that for the eager kernel; a fused
+    form's total is NaN where one is not finite.
     """
 
     logprobs: Tensor
@@ -368,29 +369,6 @@ def _nonfinite_error(inputs: _Inputs) -> ValueError | None:
     return None
 
 
-def _finite(inputs: _Inputs) -> _Inputs:
-    """The inputs with non-finite masked-out values set to 0; ValueError at a masked-in one.
-
-    Fast path: a sum is finite only if every summand is, so one sum per tensor (one
-    device sync for all) clears the usual batch; a non-finite sum (a NaN somewhere, or an
-    overflowing sum of finite values) takes the exact elementwise check.
-    """
-    named = _named_values(inputs)
-    if bool(torch.stack([values.sum() for values in named.values()]).isfinite().all()):
-        return inputs
-    error = _nonfinite_error(inputs)
-    if error is not None:
-        raise error
-    cleaned = {
-        name: torch.where(torch.isfinite(values), values, 0.0) for name, values in named.items()
-    }
-    return inputs._replace(
-        logprobs=cleaned["logprobs"],
-        sampling_logprobs=cleaned.get("sampling_logprobs"),
-        advantages=cleaned[inputs.weight_name],
-    )
-
-
 def _pack(inputs: _Inputs) -> _Units:
     """The inputs as token units, with the log-ratio and the advantages masked."""
     values, old, advantages, selected, count, lengths, _ = inputs
@@ -420,6 +398,36 @@ def _pack(inputs: _Inputs) -> _Units:
         seq_lens=lengths,
         unit_count=count,
         token_count=count,
+    )
+
+
+def _pack_finite(inputs: _Inputs) -> _Units:
+    """``_pack``, after rejecting a non-finite masked-in value (ValueError naming it) and
+    replacing non-finite masked-out values by 0.
+
+    One pass checks everything: Σ_t x_t·A_t with x the packed log-ratio (lp − lp_old, or lp
+    without lp_old) is finite only if every x_t and A_t is (inf·0 is NaN, and a masked-out
+    NaN survives the mask's multiply). Only a non-finite sum, which finite values
+    overflowing it can also give, takes the exact check and the repacking.
+    """
+    tokens = _pack(inputs)
+    first = tokens.logprobs if tokens.log_ratio is None else tokens.log_ratio
+    assert first is not None
+    if bool(torch.dot(first, tokens.advantages).isfinite()):
+        return tokens
+    error = _nonfinite_error(inputs)
+    if error is not None:
+        raise error
+    cleaned = {
+        name: torch.where(torch.isfinite(values), values, 0.0)
+        for name, values in _named_values(inputs).items()
+    }
+    return _pack(
+        inputs._replace(
+            logprobs=cleaned["logprobs"],
+            sampling_logprobs=cleaned.get("sampling_logprobs"),
+            advantages=cleaned[inputs.weight_name],
+        )
     )
 
 
@@ -800,10 +808,10 @@ def _run_fused(
             stacklevel=3,
         )
         return None
-    if bool(terms.nonfinite):
+    if not bool(terms.total.isfinite()):  # a non-finite input, or a sum that overflowed
         error = _nonfinite_error(inputs)
-        assert error is not None  # the form counted a non-finite masked-in value
-        raise error
+        if error is not None:
+            raise error
     loss = terms.total.neg()
     if want_gradient:
         assert terms.gradient is not None
@@ -905,7 +913,7 @@ class LossKernel:
             result = _run_fused(form, inputs, logprobs, reduction, norm_length, resolved)
             if result is not None:
                 return result
-        tokens = _pack(_finite(inputs))
+        tokens = _pack_finite(inputs)
         units = tokens.per_sequence() if self.sequence_level else tokens
         terms = self.objective(units, **resolved)
         total, derivative = _aggregate(terms.objective, units, reduction, norm_length)
