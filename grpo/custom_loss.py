@@ -72,12 +72,21 @@ def _datum_mask(
     else:
         name, selector = weight_input, _input(datum, weight_input, np.float32, index)
     _check_length(name, selector, targets.size, index)
+    if name == "mask":
+        not_binary = (selector != 0) & (selector != 1)
+        if not_binary.any():
+            position = int(np.flatnonzero(not_binary)[0])
+            raise ValueError(
+                f"mask holds {selector[position]} at position {position}{_at_datum(index)}, but "
+                "a mask holds only 0 and 1; to weight positions, scale the advantages instead"
+            )
     return (selector != 0) & (targets != IGNORE_INDEX)
 
 
 def datum_mask(datum: Datum, *, weight_input: str = "advantages") -> np.ndarray:
-    """Training positions of a datum: ``mask != 0`` if it has a ``mask`` entry, else
-    ``weight_input != 0`` (advantages; weights for cross_entropy); never a target of −100."""
+    """Training positions of a datum: ``mask == 1`` if it has a ``mask`` entry (of 0s and 1s:
+    anything else raises ValueError), else ``weight_input != 0`` (advantages; weights for
+    cross_entropy); never a target of −100."""
     targets = _input(datum, "target_tokens", np.int64, None)
     return _datum_mask(datum, targets, None, weight_input, None)
 
