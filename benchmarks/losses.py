@@ -22,7 +22,7 @@ under torch's default thread count, it times:
   compiled afresh under each thread setting; its build time is printed), or "n/a (reason)";
   `--quick` compiles only the first kernel's form, `--no-compile` none;
 - (d) the input checks (finite masked-in values, binary mask): forward+backward at 256k and
-  2M tokens (--quick: 256k), 1 thread, eager and fused, with the checks and without them
+  2M tokens (--quick: 256k and the first kernel only), 1 thread, eager and fused, with the checks and without them
   (the same code with `_pack_finite` plain `_pack` and no probe in the fused forms' total), the two
   timed alternately in the same run; `--checks-only` runs this part alone.
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -294,7 +295,8 @@ def compile_fused(kernel: LossKernel, batch: PackedBatch) -> Compiled:
 # --- (d) the input checks --------------------------------------------------------------------
 
 CHECK_SIZES = (262_144, 2_097_152)
-CHECK_ROUNDS = 3  # alternate checked and unchecked timings this often; best of all rounds
+CHECK_ROUNDS = 12  # alternate checked and unchecked timings this often (a few calls each)
+CHECK_REPEATS = 3
 
 
 def _finish_unprobed(
@@ -344,15 +346,19 @@ class CheckRow:
     unchecked: Timing
 
 
-def time_checks(batch: PackedBatch, *, repeats: int, budget_s: float) -> list[CheckRow]:
-    """Every kernel's forward+backward with the input checks and without, alternately (1 thread)."""
+def time_checks(batch: PackedBatch, kernels: Sequence[LossKernel], *, rounds: int, budget_s: float) -> list[CheckRow]:
+    """Every kernel's forward+backward with the input checks and without, alternately (1 thread).
+
+    Each round times a few calls of each; a row's best is the best call of all rounds, its
+    median the median of the rounds' bests (load spikes on a shared machine hit single rounds).
+    """
     flat = batch.logprobs_N.clone().requires_grad_(True)
 
     def clear() -> None:
         flat.grad = None
 
     rows = []
-    for kernel in LOSSES.values():
+    for kernel in kernels:
         paths = [("eager", False)] + ([("fused", True)] if kernel.fused_form is not None else [])
         for path, fused in paths:
             unchecked = unchecked_kernel(kernel)
@@ -368,12 +374,16 @@ def time_checks(batch: PackedBatch, *, repeats: int, budget_s: float) -> list[Ch
                 warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager is no fused timing
                 checked_call()
                 unchecked_call()  # compiles the unchecked copy of the form
-            timings: dict[str, list[Timing]] = {"checked": [], "unchecked": []}
-            for _ in range(CHECK_ROUNDS):
+            timings: dict[str, list[float]] = {"checked": [], "unchecked": []}
+            for _ in range(rounds):
                 for label, call in (("checked", checked_call), ("unchecked", unchecked_call)):
-                    timings[label].append(measure(call, repeats=repeats, budget_s=budget_s, setup=clear))
-            best = {label: min(found, key=lambda timing: timing.best_s) for label, found in timings.items()}
-            rows.append(CheckRow(kernel.name, batch.num_tokens, path, best["checked"], best["unchecked"]))
+                    timing = measure(call, repeats=CHECK_REPEATS, budget_s=budget_s, setup=clear)
+                    timings[label].append(timing.best_s)
+            summary = {
+                label: Timing(best_s=min(found), median_s=statistics.median(found), repeats=len(found))
+                for label, found in timings.items()
+            }
+            rows.append(CheckRow(kernel.name, batch.num_tokens, path, summary["checked"], summary["unchecked"]))
     return rows
 
 
@@ -395,16 +405,21 @@ def check_table(rows: Sequence[CheckRow]) -> str:
     return markdown_table(header, cells)
 
 
-def run_checks(batches: dict[int, PackedBatch], sizes: Sequence[int], *, repeats: int, budget_s: float) -> None:
-    """Print (d): the cost of the input checks at `sizes`, 1 thread."""
+def run_checks(
+    batches: dict[int, PackedBatch], sizes: Sequence[int], *, quick: bool, budget_s: float
+) -> None:
+    """Print (d): the cost of the input checks at `sizes`, 1 thread (--quick: the first kernel)."""
     rows: list[CheckRow] = []
+    kernels = list(LOSSES.values())[:1] if quick else list(LOSSES.values())
+    rounds = 2 if quick else CHECK_ROUNDS
     with torch_threads(1):
         for num_tokens in sizes:
-            rows += time_checks(batches[num_tokens], repeats=repeats, budget_s=budget_s)
+            rows += time_checks(batches[num_tokens], kernels, rounds=rounds, budget_s=budget_s)
     print("### input checks (forward+backward, torch 1 thread, finite masked-in values + binary mask)\n")
     print(
-        f"checked and unchecked timed alternately, {CHECK_ROUNDS} rounds; best of all rounds; "
-        "bool mask (a float mask adds one comparison pass)\n"
+        f"checked and unchecked timed alternately, {rounds} rounds of {CHECK_REPEATS} calls each; "
+        "best: the best call; median: the median of the rounds' bests; bool mask (a float mask "
+        "adds one comparison pass)\n"
     )
     print(check_table(rows))
     print()
@@ -682,7 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.no_compile:
             parser.error("--checks-only times the fused forms too; drop --no-compile")
         batches = {num_tokens: make_batch(num_tokens, seed=index) for index, num_tokens in enumerate(check_sizes)}
-        run_checks(batches, check_sizes, repeats=repeats, budget_s=budget_s)
+        run_checks(batches, check_sizes, quick=args.quick, budget_s=budget_s)
         return 0
     batches = {num_tokens: make_batch(num_tokens, seed=index) for index, num_tokens in enumerate(sizes)}
     for kernel in LOSSES.values():
@@ -724,7 +739,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         sys.stdout.flush()
     if not args.no_compile:
-        run_checks(batches, check_sizes, repeats=repeats, budget_s=budget_s)
+        run_checks(batches, check_sizes, quick=args.quick, budget_s=budget_s)
     return 0
 
 
