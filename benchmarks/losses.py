@@ -22,9 +22,10 @@ under torch's default thread count, it times:
   compiled afresh under each thread setting; its build time is printed), or "n/a (reason)";
   `--quick` compiles only the first kernel's form, `--no-compile` none;
 - (d) the input checks (finite masked-in values, binary mask): forward+backward at 256k and
-  2M tokens (--quick: 256k and the first kernel only), 1 thread, eager and fused, with the checks and without them
-  (the same code with `_pack_finite` plain `_pack` and no probe in the fused forms' total), the two
-  timed alternately in the same run; `--checks-only` runs this part alone.
+  2M tokens (--quick: 256k and the first kernel only), 1 thread, eager and fused, with the
+  checks and without them (the same code with `_pack_finite` plain `_pack` and no probe in
+  the fused forms' total), the two timed alternately in the same run; `--checks-only` runs
+  this part alone.
 
 Targets (issue 5): forward+backward at least 20x faster than the loop at 256 sequences x
 1024 tokens; within 4x of the roofline at 2M tokens and above. `--keep-freed-memory` makes
@@ -300,7 +301,12 @@ CHECK_REPEATS = 3
 
 
 def _finish_unprobed(
-    objective: Tensor, slope: Tensor, derivative: Tensor, mask: Tensor, want_gradient: bool, probe: Tensor
+    objective: Tensor,
+    slope: Tensor,
+    derivative: Tensor,
+    mask: Tensor,
+    want_gradient: bool,
+    probe: Tensor,
 ) -> tuple[Tensor, Tensor | None]:
     """`fused_losses._finish` without the finiteness probe."""
     total = torch.where(mask, objective * derivative, 0.0).sum()
@@ -346,7 +352,9 @@ class CheckRow:
     unchecked: Timing
 
 
-def time_checks(batch: PackedBatch, kernels: Sequence[LossKernel], *, rounds: int, budget_s: float) -> list[CheckRow]:
+def time_checks(
+    batch: PackedBatch, kernels: Sequence[LossKernel], *, rounds: int, budget_s: float
+) -> list[CheckRow]:
     """Every kernel's forward+backward with the input checks and without, alternately (1 thread).
 
     Each round times a few calls of each; a row's best is the best call of all rounds, its
@@ -371,7 +379,8 @@ def time_checks(batch: PackedBatch, kernels: Sequence[LossKernel], *, rounds: in
                     kernel_loss(kernel, flat, batch, fused=fused).backward()
 
             with warnings.catch_warnings():
-                warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager is no fused timing
+                # A fallback to eager would be no fused timing.
+                warnings.simplefilter("error", RuntimeWarning)
                 checked_call()
                 unchecked_call()  # compiles the unchecked copy of the form
             timings: dict[str, list[float]] = {"checked": [], "unchecked": []}
@@ -380,10 +389,11 @@ def time_checks(batch: PackedBatch, kernels: Sequence[LossKernel], *, rounds: in
                     timing = measure(call, repeats=CHECK_REPEATS, budget_s=budget_s, setup=clear)
                     timings[label].append(timing.best_s)
             summary = {
-                label: Timing(best_s=min(found), median_s=statistics.median(found), repeats=len(found))
+                label: Timing(min(found), statistics.median(found), len(found))
                 for label, found in timings.items()
             }
-            rows.append(CheckRow(kernel.name, batch.num_tokens, path, summary["checked"], summary["unchecked"]))
+            checked, unchecked = summary["checked"], summary["unchecked"]
+            rows.append(CheckRow(kernel.name, batch.num_tokens, path, checked, unchecked))
     return rows
 
 
@@ -401,7 +411,15 @@ def check_table(rows: Sequence[CheckRow]) -> str:
         ]
         for row in rows
     ]
-    header = ["kernel", "tokens", "path", "unchecked ms", "checked ms", "overhead (best)", "overhead (median)"]
+    header = [
+        "kernel",
+        "tokens",
+        "path",
+        "unchecked ms",
+        "checked ms",
+        "overhead (best)",
+        "overhead (median)",
+    ]
     return markdown_table(header, cells)
 
 
@@ -415,7 +433,10 @@ def run_checks(
     with torch_threads(1):
         for num_tokens in sizes:
             rows += time_checks(batches[num_tokens], kernels, rounds=rounds, budget_s=budget_s)
-    print("### input checks (forward+backward, torch 1 thread, finite masked-in values + binary mask)\n")
+    print(
+        "### input checks (forward+backward, torch 1 thread, "
+        "finite masked-in values + binary mask)\n"
+    )
     print(
         f"checked and unchecked timed alternately, {rounds} rounds of {CHECK_REPEATS} calls each; "
         "best: the best call; median: the median of the rounds' bests; bool mask (a float mask "
@@ -668,7 +689,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="glibc keeps freed memory (mallopt) so temporaries reuse pages instead of faulting them in",
     )
     parser.add_argument(
-        "--checks-only", action="store_true", help="time only the input checks (d), at 256k and 2M tokens"
+        "--checks-only",
+        action="store_true",
+        help="time only the input checks (d), at 256k and 2M tokens",
     )
     args = parser.parse_args(argv)
     if args.keep_freed_memory and not keep_freed_memory():
@@ -696,7 +719,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.checks_only:
         if args.no_compile:
             parser.error("--checks-only times the fused forms too; drop --no-compile")
-        batches = {num_tokens: make_batch(num_tokens, seed=index) for index, num_tokens in enumerate(check_sizes)}
+        batches = {size: make_batch(size, seed=index) for index, size in enumerate(check_sizes)}
         run_checks(batches, check_sizes, quick=args.quick, budget_s=budget_s)
         return 0
     batches = {num_tokens: make_batch(num_tokens, seed=index) for index, num_tokens in enumerate(sizes)}

@@ -920,6 +920,8 @@ class LossKernel:
         loss = total.neg_()
         if logprobs.requires_grad and torch.is_grad_enabled():
             gradient = _loss_gradient(terms, derivative, tokens, units)
+            # Autograd would cast a float32 gradient too, but only at backward: casting now
+            # holds half the memory until then and hands over the tensor without a copy.
             loss = _KnownGradient.apply(logprobs, loss, gradient.to(logprobs.dtype))
         device = logprobs.device
         return loss, _metrics(loss, units.unit_count, units.token_count, terms.statistics, device)

@@ -492,10 +492,12 @@ def test_optim_step_refuses_a_non_finite_gradient_norm_and_changes_nothing(servi
     overflowing = []
     for datum in datums:
         trained = np.asarray(datum.loss_fn_inputs["advantages"].data) != 0
-        overflowing.append(_with_input(datum, "logprobs", np.where(trained, -200.0, 0.0).astype(np.float32)))
+        sampling_logprobs = np.where(trained, -200.0, 0.0).astype(np.float32)
+        overflowing.append(_with_input(datum, "logprobs", sampling_logprobs))
     client.forward_backward(overflowing, "importance_sampling").result()
     assert any(g is not None and not torch.isfinite(g).all() for g in gradients(client))
-    with pytest.raises(ValidationError, match="optimizer step 2 refused: the gradient norm is (nan|inf)") as error:
+    refused = "optimizer step 2 refused: the gradient norm is (nan|inf)"
+    with pytest.raises(ValidationError, match=refused) as error:
         client.optim_step(ADAM).result()
     assert error.value.code == "validation.non_finite_gradient"
     assert all(torch.equal(weights[key], value) for key, value in lora_state(client).items())
@@ -513,11 +515,13 @@ def test_save_state_refuses_non_finite_weights_and_keeps_the_last_checkpoint(ser
     good = client.save_state("latest").result()
     parameter = client._parameters[0]
     service._engine.run(lambda: parameter.data.view(-1)[0].fill_(float("nan")))
-    with pytest.raises(ValidationError, match=r"save_state\('latest'\) refused after optimizer step 1: LoRA tensor .* holds NaN") as error:
+    refused = r"save_state\('latest'\) refused after optimizer step 1: LoRA tensor .* holds NaN"
+    with pytest.raises(ValidationError, match=refused) as error:
         client.save_state("latest", overwrite=True).result()
     assert error.value.code == "validation.non_finite_weights"
     with pytest.raises(ValidationError) as error:
         client.save_state("other").result()
+    assert error.value.code == "validation.non_finite_weights"
     directory = Path(good.path.removeprefix("local://"))
     assert [path.name for path in directory.parent.iterdir()] == ["latest"]
     restored = service.create_training_client_from_state_with_optimizer(good.path)
