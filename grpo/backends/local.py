@@ -30,7 +30,7 @@ How it differs from the service, on purpose:
   model that are NaN or ±inf (diverged weights), a non-finite custom loss or custom-loss
   gradient, a non-finite gradient norm in ``optim_step`` (its gradients are dropped; the
   weights, optimizer state and step count stay), and ``save_state`` of weights that are
-  not finite or give non-finite log-probs.
+  not finite or give non-finite log-probs (one forward over 8 probe tokens per save).
 - Checkpoints are PEFT adapter directories under ``root`` (see ``_local_checkpoint``),
   addressed as ``local://<directory>``; ``ttl_seconds`` is recorded, never enforced.
 - Randomness: ``LocalServiceClient(seed=...)`` seeds a generator that supplies the LoRA
@@ -474,9 +474,8 @@ class LocalTrainingClient:
             if isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):
                 shown = loss.item() if loss.numel() == 1 else loss.detach().flatten()[:4].tolist()
                 raise ValidationError(
-                    f"the custom loss is {shown}, not finite; no "
-                    "gradient was applied: check loss_fn for a log of 0, a division by 0 or an "
-                    "overflowing exp",
+                    f"the custom loss is {shown}, not finite; no gradient was applied: check "
+                    "loss_fn for a log of 0, a division by 0 or an overflowing exp",
                     code="validation.non_finite_custom_loss",
                 )
             loss.backward()
