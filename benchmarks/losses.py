@@ -1,6 +1,6 @@
 """Loss kernels: forward and forward+backward throughput against a per-datum loop and the roofline.
 
-`python -m benchmarks.losses [--quick] [--no-compile]`
+`python -m benchmarks.losses [--quick] [--no-compile] [--checks-only]`
 
 For every kernel in `grpo.core.losses.LOSSES` (registry defaults, reduction "sum"), on
 float32 CPU batches of ragged sequences (mean length 1024, ~30% of positions masked as
@@ -20,7 +20,12 @@ under torch's default thread count, it times:
   13 bytes a token, 9 without lp_old; backward also writes the float32 gradient: +4);
 - (c) `torch.compile`: the fused column is the kernel's compiled form (`fused_losses`,
   compiled afresh under each thread setting; its build time is printed), or "n/a (reason)";
-  `--quick` compiles only the first kernel's form, `--no-compile` none.
+  `--quick` compiles only the first kernel's form, `--no-compile` none;
+- (d) the input checks (finite masked-in values, binary mask): forward+backward at 256k and
+  2M tokens (--quick: 256k and the first kernel only), 1 thread, eager and fused, with the
+  checks and without them (the same code with `_pack_finite` plain `_pack` and no probe in
+  the fused forms' total), the two timed alternately in the same run; `--checks-only` runs
+  this part alone.
 
 Targets (issue 5): forward+backward at least 20x faster than the loop at 256 sequences x
 1024 tokens; within 4x of the roofline at 2M tokens and above. `--keep-freed-memory` makes
@@ -31,12 +36,15 @@ transparent huge pages (512x fewer page faults on a fresh gradient).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
+import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import attrs
 import numpy as np
@@ -55,6 +63,7 @@ from benchmarks.common import (
     torch_threads,
 )
 import grpo.core.losses as losses_module
+from grpo.core import fused_losses
 from grpo.core.losses import FUSED_MIN_TOKENS, LOSSES, LossKernel
 
 SIZES = (16_384, 262_144, 2_097_152, 8_388_608)
@@ -282,6 +291,160 @@ def compile_fused(kernel: LossKernel, batch: PackedBatch) -> Compiled:
             first_line = (str(error).strip().splitlines() or [""])[0][:160]
             return Compiled(available=False, compile_s=0.0, reason=f"n/a ({first_line})")
     return Compiled(available=True, compile_s=time.perf_counter() - started, reason="")
+
+
+# --- (d) the input checks --------------------------------------------------------------------
+
+CHECK_SIZES = (262_144, 2_097_152)
+CHECK_ROUNDS = 12  # alternate checked and unchecked timings this often (a few calls each)
+CHECK_REPEATS = 3
+
+
+def _finish_unprobed(
+    objective: Tensor,
+    slope: Tensor,
+    derivative: Tensor,
+    mask: Tensor,
+    want_gradient: bool,
+    probe: Tensor,
+) -> tuple[Tensor, Tensor | None]:
+    """`fused_losses._finish` without the finiteness probe."""
+    total = torch.where(mask, objective * derivative, 0.0).sum()
+    return total, torch.where(mask, slope * -derivative, 0.0) if want_gradient else None
+
+
+def unchecked_kernel(kernel: LossKernel) -> LossKernel:
+    """`kernel` whose fused form adds no finiteness probe to its total (from a second copy of
+    the module, so that both forms compile side by side)."""
+    if kernel.fused_form is None:
+        return kernel
+    name = "benchmarks._unchecked_fused_losses"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, fused_losses.__file__)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # torch.compile finds a function's module by name
+        spec.loader.exec_module(module)
+        module._finish = _finish_unprobed  # type: ignore[attr-defined]
+    return attrs.evolve(kernel, fused_form=getattr(module, kernel.fused_form.__name__))
+
+
+@contextmanager
+def eager_checks_off() -> Iterator[None]:
+    """The eager kernel without its finiteness check (`_pack_finite` is plain `_pack`)."""
+    checked = losses_module._pack_finite
+    losses_module._pack_finite = losses_module._pack
+    try:
+        yield
+    finally:
+        losses_module._pack_finite = checked
+
+
+@attrs.frozen
+class CheckRow:
+    """Forward+backward of one kernel at one size on one path, with and without the input checks."""
+
+    kernel: str
+    num_tokens: int
+    path: str
+    checked: Timing
+    unchecked: Timing
+
+
+def time_checks(
+    batch: PackedBatch, kernels: Sequence[LossKernel], *, rounds: int, budget_s: float
+) -> list[CheckRow]:
+    """Every kernel's forward+backward with the input checks and without, alternately (1 thread).
+
+    Each round times a few calls of each; a row's best is the best call of all rounds, its
+    median the median of the rounds' bests (load spikes on a shared machine hit single rounds).
+    """
+    flat = batch.logprobs_N.clone().requires_grad_(True)
+
+    def clear() -> None:
+        flat.grad = None
+
+    rows = []
+    for kernel in kernels:
+        paths = [("eager", False)] + ([("fused", True)] if kernel.fused_form is not None else [])
+        for path, fused in paths:
+            unchecked = unchecked_kernel(kernel)
+
+            def checked_call(kernel: LossKernel = kernel, fused: bool = fused) -> None:
+                kernel_loss(kernel, flat, batch, fused=fused).backward()
+
+            def unchecked_call(kernel: LossKernel = unchecked, fused: bool = fused) -> None:
+                with eager_checks_off():
+                    kernel_loss(kernel, flat, batch, fused=fused).backward()
+
+            with warnings.catch_warnings():
+                # A fallback to eager would be no fused timing.
+                warnings.simplefilter("error", RuntimeWarning)
+                checked_call()
+                unchecked_call()  # compiles the unchecked copy of the form
+            timings: dict[str, list[float]] = {"checked": [], "unchecked": []}
+            for _ in range(rounds):
+                for label, call in (("checked", checked_call), ("unchecked", unchecked_call)):
+                    timing = measure(call, repeats=CHECK_REPEATS, budget_s=budget_s, setup=clear)
+                    timings[label].append(timing.best_s)
+            summary = {
+                label: Timing(min(found), statistics.median(found), len(found))
+                for label, found in timings.items()
+            }
+            checked, unchecked = summary["checked"], summary["unchecked"]
+            rows.append(CheckRow(kernel.name, batch.num_tokens, path, checked, unchecked))
+    return rows
+
+
+def check_table(rows: Sequence[CheckRow]) -> str:
+    """Checked vs unchecked forward+backward, and the checks' share."""
+    cells = [
+        [
+            row.kernel,
+            size_label(row.num_tokens),
+            row.path,
+            millis(row.unchecked.best_s),
+            millis(row.checked.best_s),
+            f"{(row.checked.best_s / row.unchecked.best_s - 1) * 100:+.1f}%",
+            f"{(row.checked.median_s / row.unchecked.median_s - 1) * 100:+.1f}%",
+        ]
+        for row in rows
+    ]
+    header = [
+        "kernel",
+        "tokens",
+        "path",
+        "unchecked ms",
+        "checked ms",
+        "overhead (best)",
+        "overhead (median)",
+    ]
+    return markdown_table(header, cells)
+
+
+def run_checks(
+    batches: dict[int, PackedBatch], sizes: Sequence[int], *, quick: bool, budget_s: float
+) -> None:
+    """Print (d): the cost of the input checks at `sizes`, 1 thread (--quick: the first kernel)."""
+    rows: list[CheckRow] = []
+    kernels = list(LOSSES.values())[:1] if quick else list(LOSSES.values())
+    rounds = 2 if quick else CHECK_ROUNDS
+    with torch_threads(1):
+        for num_tokens in sizes:
+            rows += time_checks(batches[num_tokens], kernels, rounds=rounds, budget_s=budget_s)
+    print(
+        "### input checks (forward+backward, torch 1 thread, "
+        "finite masked-in values + binary mask)\n"
+    )
+    print(
+        f"checked and unchecked timed alternately, {rounds} rounds of {CHECK_REPEATS} calls each; "
+        "best: the best call; median: the median of the rounds' bests; bool mask (a float mask "
+        "adds one comparison pass)\n"
+    )
+    print(check_table(rows))
+    print()
+    sys.stdout.flush()
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -525,18 +688,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="glibc keeps freed memory (mallopt) so temporaries reuse pages instead of faulting them in",
     )
+    parser.add_argument(
+        "--checks-only",
+        action="store_true",
+        help="time only the input checks (d), at 256k and 2M tokens",
+    )
     args = parser.parse_args(argv)
     if args.keep_freed_memory and not keep_freed_memory():
         parser.error("--keep-freed-memory needs glibc's mallopt")
     sizes = QUICK_SIZES if args.quick else SIZES
     repeats, budget_s = (3, 0.5) if args.quick else (7, 4.0)
-    flags = [flag for flag, on in (("--quick", args.quick), ("--no-compile", args.no_compile), ("--keep-freed-memory", args.keep_freed_memory)) if on]
+    check_sizes = [size for size in CHECK_SIZES if size in sizes or args.checks_only]
+    check_sizes = check_sizes[:1] if args.quick else check_sizes
+    flags = [
+        flag
+        for flag, on in (
+            ("--quick", args.quick),
+            ("--no-compile", args.no_compile),
+            ("--keep-freed-memory", args.keep_freed_memory),
+            ("--checks-only", args.checks_only),
+        )
+        if on
+    ]
     # PyTorch's CPU allocator reads THP_MEM_ALLOC_ENABLE once, at its first allocation: it
     # can only come from the environment, so the command shows it when set.
     environment = ["THP_MEM_ALLOC_ENABLE=1"] if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else []
     command = " ".join([*environment, "python -m benchmarks.losses", *flags])
     print_header("Loss kernels (float32, CPU, reduction sum, registry defaults)", command)
     print(f"default: what a plain call runs (fused=None): the compiled form on CPU from {FUSED_MIN_TOKENS:,} tokens")
+    if args.checks_only:
+        if args.no_compile:
+            parser.error("--checks-only times the fused forms too; drop --no-compile")
+        batches = {size: make_batch(size, seed=index) for index, size in enumerate(check_sizes)}
+        run_checks(batches, check_sizes, quick=args.quick, budget_s=budget_s)
+        return 0
     batches = {num_tokens: make_batch(num_tokens, seed=index) for index, num_tokens in enumerate(sizes)}
     for kernel in LOSSES.values():
         check_kernel_matches_loop(kernel, batches[sizes[0]])
@@ -576,6 +761,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print()
         sys.stdout.flush()
+    if not args.no_compile:
+        run_checks(batches, check_sizes, quick=args.quick, budget_s=budget_s)
     return 0
 
 

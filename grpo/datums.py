@@ -74,6 +74,14 @@ def _mask(datum: Datum, targets: np.ndarray, weights: np.ndarray, weight_input: 
     else:
         name, selector = weight_input, weights
     _check_length(name, selector, targets.size, index)
+    if name == "mask":
+        not_binary = (selector != 0) & (selector != 1)
+        if not_binary.any():
+            position = int(np.flatnonzero(not_binary)[0])
+            raise ValueError(
+                f"mask holds {selector[position]} at position {position}{_at_datum(index)}, but "
+                "a mask holds only 0 and 1; to weight positions, scale the advantages instead"
+            )
     return (selector != 0) & (targets != IGNORE_INDEX)
 
 
@@ -86,8 +94,9 @@ def _weights(datum: Datum, weight_input: str, num_targets: int, optional: bool, 
 
 
 def datum_mask(datum: Datum, *, weight_input: str = "advantages", weights_optional: bool = False) -> np.ndarray:
-    """Training positions of a datum: ``mask != 0`` if it has a ``mask`` entry, else
-    ``weight_input != 0`` (absent optional weights count as 1); never an IGNORE_INDEX target."""
+    """Training positions of a datum: ``mask == 1`` if it has a ``mask`` entry (of 0s and 1s:
+    anything else raises ValueError), else ``weight_input != 0`` (absent optional weights
+    count as 1); never an IGNORE_INDEX target."""
     targets = datum_array(datum, "target_tokens", np.int64)
     weights = _weights(datum, weight_input, targets.size, weights_optional, None)
     return _mask(datum, targets, weights, weight_input, None)

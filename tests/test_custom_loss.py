@@ -285,6 +285,14 @@ def test_bad_loss_name_config_or_reduction_fails_at_construction() -> None:
             "mask has 3 entries but target_tokens has 2 \\(datum 1\\)",
         ),
         (
+            _datum([3, 4], [-1.0, -1.0], [1.0, 1.0], mask=np.array([1, 0.5], dtype=np.float32)),
+            "mask holds 0.5 at position 1 \\(datum 1\\), but a mask holds only 0 and 1",
+        ),
+        (
+            _datum([3, 4], [-1.0, -1.0], [1.0, 1.0], mask=np.array([2, 1], dtype=np.int64)),
+            "mask holds 2.0 at position 0 \\(datum 1\\), but a mask holds only 0 and 1",
+        ),
+        (
             pytrio.Datum(
                 model_input=pytrio.ModelInput.from_ints([1, 2]),
                 loss_fn_inputs={"target_tokens": np.array([3, 4], dtype=np.int64)},

@@ -25,6 +25,12 @@ How it differs from the service, on purpose:
   (before clipping), ``learning_rate``, ``optimizer_step``.
 - ``save_weights_and_get_sampling_client`` copies the adapter tensors in memory (no
   file): the sampler keeps sampling those weights while training goes on.
+- Numbers never poison the adapter (each refusal is a ``ValidationError`` whose code
+  starts ``validation.non_finite_``, raised before anything changes): log-probs of the
+  model that are NaN or ±inf (diverged weights), a non-finite custom loss or custom-loss
+  gradient, a non-finite gradient norm in ``optim_step`` (its gradients are dropped; the
+  weights, optimizer state and step count stay), and ``save_state`` of weights that are
+  not finite or give non-finite log-probs (one forward over 8 probe tokens per save).
 - Checkpoints are PEFT adapter directories under ``root`` (see ``_local_checkpoint``),
   addressed as ``local://<directory>``; ``ttl_seconds`` is recorded, never enforced.
 - Randomness: ``LocalServiceClient(seed=...)`` seeds a generator that supplies the LoRA
@@ -400,6 +406,7 @@ class LocalTrainingClient:
                 batch.inputs, arrays.target_tokens_B, auto_shift=batch.auto_shift
             )
             logprobs = torch.cat(logprobs_list)
+            _require_finite_logprobs(logprobs, arrays.seq_lens_B)
             loss, kernel_metrics = evaluate(logprobs, spec)
             if backward:
                 loss.backward()
@@ -429,8 +436,19 @@ class LocalTrainingClient:
         self._host.activate_training(self._adapter)
         with torch.enable_grad():
             logprobs_list = self._host.target_logprobs(inputs, targets, auto_shift=False)
+            _require_finite_logprobs(
+                torch.cat([logprobs.detach() for logprobs in logprobs_list]),
+                [len(target) for target in targets],
+            )
             leaves = [logprobs.detach().clone().requires_grad_(True) for logprobs in logprobs_list]
             loss, custom_metrics = _call_custom_loss(loss_fn, data, leaves, loss_fn_config)
+            if isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):
+                shown = loss.item() if loss.numel() == 1 else loss.detach().flatten()[:4].tolist()
+                raise ValidationError(
+                    f"the custom loss is {shown}, not finite; no gradient was applied: check "
+                    "loss_fn for a log of 0, a division by 0 or an overflowing exp",
+                    code="validation.non_finite_custom_loss",
+                )
             loss.backward()
             gradients = []
             for leaf, target in zip(leaves, targets, strict=True):
@@ -441,6 +459,16 @@ class LocalTrainingClient:
                     )
                 # The service trains ignored targets on nothing, whatever the gradient.
                 gradients.append(torch.where(torch.from_numpy(target) == IGNORE_INDEX, 0.0, leaf.grad))
+            for index, gradient in enumerate(gradients):
+                bad = ~torch.isfinite(gradient)
+                if bool(bad.any()):
+                    position = int(bad.nonzero()[0, 0])
+                    raise ValidationError(
+                        f"the custom loss's gradient w.r.t. the log-prob of datum {index}, "
+                        f"position {position} is {float(gradient[position])}; no gradient was "
+                        "applied: check loss_fn where it is not differentiable (sqrt or log at 0)",
+                        code="validation.non_finite_custom_loss_gradient",
+                    )
             torch.autograd.backward(logprobs_list, gradients)
         # PyTRIO reports its linear surrogate: cross entropy with weights -grad.
         gradient, logprobs = torch.cat(gradients), torch.cat([lp.detach() for lp in logprobs_list])
@@ -466,6 +494,17 @@ class LocalTrainingClient:
         return self.optim_step(adam_params)
 
     def _step(self, adam_params: AdamParams) -> OptimStepResponse:
+        gradients = [parameter.grad for parameter in self._parameters if parameter.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(gradients) if gradients else torch.zeros(())
+        if not bool(torch.isfinite(grad_norm)):
+            self._optimizer.zero_grad(set_to_none=True)
+            raise ValidationError(
+                f"optimizer step {self._optimizer_steps + 1} refused: the gradient norm is "
+                f"{float(grad_norm)}; the weights, optimizer state and step count are unchanged "
+                "and the accumulated gradients were dropped. Lower the learning rate or check "
+                "the loss for NaN or inf",
+                code="validation.non_finite_gradient",
+            )
         group = self._optimizer.param_groups[0]
         group.update(
             lr=adam_params.learning_rate,
@@ -473,8 +512,6 @@ class LocalTrainingClient:
             eps=adam_params.eps,
             weight_decay=adam_params.weight_decay,
         )
-        gradients = [parameter.grad for parameter in self._parameters if parameter.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm(gradients) if gradients else torch.zeros(())
         if adam_params.grad_clip_norm > 0 and gradients:
             torch.nn.utils.clip_grads_with_norm_(self._parameters, adam_params.grad_clip_norm, grad_norm)
         self._optimizer.step()
@@ -526,6 +563,9 @@ class LocalTrainingClient:
         self, kind: checkpoints.CheckpointKind, name: str, ttl_seconds: int | None, *, overwrite: bool
     ) -> Any:
         directory = checkpoints.checkpoint_directory(self._engine.root, self.training_run_cuid, kind, name)
+        weights = self._host.snapshot(self._adapter, self.lora)
+        if kind == "state":
+            self._require_sound_weights(name, weights)
         metadata = checkpoints.metadata_for(
             kind=kind, base_model=self.model_id, spec=self.lora, run_id=self.training_run_cuid,
             name=name, ttl_seconds=ttl_seconds, optimizer_steps=self._optimizer_steps,
@@ -533,13 +573,38 @@ class LocalTrainingClient:
         size = checkpoints.write(
             directory,
             host=self._host,
-            weights=self._host.snapshot(self._adapter, self.lora),
+            weights=weights,
             metadata=metadata,
             optimizer_state=self._optimizer.state_dict() if kind == "state" else None,
             overwrite=overwrite,
         )
         response_type = SaveWeightsResponse if kind == "state" else SaveWeightsForSamplerResponse
         return response_type(path=checkpoints.to_uri(directory), model=self.model_id, size=size)
+
+    def _require_sound_weights(self, name: str, weights: AdapterWeights) -> None:
+        """ValidationError unless every adapter tensor is finite and so are the model's
+        log-probs on a short probe (weights of 1e30 are finite, yet give NaN logits)."""
+        message = (
+            f"save_state({name!r}) refused after optimizer step {self._optimizer_steps}: "
+            "{problem}; the weights have diverged (a learning rate too high?) and would not "
+            "resume. The previous checkpoints are untouched: resume from the last one with a "
+            "lower learning rate"
+        )
+        for key, tensor in weights.tensors.items():
+            if not bool(torch.isfinite(tensor).all()):
+                raise ValidationError(
+                    message.format(problem=f"LoRA tensor {key} holds NaN or inf"),
+                    code="validation.non_finite_weights",
+                )
+        probe = [list(range(1, min(self._host.vocab_size, 9)))]
+        self._host.activate_training(self._adapter)
+        with torch.no_grad():
+            (logprobs,) = self._host.target_logprobs(probe, [np.asarray(probe[0])], auto_shift=True)
+        if not bool(torch.isfinite(logprobs).all()):
+            raise ValidationError(
+                message.format(problem="the model's log-probs under them are NaN or inf"),
+                code="validation.non_finite_weights",
+            )
 
     def load_state(self, path: str) -> APIFuture[dict[str, object]]:
         """Load LoRA weights from a checkpoint; only before the first training operation."""
@@ -643,6 +708,24 @@ def _reject_images(data: Sequence[Datum]) -> None:
 
 def _outputs(logprobs_list: Sequence[Tensor]) -> list[dict[str, TensorData]]:
     return [{"logprobs": TensorData.from_torch(logprobs.detach())} for logprobs in logprobs_list]
+
+
+def _require_finite_logprobs(logprobs: Tensor, seq_lens: Sequence[int] | np.ndarray) -> None:
+    """ValidationError at the first non-finite model log-prob (its datum and position)."""
+    values = logprobs.detach()
+    bad = ~torch.isfinite(values)
+    if not bool(bad.any()):
+        return
+    flat = int(bad.nonzero()[0, 0])
+    ends = np.cumsum(seq_lens)
+    index = int(np.searchsorted(ends, flat, side="right"))
+    position = flat - (int(ends[index - 1]) if index else 0)
+    raise ValidationError(
+        f"the model's log-prob of datum {index}, position {position} is "
+        f"{float(values[flat])}: the LoRA weights have diverged (a learning rate too high?). "
+        "Nothing was trained; resume from the last good checkpoint with a lower learning rate",
+        code="validation.non_finite_logprobs",
+    )
 
 
 def _call_custom_loss(

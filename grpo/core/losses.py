@@ -30,10 +30,19 @@ A sequence-level kernel treats each sequence as one unit carrying its loss ``ℓ
 ``token_mean`` and both ``seq_mean_token_*`` are ``(1/B) Σ_i ℓ_i``, and
 ``seq_mean_token_sum_norm`` is ``(1/B) Σ_i ℓ_i / L``.
 
-Masked positions contribute nothing to the loss or the gradient for any finite inputs:
-the log-ratio and the advantage are replaced by 0 there *before* ``exp``, so an
-overflowing ratio on a prompt position cannot turn into NaN. An empty selection gives
-loss 0 with a zero gradient.
+Masked positions contribute nothing to the loss or the gradient, whatever they hold
+(NaN and ±inf included): the log-ratio and the advantage are replaced by 0 there *before*
+``exp``, so an overflowing ratio on a prompt position cannot turn into NaN. An empty
+selection gives loss 0 with a zero gradient.
+
+Numbers never poison a step: a NaN or ±inf in ``logprobs``, ``sampling_logprobs`` or the
+advantages (weights) at a masked-in position, and a mask value other than 0 and 1, raise
+a ValueError naming the tensor and the first bad index (``sampling_logprobs[17] is nan at
+a masked-in position``). The check costs one inner product on the eager path and an add
+and a multiply a position inside the fused form's single loop; the index is only
+searched for when it fails.
+float16 and bfloat16 inputs are computed in float32: the loss is float32 and the gradient
+flows back to ``logprobs`` in its own dtype.
 
 The loss is differentiable with respect to ``logprobs`` only (lp_old, A and the mask are
 constants). Each kernel computes its gradient in closed form together with the loss
@@ -228,6 +237,15 @@ def _as_seq_lens(seq_lens: SeqLens | None, num_tokens: int, device: torch.device
     return lengths.to(device)
 
 
+LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
+"""Input dtypes the kernels compute in float32 (exp overflows float16 from a log-ratio of 11)."""
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for float16 and bfloat16 inputs, the input's own dtype otherwise."""
+    return torch.float32 if dtype in LOW_PRECISION_DTYPES else dtype
+
+
 def _as_like(name: str, values: Tensor, logprobs: Tensor) -> Tensor:
     if not isinstance(values, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
@@ -237,6 +255,22 @@ def _as_like(name: str, values: Tensor, logprobs: Tensor) -> Tensor:
             f"{tuple(logprobs.shape)}; both must be flat over the same positions"
         )
     return values.detach().to(device=logprobs.device, dtype=logprobs.dtype)
+
+
+def _first_index(flags: Tensor) -> int:
+    """The index of the first True entry of a bool tensor that holds one."""
+    return int(flags.nonzero()[0, 0])
+
+
+def _check_binary(mask: Tensor, selected: Tensor) -> None:
+    """ValueError at the first mask value other than 0 and 1 (NaN included)."""
+    not_binary = selected & (mask != 1)
+    if bool(not_binary.any()):
+        index = _first_index(not_binary)
+        raise ValueError(
+            f"mask[{index}] is {mask[index].item()}, but a mask holds only 0 and 1 (or is a "
+            "bool tensor); to weight positions, scale the advantages (weights) instead"
+        )
 
 
 def _count_true(selected: Tensor) -> int:
@@ -256,14 +290,23 @@ def _selection(mask: Tensor | None, logprobs: Tensor) -> tuple[Tensor | None, in
             f"mask has shape {tuple(mask_tensor.shape)} but logprobs has shape "
             f"{tuple(logprobs.shape)}"
         )
-    selected = mask_tensor if mask_tensor.dtype == torch.bool else mask_tensor != 0
+    if mask_tensor.dtype == torch.bool:
+        selected = mask_tensor
+    else:
+        selected = mask_tensor != 0
+        _check_binary(mask_tensor, selected)
     count = _count_true(selected)
     # An all-ones mask takes the unmasked path, so both give bit-identical results.
     return (None if count == logprobs.numel() else selected), count
 
 
 class _Inputs(NamedTuple):
-    """A kernel call's inputs, validated: flat detached values and the selection."""
+    """A kernel call's inputs, validated: flat detached values and the selection.
+
+    Values are in the compute dtype (float32 for low-precision logprobs) and not yet
+    checked for finiteness: ``_pack_finite`` does that for the eager kernel; a fused
+    form's total is NaN where one is not finite.
+    """
 
     logprobs: Tensor
     sampling_logprobs: Tensor | None
@@ -271,6 +314,7 @@ class _Inputs(NamedTuple):
     selected: Tensor | None  # bool mask; None when every position trains
     count: int  # selected positions
     seq_lens: Tensor  # int64, on the data's device
+    weight_name: str  # what the caller calls the advantages: "advantages" or "weights"
 
 
 def _validate(
@@ -279,6 +323,7 @@ def _validate(
     advantages: Tensor,
     mask: Tensor | None,
     seq_lens: SeqLens | None,
+    weight_name: str,
 ) -> _Inputs:
     if not isinstance(logprobs, Tensor):
         raise TypeError(f"logprobs must be a torch.Tensor, got {type(logprobs).__name__}")
@@ -288,20 +333,45 @@ def _validate(
         )
     if not logprobs.dtype.is_floating_point:
         raise ValueError(f"logprobs must be a floating tensor, got dtype {logprobs.dtype}")
-    advantages = _as_like("advantages", advantages, logprobs)
+    values = logprobs.detach().to(_compute_dtype(logprobs.dtype))
+    advantages = _as_like(weight_name, advantages, values)
     old = (
         None
         if sampling_logprobs is None
-        else _as_like("sampling_logprobs", sampling_logprobs, logprobs)
+        else _as_like("sampling_logprobs", sampling_logprobs, values)
     )
-    selected, count = _selection(mask, logprobs)
-    lengths = _as_seq_lens(seq_lens, logprobs.numel(), logprobs.device)
-    return _Inputs(logprobs.detach(), old, advantages, selected, count, lengths)
+    selected, count = _selection(mask, values)
+    lengths = _as_seq_lens(seq_lens, values.numel(), values.device)
+    return _Inputs(values, old, advantages, selected, count, lengths, weight_name)
+
+
+def _named_values(inputs: _Inputs) -> dict[str, Tensor]:
+    """The value tensors a kernel reads, by the names the caller knows them under."""
+    named = {"logprobs": inputs.logprobs}
+    if inputs.sampling_logprobs is not None:
+        named["sampling_logprobs"] = inputs.sampling_logprobs
+    named[inputs.weight_name] = inputs.advantages
+    return named
+
+
+def _nonfinite_error(inputs: _Inputs) -> ValueError | None:
+    """The error naming the first non-finite masked-in value (tensor and index), if any."""
+    for name, values in _named_values(inputs).items():
+        bad = ~torch.isfinite(values)
+        if inputs.selected is not None:
+            bad &= inputs.selected
+        if bool(bad.any()):
+            index = _first_index(bad)
+            return ValueError(
+                f"{name}[{index}] is {values[index].item()} at a masked-in position; every "
+                "masked-in value must be finite (fix it upstream or mask the position out)"
+            )
+    return None
 
 
 def _pack(inputs: _Inputs) -> _Units:
     """The inputs as token units, with the log-ratio and the advantages masked."""
-    values, old, advantages, selected, count, lengths = inputs
+    values, old, advantages, selected, count, lengths, _ = inputs
     if selected is None:
         return _Units(
             logprobs=values,
@@ -328,6 +398,36 @@ def _pack(inputs: _Inputs) -> _Units:
         seq_lens=lengths,
         unit_count=count,
         token_count=count,
+    )
+
+
+def _pack_finite(inputs: _Inputs) -> _Units:
+    """``_pack``, after rejecting a non-finite masked-in value (ValueError naming it) and
+    replacing non-finite masked-out values by 0.
+
+    One pass checks everything: Σ_t x_t·A_t with x the packed log-ratio (lp − lp_old, or lp
+    without lp_old) is finite only if every x_t and A_t is (inf·0 is NaN, and a masked-out
+    NaN survives the mask's multiply). Only a non-finite sum, which finite values
+    overflowing it can also give, takes the exact check and the repacking.
+    """
+    tokens = _pack(inputs)
+    first = tokens.logprobs if tokens.log_ratio is None else tokens.log_ratio
+    assert first is not None
+    if bool(torch.dot(first, tokens.advantages).isfinite()):
+        return tokens
+    error = _nonfinite_error(inputs)
+    if error is not None:
+        raise error
+    cleaned = {
+        name: torch.where(torch.isfinite(values), values, 0.0)
+        for name, values in _named_values(inputs).items()
+    }
+    return _pack(
+        inputs._replace(
+            logprobs=cleaned["logprobs"],
+            sampling_logprobs=cleaned.get("sampling_logprobs"),
+            advantages=cleaned[inputs.weight_name],
+        )
     )
 
 
@@ -668,7 +768,7 @@ def _run_fused(
     """The kernel through its compiled single-pass form; None if it does not compile here."""
     if form in _UNCOMPILABLE_FORMS:
         return None
-    values, old, advantages, selected, count, lengths = inputs
+    values, old, advantages, selected, count, lengths, _ = inputs
     num_positions = values.numel()
     if selected is None:
         # One graph for masked and unmasked batches: an all-true mask costs a byte a token.
@@ -708,10 +808,14 @@ def _run_fused(
             stacklevel=3,
         )
         return None
+    if not bool(terms.total.isfinite()):  # a non-finite input, or a sum that overflowed
+        error = _nonfinite_error(inputs)
+        if error is not None:
+            raise error
     loss = terms.total.neg()
     if want_gradient:
         assert terms.gradient is not None
-        loss = _KnownGradient.apply(logprobs, loss, terms.gradient)
+        loss = _KnownGradient.apply(logprobs, loss, terms.gradient.to(logprobs.dtype))
     return loss, _metrics(loss, count, count, terms.statistics, values.device)
 
 
@@ -792,7 +896,8 @@ class LossKernel:
         ``fused``: None runs the compiled single-pass form on CPU batches of at least
         ``FUSED_MIN_TOKENS`` positions (where it wins), True runs it at any size and
         device, False never; the eager kernel runs otherwise, and whenever the batch
-        selects nothing or torch.compile fails here (with a warning).
+        selects nothing or torch.compile fails here (with a warning). A non-finite
+        masked-in value or a non-binary mask raises ValueError naming the tensor and index.
         """
         resolved = self.resolve(config)
         validate_reduction(reduction, norm_length)
@@ -802,20 +907,24 @@ class LossKernel:
             )
         if fused not in (None, True, False):
             raise ValueError(f"fused must be None (auto), True or False, got {fused!r}")
-        inputs = _validate(logprobs, sampling_logprobs, advantages, mask, seq_lens)
+        inputs = _validate(
+            logprobs, sampling_logprobs, advantages, mask, seq_lens, self.weight_input
+        )
         form = self._fused_form_for(inputs, fused)
         if form is not None:
             result = _run_fused(form, inputs, logprobs, reduction, norm_length, resolved)
             if result is not None:
                 return result
-        tokens = _pack(inputs)
+        tokens = _pack_finite(inputs)
         units = tokens.per_sequence() if self.sequence_level else tokens
         terms = self.objective(units, **resolved)
         total, derivative = _aggregate(terms.objective, units, reduction, norm_length)
         loss = total.neg_()
         if logprobs.requires_grad and torch.is_grad_enabled():
             gradient = _loss_gradient(terms, derivative, tokens, units)
-            loss = _KnownGradient.apply(logprobs, loss, gradient)
+            # Autograd would cast a float32 gradient too, but only at backward: casting now
+            # holds half the memory until then and hands over the tensor without a copy.
+            loss = _KnownGradient.apply(logprobs, loss, gradient.to(logprobs.dtype))
         device = logprobs.device
         return loss, _metrics(loss, units.unit_count, units.token_count, terms.statistics, device)
 

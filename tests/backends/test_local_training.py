@@ -442,3 +442,108 @@ def test_async_twins_return_what_pytrio_returns(service):
     assert output.metrics["ppo/train_tokens"] > 0 and step.metrics["optimizer_step"] == 1.0
     assert len(response.sequences) == 2
     assert isinstance(restored, LocalTrainingClient)
+
+
+# --- numbers never poison the adapter ------------------------------------------------------
+
+
+def optimizer_state(client: LocalTrainingClient) -> dict[int, dict[str, torch.Tensor]]:
+    return {
+        index: {key: value.clone() for key, value in state.items()}
+        for index, state in client._optimizer.state_dict()["state"].items()
+    }
+
+
+def _same_state(first: dict, second: dict) -> bool:
+    return first.keys() == second.keys() and all(
+        first[index].keys() == second[index].keys()
+        and all(torch.equal(first[index][key], second[index][key]) for key in first[index])
+        for index in first
+    )
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_custom_loss_is_rejected_before_any_gradient(service, bad):
+    client = service.create_lora_training_client(MODEL, rank=4, seed=0)
+
+    def poisoned(data, logprobs):
+        return -bad * sum(lp.sum() for lp in logprobs), {}  # log-probs are < 0: +inf, or NaN
+
+    with pytest.raises(ValidationError, match=f"the custom loss is {bad}, not finite") as error:
+        client.forward_backward_custom(policy_datums(2), poisoned).result()
+    assert error.value.code == "validation.non_finite_custom_loss"
+    assert gradients(client) == [None] * len(client._parameters)
+
+
+def test_a_custom_loss_with_a_non_finite_gradient_is_rejected_before_any_gradient(service):
+    client = service.create_lora_training_client(MODEL, rank=4, seed=0)
+
+    def sqrt_at_zero(data, logprobs):  # finite (0), but d sqrt(x)/dx at 0 is inf: 0·inf = NaN
+        return sum(torch.sqrt(lp * 0.0).sum() for lp in logprobs), {}
+
+    with pytest.raises(ValidationError, match="datum 0, position 0 is nan") as error:
+        client.forward_backward_custom(policy_datums(2), sqrt_at_zero).result()
+    assert error.value.code == "validation.non_finite_custom_loss_gradient"
+    assert gradients(client) == [None] * len(client._parameters)
+
+
+def test_optim_step_refuses_a_non_finite_gradient_norm_and_changes_nothing(service):
+    datums = policy_datums(2)
+    client = service.create_lora_training_client(MODEL, rank=4, seed=0)
+    train(client, datums, steps=1, loss="importance_sampling")
+    weights, state = lora_state(client), optimizer_state(client)
+    # Finite inputs, but r = exp(lp − (−200)) overflows float32: an infinite gradient.
+    overflowing = []
+    for datum in datums:
+        trained = np.asarray(datum.loss_fn_inputs["advantages"].data) != 0
+        sampling_logprobs = np.where(trained, -200.0, 0.0).astype(np.float32)
+        overflowing.append(_with_input(datum, "logprobs", sampling_logprobs))
+    client.forward_backward(overflowing, "importance_sampling").result()
+    assert any(g is not None and not torch.isfinite(g).all() for g in gradients(client))
+    refused = "optimizer step 2 refused: the gradient norm is (nan|inf)"
+    with pytest.raises(ValidationError, match=refused) as error:
+        client.optim_step(ADAM).result()
+    assert error.value.code == "validation.non_finite_gradient"
+    assert all(torch.equal(weights[key], value) for key, value in lora_state(client).items())
+    assert _same_state(state, optimizer_state(client))
+    assert client._optimizer_steps == 1
+    assert gradients(client) == [None] * len(client._parameters)  # dropped: the next step is clean
+    train(client, datums, steps=1, loss="importance_sampling")
+    assert client.optim_step(ADAM).result().metrics["optimizer_step"] == 3.0
+
+
+def test_save_state_refuses_non_finite_weights_and_keeps_the_last_checkpoint(service):
+    datums = policy_datums(2)
+    client = service.create_lora_training_client(MODEL, rank=4, seed=0)
+    train(client, datums, steps=1)
+    good = client.save_state("latest").result()
+    parameter = client._parameters[0]
+    service._engine.run(lambda: parameter.data.view(-1)[0].fill_(float("nan")))
+    refused = r"save_state\('latest'\) refused after optimizer step 1: LoRA tensor .* holds NaN"
+    with pytest.raises(ValidationError, match=refused) as error:
+        client.save_state("latest", overwrite=True).result()
+    assert error.value.code == "validation.non_finite_weights"
+    with pytest.raises(ValidationError) as error:
+        client.save_state("other").result()
+    assert error.value.code == "validation.non_finite_weights"
+    directory = Path(good.path.removeprefix("local://"))
+    assert [path.name for path in directory.parent.iterdir()] == ["latest"]
+    restored = service.create_training_client_from_state_with_optimizer(good.path)
+    assert all(torch.isfinite(value).all() for value in lora_state(restored).values())
+
+
+def test_a_learning_rate_blowup_is_never_saved_and_stops_the_next_step(service):
+    """lr 1e30 leaves finite weights of ~1e30 whose logits are NaN: save_state refuses them
+    and the next forward_backward stops before any gradient, naming the datum and position."""
+    datums = policy_datums(2)
+    client = service.create_lora_training_client(MODEL, rank=4, seed=0)
+    client.forward_backward(datums, "ppo").result()
+    client.optim_step(AdamParams(learning_rate=1e30)).result()
+    assert all(torch.isfinite(value).all() for value in lora_state(client).values())
+    with pytest.raises(ValidationError, match="the model's log-probs under them are NaN") as error:
+        client.save_state("blown").result()
+    assert error.value.code == "validation.non_finite_weights"
+    with pytest.raises(ValidationError, match="log-prob of datum 0, position 0 is nan") as error:
+        client.forward_backward(datums, "ppo").result()
+    assert error.value.code == "validation.non_finite_logprobs"
+    assert gradients(client) == [None] * len(client._parameters)

@@ -7,6 +7,7 @@ tests/core/test_losses.py (there they run uncompiled); here they run compiled.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -142,6 +143,43 @@ def test_compiled_variants_match_the_eager_kernel(
     _assert_same(
         _call(name, batch, fused=True, **options), _call(name, batch, fused=False, **options)
     )
+
+
+@pytest.mark.usefixtures("compiler", "fallback_is_an_error")
+@pytest.mark.parametrize("name", FUSED_KERNELS)
+def test_compiled_form_rejects_non_finite_masked_in_values_and_ignores_masked_out_ones(
+    name: str,
+) -> None:
+    """The compiler keeps the total's NaN probe (0·x is not folded to 0): every non-finite
+    masked-in value raises naming it; masked-out ones change nothing."""
+    batch = _batch(40, seed=4)
+    mask = batch[3]
+    trained, untrained = mask.nonzero()[:, 0], (~mask).nonzero()[:, 0]
+    clean = _call(name, batch, fused=True)
+    for field, tensor_name in enumerate(("logprobs", "sampling_logprobs", "advantages")):
+        for value in (math.nan, math.inf, -math.inf):
+            poisoned = [tensor.clone() for tensor in batch]
+            poisoned[field][untrained] = math.nan
+            assert _call(name, tuple(poisoned), fused=True)[0] == clean[0]
+            index = int(trained[len(trained) // 2])
+            poisoned[field][index] = value
+            with pytest.raises(ValueError, match=rf"^{tensor_name}\[{index}\] is {value} at"):
+                _call(name, tuple(poisoned), fused=True)
+
+
+@pytest.mark.usefixtures("compiler", "fallback_is_an_error")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compiled_form_computes_low_precision_inputs_in_float32(dtype: torch.dtype) -> None:
+    logprobs, sampling, advantages, mask, seq_lens = _batch(40, seed=5)
+    low = (logprobs.to(dtype), sampling.to(dtype), advantages.to(dtype), mask, seq_lens)
+    rounded = tuple(tensor.float() if tensor.is_floating_point() else tensor for tensor in low)
+    loss, gradient, metrics = _call("ppo", low, fused=True)
+    expected_loss, expected_gradient, expected_metrics = _call("ppo", rounded, fused=True)
+    assert loss == expected_loss
+    assert gradient is not None and expected_gradient is not None
+    assert gradient.dtype == dtype
+    assert torch.equal(gradient, expected_gradient.to(dtype))
+    assert metrics == expected_metrics
 
 
 def _spy_on_compilation(monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -564,6 +564,189 @@ def test_empty_batch_gives_zero_loss_and_empty_gradient() -> None:
         assert metrics["train_tokens"] == 0.0
 
 
+# --- numbers that would poison a step ----------------------------------------------------
+
+NON_FINITE = [math.nan, math.inf, -math.inf]
+VALUE_FIELDS = ("logprobs", "sampling_logprobs", "advantages")
+
+
+def _caller_name(name: str, field: str) -> str:
+    """What the error calls a field: cross_entropy's advantages are its weights."""
+    return "weights" if field == "advantages" and name == "cross_entropy" else field
+
+
+def _with_values(
+    batch: PackedLossBatch, field: str, positions: np.ndarray, value: float
+) -> PackedLossBatch:
+    values = getattr(batch, field).copy()
+    values[positions] = value
+    return attrs.evolve(batch, **{field: values})
+
+
+@PATHS
+@pytest.mark.parametrize("field", VALUE_FIELDS)
+@pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "inf", "-inf"])
+@given(data=st.data())
+def test_a_non_finite_masked_in_value_raises_naming_the_tensor_and_first_index(
+    field: str, value: float, fused: bool, data: st.DataObject
+) -> None:
+    batch = data.draw(packed_loss_batches(), label="batch")
+    trained = np.flatnonzero(batch.mask)
+    assume(trained.size > 0)
+    picked = data.draw(
+        st.lists(st.sampled_from(trained.tolist()), min_size=1, max_size=3), label="positions"
+    )
+    first = min(picked)
+    # Masked-out NaN before the first bad index: the error must skip it.
+    poisoned = _with_values(batch, field, np.flatnonzero(~batch.mask), math.nan)
+    poisoned = _with_values(poisoned, field, np.array(picked), value)
+    for name in KERNELS:  # cross_entropy too reads the sampling log-probs it is given
+        expected = rf"^{_caller_name(name, field)}\[{first}\] is {value} at a masked-in position"
+        with pytest.raises(ValueError, match=expected):
+            _run(name, poisoned, fused=fused)
+
+
+@PATHS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@given(data=st.data())
+def test_non_finite_masked_out_values_change_nothing(
+    dtype: torch.dtype, fused: bool, data: st.DataObject
+) -> None:
+    """NaN and ±inf at masked positions, in any input, give the clean batch's results."""
+    batch = data.draw(packed_loss_batches(), label="batch")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    poisoned = batch
+    for field in VALUE_FIELDS:
+        values = getattr(poisoned, field).copy()
+        wild = rng.choice(NON_FINITE + [0.0], values.size)
+        values[~batch.mask] = wild[~batch.mask]
+        poisoned = attrs.evolve(poisoned, **{field: values})
+    reduction = data.draw(st.sampled_from(losses.REDUCTIONS), label="reduction")
+    for name in KERNELS:
+        config = data.draw(LOSS_CONFIGS[name], label=f"{name} config")
+        loss, gradient, metrics = _run(name, batch, reduction, dtype, **config, fused=fused)
+        poisoned_loss, poisoned_gradient, poisoned_metrics = _run(
+            name, poisoned, reduction, dtype, **config, fused=fused
+        )
+        assert torch.equal(loss, poisoned_loss), name
+        np.testing.assert_array_equal(gradient, poisoned_gradient, err_msg=name)
+        assert metrics == poisoned_metrics, name
+
+
+@PATHS
+@pytest.mark.parametrize("name", KERNELS)
+def test_finite_values_whose_sums_overflow_do_not_raise(name: str, fused: bool) -> None:
+    """The fast check's false alarm (a finite batch whose sum overflows) is ruled out exactly."""
+    logprobs = torch.tensor([-3e38, -3e38, -1.0], dtype=torch.float32, requires_grad=True)
+    sampling = torch.tensor([3e38, 3e38, -1.0])  # lp − lp_old overflows to −inf
+    advantages = torch.tensor([1e38, 1e38, 1.0])
+    kernel = losses.LOSSES[name]
+    kernel(logprobs, sampling, advantages, fused=fused and kernel.fused_form is not None)
+
+
+@PATHS
+@pytest.mark.parametrize("bad", [0.5, 2.0, -1.0, math.nan, math.inf])
+@pytest.mark.parametrize("name", KERNELS)
+def test_a_non_binary_mask_raises_naming_the_first_bad_index(
+    name: str, bad: float, fused: bool
+) -> None:
+    logprobs = torch.tensor([-1.0, -2.0, -0.5, -0.7], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([1.0, 0.0, bad, bad], dtype=torch.float64)
+    kernel = losses.LOSSES[name]
+    with pytest.raises(ValueError, match=rf"^mask\[2\] is {bad}, but a mask holds only 0 and 1"):
+        kernel(
+            logprobs,
+            torch.tensor([-1.1, -1.9, -0.5, -0.6]),
+            torch.tensor([1.0, -1.0, 0.5, 0.2]),
+            mask=mask,
+            fused=fused and kernel.fused_form is not None,
+        )
+
+
+@PATHS
+@given(batch=packed_loss_batches())
+def test_a_zero_one_mask_of_any_dtype_equals_the_bool_mask(
+    fused: bool, batch: PackedLossBatch
+) -> None:
+    for name in KERNELS:
+        kernel = losses.LOSSES[name]
+        results = []
+        for mask_dtype in (torch.bool, torch.float32, torch.int64):
+            logprobs, sampling, advantages, mask = batch.tensors()
+            loss, _ = kernel(
+                logprobs,
+                sampling,
+                advantages,
+                mask=mask.to(mask_dtype),
+                seq_lens=batch.seq_lens,
+                fused=fused and kernel.fused_form is not None,
+            )
+            loss.backward()
+            results.append((loss.detach(), logprobs.grad))
+        for loss, gradient in results[1:]:
+            assert torch.equal(loss, results[0][0]), name
+            assert torch.equal(gradient, results[0][1]), name
+
+
+@PATHS
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@given(data=st.data())
+def test_low_precision_inputs_are_computed_in_float32(
+    dtype: torch.dtype, fused: bool, data: st.DataObject
+) -> None:
+    """float16/bfloat16 give exactly the float32 kernel on the same (rounded) values: a
+    float32 loss, and the float32 gradient rounded once to the input dtype."""
+    batch = data.draw(packed_loss_batches(), label="batch")
+    reduction = data.draw(st.sampled_from(losses.REDUCTIONS), label="reduction")
+    low, sampling, advantages, mask = batch.tensors(dtype)
+    # Rounding to the low dtype may push a masked-in log-ratio past float32's exp range.
+    wide = low.detach().float().requires_grad_(True)
+    for name in KERNELS:
+        config = data.draw(LOSS_CONFIGS[name], label=f"{name} config")
+        kernel = losses.LOSSES[name]
+        outputs = []
+        for logprobs in (low, wide):
+            logprobs.grad = None
+            loss, metrics = kernel(
+                logprobs,
+                sampling,
+                advantages,
+                mask=mask,
+                seq_lens=batch.seq_lens,
+                reduction=reduction,
+                norm_length=_norm_length(reduction),
+                fused=fused and kernel.fused_form is not None,
+                **config,
+            )
+            # Held until backward in the input dtype (half the memory of float32).
+            assert loss.grad_fn.gradient.dtype == logprobs.dtype, name
+            loss.backward()
+            outputs.append((loss.detach(), logprobs.grad, metrics))
+        (loss, gradient, metrics), (wide_loss, wide_gradient, wide_metrics) = outputs
+        assert loss.dtype == torch.float32, name
+        assert gradient is not None and gradient.dtype == dtype, name
+        assert torch.equal(loss, wide_loss), name
+        assert wide_gradient is not None
+        assert torch.equal(gradient, wide_gradient.to(dtype)), name
+        assert metrics == wide_metrics, name
+
+
+@PATHS
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_ratio_beyond_the_low_precision_range_stays_finite(
+    dtype: torch.dtype, fused: bool
+) -> None:
+    """exp(12) = 162755 overflows float16 (max 65504): computed in float32 it does not."""
+    logprobs = torch.tensor([0.0, -1.0], dtype=dtype, requires_grad=True)
+    sampling = torch.tensor([-12.0, -1.0], dtype=dtype)
+    advantages = torch.tensor([1.0, 1.0], dtype=dtype)
+    loss, metrics = losses.importance_sampling(logprobs, sampling, advantages, fused=fused)
+    loss.backward()
+    assert loss.item() == pytest.approx(-(math.exp(12.0) + 1.0), rel=1e-6)
+    assert metrics["ratio_max"] == pytest.approx(math.exp(12.0), rel=1e-6)
+    assert logprobs.grad is not None and logprobs.grad.dtype == dtype
+
+
 # --- inputs and dtypes ------------------------------------------------------------------
 
 
