@@ -22,16 +22,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import attrs
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
-from grpo.logging import read_metrics
+from grpo import run_dir as run_files
+from grpo.run_dir import STEP_KEY
 
-METRICS_FILE = "metrics.jsonl"
-STEP_KEY = "step"
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # Default panels of `grpo plot`, kept when some run logged them. "clip_fraction" has no exact
 # key: it matches each run's `<loss_fn>/clip_fraction` (see `resolve_metric_keys`).
@@ -54,30 +54,14 @@ MetricRows = list[dict[str, Any]]
 # --- reading -------------------------------------------------------------------------------
 
 
-def merge_rows_by_step(rows: Sequence[Mapping[str, Any]]) -> MetricRows:
-    """One dict per step, sorted by step; later rows of a step update earlier ones.
-
-    A final-evaluation row shares its step with the last training row, and a resumed run
-    rewrites the steps after its checkpoint: merging keeps every key with its latest value.
-    Null values (non-finite floats in the log) are dropped as missing.
-    """
-    merged: dict[int, dict[str, Any]] = {}
-    for row in rows:
-        if STEP_KEY not in row:
-            raise ValueError(f"metrics row without a {STEP_KEY!r} key: {dict(row)!r}")
-        step = int(row[STEP_KEY])
-        merged.setdefault(step, {STEP_KEY: step}).update(
-            {key: value for key, value in row.items() if value is not None}
-        )
-    return [merged[step] for step in sorted(merged)]
-
-
 def read_run_metrics(run_dir: str | Path) -> MetricRows:
-    """The merged per-step metrics of a run directory (`merge_rows_by_step` of its metrics.jsonl)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: is {run_dir} a `grpo train` run directory?")
-    return merge_rows_by_step(read_metrics(path))
+    """The merged per-step metrics of a run directory (`run_dir.merge_rows_by_step` of its rows)."""
+    directory = Path(run_dir)
+    if not (directory / run_files.METRICS_FILE).is_file():
+        raise FileNotFoundError(
+            f"{directory / run_files.METRICS_FILE} not found: is {run_dir} a `grpo train` run directory?"
+        )
+    return run_files.merge_rows_by_step(run_files.read_metrics(directory))
 
 
 def metric_keys(rows: Sequence[Mapping[str, Any]]) -> set[str]:
@@ -147,6 +131,10 @@ def mean_band(series: Sequence[tuple[np.ndarray, np.ndarray]]) -> Band:
 
 def _grid_figure(panel_count: int, *, columns: int, panel_size: tuple[float, float]) -> tuple[Figure, list[Any]]:
     """A Figure on an Agg canvas with `panel_count` axes in a grid (extra cells removed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     columns = max(1, min(columns, panel_count))
     rows = math.ceil(panel_count / columns)
     figure = Figure(figsize=(panel_size[0] * columns, panel_size[1] * rows), layout="constrained")
@@ -197,7 +185,7 @@ def metrics_figure(runs: Mapping[str, MetricRows], metrics: Sequence[str]) -> Fi
 def unknown_metric_message(metric: str, keys: set[str]) -> str:
     """The error for a metric no run logged, listing what can be plotted."""
     aliases = sorted(suffix_aliases(keys))
-    available = ", ".join(sorted(keys)) or "none (empty metrics.jsonl)"
+    available = ", ".join(sorted(keys)) or f"none (empty {run_files.METRICS_FILE})"
     by_suffix = f"; by suffix: {', '.join(aliases)}" if aliases else ""
     return f"unknown metric {metric!r}: no run logged it. Available: {available}{by_suffix}"
 
@@ -351,7 +339,7 @@ def loss_shapes_figure(ratios: np.ndarray | None = None) -> Figure:
 
 def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `grpo plot RUN_DIR... [--metrics M...] [--out FILE.png]`."""
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories with a metrics.jsonl")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help=f"run directories with a {run_files.METRICS_FILE}")
     parser.add_argument(
         "--metrics",
         nargs="+",
