@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from grpo import flags
+from grpo.backends.pytrio import BackendUnavailableError
 from grpo import run_dir as run_files
 from grpo.config import BACKENDS, ConfigError, TrainConfig, check_value, config_from_dict, resolve_run
 
@@ -191,7 +192,7 @@ def describe_error(error: BaseException) -> tuple[str, int]:
     if type(error).__module__.startswith("pytrio"):
         bad_input = type(error).__name__ == "ValidationError"
         return _short(error), EXIT_BAD_INPUT if bad_input else EXIT_FAILED
-    if type(error).__name__ == "BackendUnavailableError":
+    if isinstance(error, BackendUnavailableError):
         return str(error), EXIT_BAD_INPUT
     if isinstance(error, OSError):
         return f"{error.strerror or error}" + (f": {error.filename}" if error.filename else ""), EXIT_FAILED
