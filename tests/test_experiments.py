@@ -335,6 +335,16 @@ def test_compare_rejects_an_unknown_loss_before_running_anything(tmp_path: Path,
     assert read_calls(calls) == []
 
 
+def test_compare_validates_every_run_before_launching_any(tmp_path: Path, fake_trainer, capsys) -> None:
+    train_command, calls = fake_trainer
+    out = tmp_path / "cmp"
+    # Each flag is fine alone; no run can use this loss config, so none starts.
+    assert run_compare(compare_args(out, "--loss-config", "typo=1"), train_command=train_command) == 2
+    err = capsys.readouterr().err
+    assert f"run {out / 'importance_sampling-seed0'}: --loss-config: unknown config key 'typo'" in err
+    assert read_calls(calls) == []
+
+
 # --- sweep ---------------------------------------------------------------------------------
 
 
@@ -410,6 +420,15 @@ def test_sweep_by_a_metric_no_run_logged_says_so_and_ranks_nothing(tmp_path: Pat
     report = (out / "report.md").read_text()
     assert "WARNING: no run logged `test/pass@4`" in report
     assert "| – | `loss_fn=ppo` |" in report and "| – | `loss_fn=cispo` |" in report
+
+
+def test_sweep_validates_every_run_before_launching_any(tmp_path: Path, fake_trainer, capsys) -> None:
+    train_command, calls = fake_trainer
+    sweep_file = write(tmp_path / "sub.toml", "[base]\nbatch_size = 8\n[grid]\nnum_substeps = [1, 16]\n")
+    assert run_sweep(sweep_args(sweep_file, tmp_path / "out"), train_command=train_command) == 2
+    err = capsys.readouterr().err
+    assert f"run {tmp_path / 'out' / 'num_substeps=16-seed0'}: --num-substeps must be in [1, --batch-size=8], got 16" in err
+    assert read_calls(calls) == []
 
 
 @pytest.mark.parametrize(
