@@ -24,7 +24,14 @@ from pathlib import Path
 from grpo import flags
 from grpo.backends.pytrio import BackendUnavailableError
 from grpo import run_dir as run_files
-from grpo.config import BACKENDS, ConfigError, TrainConfig, check_value, config_from_dict, resolve_run
+from grpo.config import (
+    BACKENDS,
+    ConfigError,
+    TrainConfig,
+    check_value,
+    config_from_dict,
+    resolve_run,
+)
 
 DEBUG_ENV = "GRPO_DEBUG"
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
@@ -33,12 +40,24 @@ EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Every TrainConfig flag, plus `--config FILE.toml` and `--resume RUN_DIR`."""
     flags.add_train_arguments(parser)
-    parser.add_argument("--config", dest="config_file", default=None, metavar="FILE.toml", help="TOML file of flag values; flags on the command line override it")
-    parser.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run directory from its last checkpoint (same data order and random stream)")
+    parser.add_argument(
+        "--config",
+        dest="config_file",
+        default=None,
+        metavar="FILE.toml",
+        help="TOML file of flag values; flags on the command line override it",
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue a run directory from its last checkpoint "
+        "(same data order and random stream)",
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """`grpo train`: one GRPO run; exit 0 when finished, 130 when stopped by a signal, 1 on failure."""
+    """`grpo train`: one GRPO run; exit 0 when finished, 130 on a signal, 1 on failure."""
     from grpo.loop import RunStopped, train
 
     config, resume = flags.config_from_args(args)
@@ -53,16 +72,40 @@ def run_train(args: argparse.Namespace) -> int:
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `grpo eval`."""
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--run-dir", help="evaluate a run's final sampler weights (or its latest checkpoint)")
-    source.add_argument("--checkpoint", help="a state path from save_state, or a sampler weights path")
-    parser.add_argument("--backend", default=None, help=f"one of {', '.join(BACKENDS)} (default: the run's, else local)")
-    parser.add_argument("--base-model", default=None, help="base model (default: the run's, else the built-in tiny model)")
-    parser.add_argument("--dataset", default=None, help="problems (default: the run's, else arithmetic)")
+    source.add_argument(
+        "--run-dir", help="evaluate a run's final sampler weights (or its latest checkpoint)"
+    )
+    source.add_argument(
+        "--checkpoint", help="a state path from save_state, or a sampler weights path"
+    )
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help=f"one of {', '.join(BACKENDS)} (default: the run's, else local)",
+    )
+    parser.add_argument(
+        "--base-model",
+        default=None,
+        help="base model (default: the run's, else the built-in tiny model)",
+    )
+    parser.add_argument(
+        "--dataset", default=None, help="problems (default: the run's, else arithmetic)"
+    )
     parser.add_argument("--split", default="test", help="train or test (default: test)")
-    parser.add_argument("--limit", type=int, default=200, help="number of problems, >= 1 (default: 200)")
-    parser.add_argument("--samples", type=int, default=1, help="samples per problem, >= 1; pass@k is reported for k = 1, 2, 4 ... <= samples (default: 1)")
+    parser.add_argument(
+        "--limit", type=int, default=200, help="number of problems, >= 1 (default: 200)"
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="samples per problem, >= 1; pass@k is reported for k = 1, 2, 4 ... <= samples "
+        "(default: 1)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0.0)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="(default: the run's, else 24)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="(default: the run's, else 24)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="(default: 0)")
     parser.add_argument("--concurrency", type=int, default=32, help="(default: 32)")
 
@@ -88,9 +131,16 @@ def _eval_config(args: argparse.Namespace) -> tuple[TrainConfig, str | None]:
         run_dir = Path(args.run_dir)
         values = run_files.read_config(run_dir)
         model_path = run_files.eval_weights_path(run_dir)
-    given = {"backend": args.backend, "base_model": args.base_model, "dataset": args.dataset, "max_tokens": args.max_tokens}
+    given = {
+        "backend": args.backend,
+        "base_model": args.base_model,
+        "dataset": args.dataset,
+        "max_tokens": args.max_tokens,
+    }
     values.update({name: value for name, value in given.items() if value is not None})
-    return config_from_dict(values, where=f"--run-dir {args.run_dir}" if args.run_dir else None), model_path
+    return config_from_dict(
+        values, where=f"--run-dir {args.run_dir}" if args.run_dir else None
+    ), model_path
 
 
 def _sampling_client(service: object, base_model: str, model_path: str | None) -> object:
@@ -105,8 +155,9 @@ def _sampling_client(service: object, base_model: str, model_path: str | None) -
         training = service.create_training_client_from_state(model_path)  # type: ignore[attr-defined]
     except Exception as error:  # noqa: BLE001 - the message below says what the path must be
         raise ConfigError(
-            f"--checkpoint {model_path}: neither sampler weights nor a training state ({_short(error)}); "
-            "give the sampler_path of a run's summary.json or the state path of its checkpoint.json, "
+            f"--checkpoint {model_path}: neither sampler weights nor a training state "
+            f"({_short(error)}); give the sampler_path of a run's {run_files.SUMMARY_FILE} or "
+            f"the state path of its {run_files.CHECKPOINT_FILE}, "
             "or use --run-dir"
         ) from None
     return training.save_weights_and_get_sampling_client()
@@ -123,15 +174,38 @@ def run_eval(args: argparse.Namespace) -> int:
 
     config, model_path = _eval_config(args)
     local_root = str(Path(args.run_dir) / run_files.BACKEND_DIR) if args.run_dir else None
-    rows = load_problems(config.dataset, args.split, seed=config.seed, difficulty=config.difficulty, limit=args.limit)
+    rows = load_problems(
+        config.dataset, args.split, seed=config.seed, difficulty=config.difficulty, limit=args.limit
+    )
     service = make_service_client(config.backend, local_root=local_root, seed=args.seed)
     sampler = _sampling_client(service, config.base_model, model_path)
     tokenizer = sampler.get_tokenizer()  # type: ignore[attr-defined]
-    problems = build_problems(tokenizer, rows, fewshot=config.use_fewshot, max_tokens=config.max_tokens, max_len=tokenizer_max_len(tokenizer), split=args.split)
+    problems = build_problems(
+        tokenizer,
+        rows,
+        fewshot=config.use_fewshot,
+        max_tokens=config.max_tokens,
+        max_len=tokenizer_max_len(tokenizer),
+        split=args.split,
+    )
     with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-        metrics = evaluate(pool, sampler, problems, tokenizer, num_samples=args.samples, temperature=args.temperature, max_tokens=config.max_tokens, seed=args.seed, max_retries=3, log=print)
+        metrics = evaluate(
+            pool,
+            sampler,
+            problems,
+            tokenizer,
+            num_samples=args.samples,
+            temperature=args.temperature,
+            max_tokens=config.max_tokens,
+            seed=args.seed,
+            max_retries=3,
+            log=print,
+        )
     label = model_path or f"base model {config.base_model}"
-    print(f"{label}: {len(problems)} {args.split} problems, {args.samples} sample(s), temperature {args.temperature}")
+    print(
+        f"{label}: {len(problems)} {args.split} problems, {args.samples} sample(s), "
+        f"temperature {args.temperature}"
+    )
     for key, value in metrics.items():
         print(f"  {key.removeprefix('test/')}: {value:.4f}")
     return 0
@@ -143,16 +217,53 @@ def build_parser() -> argparse.ArgumentParser:
     from grpo.experiments import compare, sweep
 
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help=f"print the traceback of an error (or set {DEBUG_ENV}=1)")
-    parser = argparse.ArgumentParser(prog="grpo", description="Run and study GRPO on LLMs (PyTRIO or the embedded local backend).")
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        help=f"print the traceback of an error (or set {DEBUG_ENV}=1)",
+    )
+    parser = argparse.ArgumentParser(
+        prog="grpo",
+        description="Run and study GRPO on LLMs (PyTRIO or the embedded local backend).",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     commands = [
-        ("train", "one GRPO run (default: offline on the built-in model)", add_train_arguments, run_train),
-        ("eval", "accuracy and pass@k of a checkpoint or the base model", add_eval_arguments, run_eval),
-        ("compare", "the same run for several losses and seeds, with a report and plot", compare.add_compare_arguments, compare.run_compare),
-        ("sweep", "a grid or list of flag overrides from a TOML file, ranked", sweep.add_sweep_arguments, sweep.run_sweep),
-        ("plot", "PNG plots of metrics across run directories", plots.add_plot_arguments, plots.run_plot),
-        ("plot-losses", "each loss's objective and gradient weight against the ratio", plots.add_plot_losses_arguments, plots.run_plot_losses),
+        (
+            "train",
+            "one GRPO run (default: offline on the built-in model)",
+            add_train_arguments,
+            run_train,
+        ),
+        (
+            "eval",
+            "accuracy and pass@k of a checkpoint or the base model",
+            add_eval_arguments,
+            run_eval,
+        ),
+        (
+            "compare",
+            "the same run for several losses and seeds, with a report and plot",
+            compare.add_compare_arguments,
+            compare.run_compare,
+        ),
+        (
+            "sweep",
+            "a grid or list of flag overrides from a TOML file, ranked",
+            sweep.add_sweep_arguments,
+            sweep.run_sweep,
+        ),
+        (
+            "plot",
+            "PNG plots of metrics across run directories",
+            plots.add_plot_arguments,
+            plots.run_plot,
+        ),
+        (
+            "plot-losses",
+            "each loss's objective and gradient weight against the ratio",
+            plots.add_plot_losses_arguments,
+            plots.run_plot_losses,
+        ),
     ]
     for name, help_text, add_arguments, handler in commands:
         command = sub.add_parser(name, help=help_text, description=help_text, parents=[common])
@@ -184,7 +295,9 @@ def describe_error(error: BaseException) -> tuple[str, int]:
             EXIT_FAILED,
         )
     if isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
-        return f"{error.strerror or error}: {error.filename}" if error.filename else str(error), EXIT_BAD_INPUT
+        return f"{error.strerror or error}: {error.filename}" if error.filename else str(
+            error
+        ), EXIT_BAD_INPUT
     if isinstance(error, PermissionError):
         return f"permission denied: {error.filename}; choose a path you can write", EXIT_FAILED
     if isinstance(error, (ValueError, ConnectionError)):
@@ -195,12 +308,14 @@ def describe_error(error: BaseException) -> tuple[str, int]:
     if isinstance(error, BackendUnavailableError):
         return str(error), EXIT_BAD_INPUT
     if isinstance(error, OSError):
-        return f"{error.strerror or error}" + (f": {error.filename}" if error.filename else ""), EXIT_FAILED
+        return f"{error.strerror or error}" + (
+            f": {error.filename}" if error.filename else ""
+        ), EXIT_FAILED
     return f"{type(error).__name__}: {error}", EXIT_FAILED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `grpo` console script: exit 2 with one line naming the input on bad input."""
+    """Entry point of the `grpo` console script: bad input exits 2 with one line naming it."""
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
@@ -212,6 +327,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         message, code = describe_error(error)
-        hint = "" if debug else f" (traceback: --debug or {DEBUG_ENV}=1)" if code == EXIT_FAILED else ""
+        hint = (
+            ""
+            if debug
+            else f" (traceback: --debug or {DEBUG_ENV}=1)"
+            if code == EXIT_FAILED
+            else ""
+        )
         print(f"grpo {args.command}: error: {message}{hint}", file=sys.stderr)
         return code

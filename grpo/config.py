@@ -48,7 +48,9 @@ def flag_name(name: str) -> str:
 Check = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
 
-def _flag(default: Any, help: str, *checks: Check, choices: Callable[[], Iterable[str]] | None = None) -> Any:
+def _flag(
+    default: Any, help: str, *checks: Check, choices: Callable[[], Iterable[str]] | None = None
+) -> Any:
     """An attrs field carrying its CLI help, its range checks and its allowed values."""
     validators = list(checks)
     if choices is not None:
@@ -61,7 +63,7 @@ def _flag(default: Any, help: str, *checks: Check, choices: Callable[[], Iterabl
 
 
 def _one_of(names: Callable[[], Iterable[str]]) -> Check:
-    """Value must be one of `names()` (read when checked, so torch-backed registries load lazily)."""
+    """Value must be one of `names()` (read when checked: torch-backed registries load lazily)."""
 
     def check(_instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
         allowed = list(names())
@@ -159,10 +161,14 @@ def _type_check(attribute: "attrs.Attribute[Any]") -> Check:
                 raise ConfigError(f"{flag} must be true or false, got {value!r}")
         elif kind is int:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{flag} must be an integer, got {value!r}" + _example(name, default))
+                raise ConfigError(
+                    f"{flag} must be an integer, got {value!r}" + _example(name, default)
+                )
         elif kind is float:
             if isinstance(value, bool) or not isinstance(value, float):
-                raise ConfigError(f"{flag} must be a number, got {value!r}" + _example(name, default))
+                raise ConfigError(
+                    f"{flag} must be a number, got {value!r}" + _example(name, default)
+                )
             if not math.isfinite(value):
                 raise ConfigError(f"{flag} must be a finite number, got {value!r}")
         elif kind is str:
@@ -235,34 +241,80 @@ class TrainConfig:
     """Every knob of `grpo train`; defaults give the offline default run on the local backend."""
 
     # Model and backend
-    backend: str = _flag("local", "where training runs: the embedded local model or the PyTRIO service", choices=lambda: BACKENDS)
-    base_model: str = _flag(TINY_MODEL_NAME, "base model name (PyTRIO catalog id, the built-in tiny model, or a local HF directory)", _not_empty)
-    lora_rank: int = _flag(32, f"LoRA rank ({LORA_RANKS.start}..{LORA_RANKS.stop - 1})", _in_range(LORA_RANKS))
+    backend: str = _flag(
+        "local",
+        "where training runs: the embedded local model or the PyTRIO service",
+        choices=lambda: BACKENDS,
+    )
+    base_model: str = _flag(
+        TINY_MODEL_NAME,
+        "base model name (PyTRIO catalog id, the built-in tiny model, or a local HF directory)",
+        _not_empty,
+    )
+    lora_rank: int = _flag(
+        32, f"LoRA rank ({LORA_RANKS.start}..{LORA_RANKS.stop - 1})", _in_range(LORA_RANKS)
+    )
     # Data
-    dataset: str = _flag("arithmetic", "problems: 'arithmetic' (built-in), 'gsm8k' (hub) or a local JSONL/Parquet path", _not_empty)
-    all_data: bool = _flag(False, "iterate over the whole train split instead of --steps x --batch-size problems")
-    difficulty: int = _flag(1, "difficulty of the built-in arithmetic problems (operands 0..2*10^difficulty)", _at_least(1))
-    fewshot: bool | None = _flag(None, "prepend the few-shot example to prompts (default: on for real models, off for the tiny one)")
+    dataset: str = _flag(
+        "arithmetic",
+        "problems: 'arithmetic' (built-in), 'gsm8k' (hub) or a local JSONL/Parquet path",
+        _not_empty,
+    )
+    all_data: bool = _flag(
+        False, "iterate over the whole train split instead of --steps x --batch-size problems"
+    )
+    difficulty: int = _flag(
+        1,
+        "difficulty of the built-in arithmetic problems (operands 0..2*10^difficulty)",
+        _at_least(1),
+    )
+    fewshot: bool | None = _flag(
+        None,
+        "prepend the few-shot example to prompts "
+        "(default: on for real models, off for the tiny one)",
+    )
     # Rollouts
     steps: int = _flag(80, "number of training steps (batches)", _at_least(1))
     batch_size: int = _flag(8, "prompts per step", _at_least(1))
-    group_size: int = _flag(8, "completions sampled per prompt", _at_least(2, " (a group of one has no baseline)"))
+    group_size: int = _flag(
+        8, "completions sampled per prompt", _at_least(2, " (a group of one has no baseline)")
+    )
     max_tokens: int = _flag(24, "maximum generated tokens per completion", _at_least(1))
     temperature: float = _flag(1.0, "sampling temperature", _at_least(0))
     top_p: float = _flag(1.0, "nucleus sampling threshold", _top_p)
     concurrency: int = _flag(32, "sampling requests in flight at once", _at_least(1))
-    max_steps_off_policy: int = _flag(0, "how many steps stale a rollout may be (0 = strictly on-policy)", _at_least(0))
+    max_steps_off_policy: int = _flag(
+        0, "how many steps stale a rollout may be (0 = strictly on-policy)", _at_least(0)
+    )
     # Advantages and loss
     advantage: str = _flag("center", "group advantage estimator", choices=lambda: ADVANTAGES)
-    loss_fn: str = _flag("importance_sampling", "policy loss kernel (a name in grpo.core.losses.LOSSES; `grpo plot-losses` draws them)", choices=_loss_names)
-    loss_config: tuple[str, ...] = _flag((), "loss_fn_config entry KEY=VALUE (repeatable), validated against the kernel's keys")
-    custom_loss: bool = _flag(False, "run the loss through forward_backward_custom with the core kernel")
-    reduction: str = _flag("sum", "how token losses aggregate (a name in grpo.core.losses.REDUCTIONS: sum, token_mean, ...)", choices=_reductions)
+    loss_fn: str = _flag(
+        "importance_sampling",
+        "policy loss kernel (a name in grpo.core.losses.LOSSES; `grpo plot-losses` draws them)",
+        choices=_loss_names,
+    )
+    loss_config: tuple[str, ...] = _flag(
+        (), "loss_fn_config entry KEY=VALUE (repeatable), validated against the kernel's keys"
+    )
+    custom_loss: bool = _flag(
+        False, "run the loss through forward_backward_custom with the core kernel"
+    )
+    reduction: str = _flag(
+        "sum",
+        "how token losses aggregate (a name in grpo.core.losses.REDUCTIONS: sum, token_mean, ...)",
+        choices=_reductions,
+    )
     cispo_clip_low_threshold: float = _flag(0.0, "CISPO lower ratio bound (the article's flag)")
     cispo_clip_high_threshold: float = _flag(4.0, "CISPO upper ratio bound (the article's flag)")
-    kl_coef: float = _flag(0.0, "KL-to-base-model penalty folded into token advantages (0 = off)", _at_least(0))
-    kl_estimator: str = _flag("k1", "KL estimator for the penalty (k1, k2 or k3)", choices=_kl_estimators)
-    num_substeps: int = _flag(2, "minibatches per step, one optimizer step each (1..--batch-size)", _at_least(1))
+    kl_coef: float = _flag(
+        0.0, "KL-to-base-model penalty folded into token advantages (0 = off)", _at_least(0)
+    )
+    kl_estimator: str = _flag(
+        "k1", "KL estimator for the penalty (k1, k2 or k3)", choices=_kl_estimators
+    )
+    num_substeps: int = _flag(
+        2, "minibatches per step, one optimizer step each (1..--batch-size)", _at_least(1)
+    )
     epochs: int = _flag(1, "passes over each batch (PPO-style reuse)", _at_least(1))
     # Optimizer
     learning_rate: float = _flag(2e-4, "Adam learning rate", _positive)
@@ -272,15 +324,29 @@ class TrainConfig:
     weight_decay: float = _flag(0.0, "AdamW weight decay", _at_least(0))
     grad_clip_norm: float = _flag(1.0, "global gradient-norm clip (0 = off)", _at_least(0))
     # Evaluation, checkpoints, logging
-    seed: int = _flag(0, f"seed for data order, sampling and LoRA init (0..{SEEDS.stop - 1})", _in_range(SEEDS))
-    eval_every: int = _flag(40, "evaluate on the test split before training and every N steps (0 = never)", _at_least(0))
+    seed: int = _flag(
+        0, f"seed for data order, sampling and LoRA init (0..{SEEDS.stop - 1})", _in_range(SEEDS)
+    )
+    eval_every: int = _flag(
+        40, "evaluate on the test split before training and every N steps (0 = never)", _at_least(0)
+    )
     eval_limit: int = _flag(300, "test problems per evaluation", _at_least(1))
-    save_every: int = _flag(20, "save a resumable checkpoint every N steps (0 = only at the end)", _at_least(0))
+    save_every: int = _flag(
+        20, "save a resumable checkpoint every N steps (0 = only at the end)", _at_least(0)
+    )
     run_dir: str | None = _flag(None, "run directory (default: runs/<run name>)", _not_empty)
-    run_name: str | None = _flag(None, "run name (default: the run directory's name, else derived from loss, seed and time)", _plain_name)
+    run_name: str | None = _flag(
+        None,
+        "run name (default: the run directory's name, else derived from loss, seed and time)",
+        _plain_name,
+    )
     swanlab_mode: str = _flag("disabled", "SwanLab logging mode", choices=lambda: SWANLAB_MODES)
     swanlab_project: str = _flag("grpo", "SwanLab project name", _not_empty)
-    max_retries: int = _flag(3, "retries of a failed sampling/training call before the run stops with a checkpoint", _at_least(0))
+    max_retries: int = _flag(
+        3,
+        "retries of a failed sampling/training call before the run stops with a checkpoint",
+        _at_least(0),
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.num_substeps > self.batch_size:
@@ -310,9 +376,13 @@ class TrainConfig:
         if self.reduction == "seq_mean_token_sum_norm" and norm_length is None:
             norm_length = float(self.max_tokens)
         try:
-            return LossSpec.build(self.loss_fn, overrides, reduction=self.reduction, norm_length=norm_length)
+            return LossSpec.build(
+                self.loss_fn, overrides, reduction=self.reduction, norm_length=norm_length
+            )
         except (ValueError, TypeError) as error:
-            flags = "--loss-config" + (" / --cispo-clip-*-threshold" if self.loss_fn == "cispo" else "")
+            flags = "--loss-config" + (
+                " / --cispo-clip-*-threshold" if self.loss_fn == "cispo" else ""
+            )
             raise ConfigError(f"{flags}: {error}") from None
 
     @property
@@ -330,7 +400,7 @@ class TrainConfig:
 
     @property
     def use_fewshot(self) -> bool:
-        """Few-shot prompts for real models; the character-level tiny model was warm-started without."""
+        """Few-shot prompts for real models; the tiny model was warm-started without them."""
         return self.fewshot if self.fewshot is not None else self.base_model != TINY_MODEL_NAME
 
 
@@ -344,7 +414,9 @@ def parse_loss_config(entries: Iterable[str]) -> dict[str, float | None]:
     for entry in entries:
         key, sep, raw = entry.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--loss-config {entry!r} must look like KEY=VALUE, e.g. clip_high_threshold=1.28")
+            raise ConfigError(
+                f"--loss-config {entry!r} must look like KEY=VALUE, e.g. clip_high_threshold=1.28"
+            )
         raw = raw.strip()
         if raw.lower() in ("none", "off", "null"):
             parsed[key.strip()] = None
@@ -352,7 +424,9 @@ def parse_loss_config(entries: Iterable[str]) -> dict[str, float | None]:
         try:
             parsed[key.strip()] = float(raw)
         except ValueError:
-            raise ConfigError(f"--loss-config {key.strip()}={raw!r}: value must be a number (or 'none')") from None
+            raise ConfigError(
+                f"--loss-config {key.strip()}={raw!r}: value must be a number (or 'none')"
+            ) from None
     return parsed
 
 
@@ -377,7 +451,7 @@ def check_value(name: str, value: Any) -> Any:
 
 
 def config_from_dict(values: Mapping[str, Any], *, where: str | None = None) -> TrainConfig:
-    """A TrainConfig from flag values (underscore keys); errors are prefixed with `where` if given."""
+    """A TrainConfig from flag values (underscore keys); errors prefixed with `where` if given."""
     check_keys(values, where=where or "configuration")
     try:
         return TrainConfig(**values)
@@ -390,7 +464,10 @@ def config_from_dict(values: Mapping[str, Any], *, where: str | None = None) -> 
 def to_dict(config: TrainConfig) -> dict[str, Any]:
     """The config as a JSON-ready dict (tuples become lists)."""
     return attrs.asdict(
-        config, value_serializer=lambda _inst, _field, value: list(value) if isinstance(value, tuple) else value
+        config,
+        value_serializer=lambda _inst, _field, value: (
+            list(value) if isinstance(value, tuple) else value
+        ),
     )
 
 

@@ -187,7 +187,9 @@ def _load_local_file(path: Path) -> datasets.Dataset:
             return datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
         return datasets.Dataset.from_csv(str(path), keep_in_memory=True)
     except datasets.exceptions.DatasetGenerationError as error:
-        raise ValueError(f"data file {path} cannot be read as {path.suffix[1:]}: {error.__cause__}") from None
+        raise ValueError(
+            f"data file {path} cannot be read as {path.suffix[1:]}: {error.__cause__}"
+        ) from None
 
 
 def _bad_json_line(path: Path) -> str | None:

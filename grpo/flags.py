@@ -30,7 +30,7 @@ from grpo.config import (
 
 
 def add_train_arguments(parser: argparse._ActionsContainer, *, exclude: Iterable[str] = ()) -> None:
-    """One `--flag` per TrainConfig field but `exclude`; unset flags stay absent from the namespace."""
+    """One `--flag` per TrainConfig field but `exclude`; unset flags stay out of the namespace."""
     excluded = set(exclude)
     for name, field in FIELDS.items():
         if name in excluded:
@@ -53,7 +53,9 @@ def add_train_arguments(parser: argparse._ActionsContainer, *, exclude: Iterable
 def explicit_flags(args: argparse.Namespace, *, exclude: Iterable[str] = ()) -> dict[str, Any]:
     """The train flags set on the command line (those `add_train_arguments` added)."""
     excluded = set(exclude)
-    return {name: getattr(args, name) for name in FIELDS if name not in excluded and hasattr(args, name)}
+    return {
+        name: getattr(args, name) for name in FIELDS if name not in excluded and hasattr(args, name)
+    }
 
 
 def train_argv(overrides: Mapping[str, Any]) -> list[str]:
@@ -75,7 +77,9 @@ def train_argv(overrides: Mapping[str, Any]) -> list[str]:
                 argv.append("--no-" + flag[2:])
         elif value is None:
             if default is not None:
-                raise ConfigError(f"{name} = None: {flag} needs a value (its default is {default!r})")
+                raise ConfigError(
+                    f"{name} = None: {flag} needs a value (its default is {default!r})"
+                )
         else:
             for item in value if isinstance(value, (list, tuple)) else [value]:
                 text = str(item)
@@ -89,7 +93,9 @@ def _line_of(text: str, key: str) -> int | None:
     return text.count("\n", 0, match.start()) + 1 if match else None
 
 
-def checked_overrides(raw: Mapping[str, Any], *, where: str, text: str | None = None) -> dict[str, Any]:
+def checked_overrides(
+    raw: Mapping[str, Any], *, where: str, text: str | None = None
+) -> dict[str, Any]:
     """Flag values with underscore keys, each converted and checked by its field (ConfigError).
 
     `text`: the TOML source, so an error names the line of the offending key.
@@ -117,7 +123,9 @@ def read_toml(path: str | Path, *, what: str) -> tuple[dict[str, Any], str]:
     except IsADirectoryError:
         raise ConfigError(f"{what} {file} is a directory, not a TOML file") from None
     except UnicodeDecodeError as error:
-        raise ConfigError(f"{what} {file} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+        raise ConfigError(
+            f"{what} {file} is not UTF-8 text ({error.reason} at byte {error.start})"
+        ) from None
     try:
         return tomllib.loads(text), text
     except tomllib.TOMLDecodeError as error:
@@ -126,13 +134,13 @@ def read_toml(path: str | Path, *, what: str) -> tuple[dict[str, Any], str]:
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """A TOML file of flag values (keys as in `grpo train --help`, dashes or underscores), checked."""
+    """A TOML file of flag values (keys as in `grpo train --help`, - or _), each checked."""
     raw, text = read_toml(path, what="--config file")
     return checked_overrides(raw, where=str(path), text=text)
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
-    """Merge defaults (or the resumed run's config.json), the `--config` TOML file and explicit flags."""
+    """Merge defaults (or the resumed run's config), the `--config` TOML file and explicit flags."""
     explicit = checked_overrides(explicit_flags(args), where="command line")
     base: dict[str, Any] = {}
     resume = args.resume is not None

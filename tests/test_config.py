@@ -42,7 +42,10 @@ from grpo.core.losses import KL_ESTIMATORS, LOSSES, REDUCTIONS
         ({"learning_rate": math.inf}, "--learning-rate must be a finite number, got inf"),
         ({"temperature": math.inf}, "--temperature must be a finite number, got inf"),
         ({"kl_coef": math.nan}, "--kl-coef must be a finite number, got nan"),
-        ({"cispo_clip_high_threshold": -math.inf}, "--cispo-clip-high-threshold must be a finite number"),
+        (
+            {"cispo_clip_high_threshold": -math.inf},
+            "--cispo-clip-high-threshold must be a finite number",
+        ),
         # ranges
         ({"steps": 0}, "--steps must be >= 1, got 0"),
         ({"batch_size": 0}, "--batch-size must be >= 1, got 0"),
@@ -54,7 +57,10 @@ from grpo.core.losses import KL_ESTIMATORS, LOSSES, REDUCTIONS
         ({"concurrency": 0}, "--concurrency must be >= 1, got 0"),
         ({"max_steps_off_policy": -1}, "--max-steps-off-policy must be >= 0, got -1"),
         ({"num_substeps": 0}, "--num-substeps must be >= 1, got 0"),
-        ({"num_substeps": 9, "batch_size": 8}, "--num-substeps must be in [1, --batch-size=8], got 9"),
+        (
+            {"num_substeps": 9, "batch_size": 8},
+            "--num-substeps must be in [1, --batch-size=8], got 9",
+        ),
         ({"epochs": 0}, "--epochs must be >= 1, got 0"),
         ({"learning_rate": 0.0}, "--learning-rate must be > 0, got 0.0"),
         ({"beta1": 1.0}, "--beta1 must be in [0, 1), got 1.0"),
@@ -83,21 +89,47 @@ from grpo.core.losses import KL_ESTIMATORS, LOSSES, REDUCTIONS
         ({"swanlab_project": ""}, "--swanlab-project must not be empty"),
         # allowed values, from the registries
         ({"backend": "cloud"}, "--backend 'cloud' is not one of local, pytrio"),
-        ({"swanlab_mode": "cloud"}, "--swanlab-mode 'cloud' is not one of online, offline, disabled"),
+        (
+            {"swanlab_mode": "cloud"},
+            "--swanlab-mode 'cloud' is not one of online, offline, disabled",
+        ),
         ({"advantage": "mean"}, f"--advantage 'mean' is not one of {', '.join(ADVANTAGES)}"),
-        ({"loss_fn": "reinforce"}, f"--loss-fn 'reinforce' is not one of {', '.join(sorted(LOSSES))}"),
+        (
+            {"loss_fn": "reinforce"},
+            f"--loss-fn 'reinforce' is not one of {', '.join(sorted(LOSSES))}",
+        ),
         ({"reduction": "mean"}, f"--reduction 'mean' is not one of {', '.join(REDUCTIONS)}"),
         ({"kl_estimator": "k4"}, f"--kl-estimator 'k4' is not one of {', '.join(KL_ESTIMATORS)}"),
         # the loss and its config
-        ({"loss_config": ("clip_high_threshold",)}, "--loss-config 'clip_high_threshold' must look like KEY=VALUE"),
-        ({"loss_config": ("dual_clip=abc",)}, "--loss-config dual_clip='abc': value must be a number"),
-        ({"loss_config": ("typo_key=1",)}, "--loss-config: unknown config key 'typo_key' for loss 'importance_sampling'"),
-        ({"loss_fn": "ppo", "loss_config": ("clip_low_threshold=-1",)}, "--loss-config: clip_low_threshold must be >= 0"),
-        ({"loss_fn": "cispo", "cispo_clip_low_threshold": 5.0}, "--cispo-clip-*-threshold: clip_low_threshold (5.0) must not exceed"),
-        ({"loss_config": ("norm_length=8",)}, "--loss-config: norm_length=8.0 is only used by reduction 'seq_mean_token_sum_norm'"),
+        (
+            {"loss_config": ("clip_high_threshold",)},
+            "--loss-config 'clip_high_threshold' must look like KEY=VALUE",
+        ),
+        (
+            {"loss_config": ("dual_clip=abc",)},
+            "--loss-config dual_clip='abc': value must be a number",
+        ),
+        (
+            {"loss_config": ("typo_key=1",)},
+            "--loss-config: unknown config key 'typo_key' for loss 'importance_sampling'",
+        ),
+        (
+            {"loss_fn": "ppo", "loss_config": ("clip_low_threshold=-1",)},
+            "--loss-config: clip_low_threshold must be >= 0",
+        ),
+        (
+            {"loss_fn": "cispo", "cispo_clip_low_threshold": 5.0},
+            "--cispo-clip-*-threshold: clip_low_threshold (5.0) must not exceed",
+        ),
+        (
+            {"loss_config": ("norm_length=8",)},
+            "--loss-config: norm_length=8.0 is only used by reduction 'seq_mean_token_sum_norm'",
+        ),
     ],
 )
-def test_each_bad_flag_is_refused_when_the_config_is_built(overrides: dict[str, Any], message: str) -> None:
+def test_each_bad_flag_is_refused_when_the_config_is_built(
+    overrides: dict[str, Any], message: str
+) -> None:
     with pytest.raises(ConfigError) as error:
         TrainConfig(**overrides)
     assert message in str(error.value)
@@ -123,15 +155,19 @@ def test_toml_and_json_values_are_converted_to_the_field_types() -> None:
 
 
 def test_loss_spec_folds_in_the_cispo_flags_and_derives_the_norm_length() -> None:
-    cispo = TrainConfig(loss_fn="cispo", cispo_clip_low_threshold=0.5, cispo_clip_high_threshold=2.0)
+    cispo = TrainConfig(
+        loss_fn="cispo", cispo_clip_low_threshold=0.5, cispo_clip_high_threshold=2.0
+    )
     assert dict(cispo.loss_spec.config) == {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}
     explicit = TrainConfig(loss_fn="cispo", loss_config=("clip_high_threshold=3",))
     assert explicit.loss_spec.config["clip_high_threshold"] == 3.0
     assert explicit.loss_spec.config["clip_low_threshold"] == 0.0
     # the CISPO flags mean nothing to other kernels
-    assert dict(TrainConfig(loss_fn="ppo", cispo_clip_low_threshold=9.0, cispo_clip_high_threshold=9.0).loss_spec.config) == dict(
-        LOSSES["ppo"].defaults
-    )
+    assert dict(
+        TrainConfig(
+            loss_fn="ppo", cispo_clip_low_threshold=9.0, cispo_clip_high_threshold=9.0
+        ).loss_spec.config
+    ) == dict(LOSSES["ppo"].defaults)
     norm = TrainConfig(reduction="seq_mean_token_sum_norm", max_tokens=17)
     assert norm.loss_spec.norm_length == 17.0
     given = TrainConfig(reduction="seq_mean_token_sum_norm", loss_config=("norm_length=5",))
@@ -169,7 +205,9 @@ def test_resolve_run_fills_run_name_and_dir_once() -> None:
     in_dir = resolve_run(TrainConfig(run_dir="out/exp1"))
     assert (in_dir.run_name, in_dir.run_dir) == ("exp1", "out/exp1")
     derived = resolve_run(TrainConfig(loss_fn="ppo", seed=3))
-    assert derived.run_name.startswith("ppo-seed3-") and derived.run_dir == str(Path("runs") / derived.run_name)
+    assert derived.run_name.startswith("ppo-seed3-") and derived.run_dir == str(
+        Path("runs") / derived.run_name
+    )
     assert resolve_run(derived) == derived
     dot = resolve_run(TrainConfig(run_dir="."))
     assert dot.run_dir == "." and dot.run_name.startswith("importance_sampling-seed0-")

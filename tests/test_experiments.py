@@ -427,7 +427,8 @@ def test_sweep_validates_every_run_before_launching_any(tmp_path: Path, fake_tra
     sweep_file = write(tmp_path / "sub.toml", "[base]\nbatch_size = 8\n[grid]\nnum_substeps = [1, 16]\n")
     assert run_sweep(sweep_args(sweep_file, tmp_path / "out"), train_command=train_command) == 2
     err = capsys.readouterr().err
-    assert f"run {tmp_path / 'out' / 'num_substeps=16-seed0'}: --num-substeps must be in [1, --batch-size=8], got 16" in err
+    run = tmp_path / "out" / "num_substeps=16-seed0"
+    assert f"run {run}: --num-substeps must be in [1, --batch-size=8], got 16" in err
     assert read_calls(calls) == []
 
 

@@ -15,8 +15,12 @@ from grpo.core.advantages import ADVANTAGES
 from grpo.core.losses import KL_ESTIMATORS, LOSSES, REDUCTIONS
 from grpo.flags import checked_overrides, config_from_args, load_toml, train_argv
 
-TEXT = st.text(st.characters(min_codepoint=32, blacklist_categories=("Cs",)), min_size=1, max_size=12).filter(str.strip)
-RUN_NAME = TEXT.filter(lambda name: not any(bad in name for bad in ("/", "\\", "..")) and name != ".")
+TEXT = st.text(
+    st.characters(min_codepoint=32, blacklist_categories=("Cs",)), min_size=1, max_size=12
+).filter(str.strip)
+RUN_NAME = TEXT.filter(
+    lambda name: not any(bad in name for bad in ("/", "\\", "..")) and name != "."
+)
 
 
 def _floats(low: float, high: float, **kwargs: Any) -> st.SearchStrategy[float]:
@@ -27,7 +31,9 @@ def _loss_config(loss_fn: str) -> st.SearchStrategy[tuple[str, ...]]:
     keys = sorted(LOSSES[loss_fn].defaults)
     if not keys:
         return st.just(())
-    entry = st.tuples(st.sampled_from(keys), _floats(0.0, 5.0)).map(lambda pair: f"{pair[0]}={pair[1]!r}")
+    entry = st.tuples(st.sampled_from(keys), _floats(0.0, 5.0)).map(
+        lambda pair: f"{pair[0]}={pair[1]!r}"
+    )
     return st.lists(entry, max_size=3).map(tuple)
 
 
@@ -79,7 +85,9 @@ def train_configs(draw: st.DrawFn) -> TrainConfig:
     """A valid TrainConfig, each field set with probability 1/2 (the rest at their defaults)."""
     overrides = {name: draw(values) for name, values in FIELD_VALUES.items() if draw(st.booleans())}
     if "num_substeps" in overrides:
-        overrides["num_substeps"] = draw(st.integers(1, overrides.get("batch_size", FIELDS["batch_size"].default)))
+        overrides["num_substeps"] = draw(
+            st.integers(1, overrides.get("batch_size", FIELDS["batch_size"].default))
+        )
     loss_fn = draw(st.sampled_from(sorted(LOSSES)))
     overrides.update(loss_fn=loss_fn, loss_config=draw(_loss_config(loss_fn)))
     try:
@@ -107,7 +115,9 @@ def test_train_argv_of_a_config_parses_back_to_the_same_config(config: TrainConf
 
 @settings(max_examples=60, deadline=None)
 @given(train_configs(), st.data())
-def test_train_argv_of_some_overrides_sets_exactly_those(config: TrainConfig, data: st.DataObject) -> None:
+def test_train_argv_of_some_overrides_sets_exactly_those(
+    config: TrainConfig, data: st.DataObject
+) -> None:
     names = data.draw(st.sets(st.sampled_from(sorted(FIELDS))))
     saved = to_dict(config)
     overrides = {name: saved[name] for name in names}
@@ -134,7 +144,11 @@ def test_train_argv_writes_values_starting_with_a_dash_with_an_equals_sign() -> 
 def test_toml_keys_take_dashes_or_underscores_and_tables(tmp_path: Path) -> None:
     toml = tmp_path / "run.toml"
     toml.write_text('learning-rate = 1\nloss_fn = "ppo"\n[loss_config]\ndual_clip = 3\n')
-    assert load_toml(toml) == {"learning_rate": 1.0, "loss_fn": "ppo", "loss_config": ("dual_clip=3",)}
+    assert load_toml(toml) == {
+        "learning_rate": 1.0,
+        "loss_fn": "ppo",
+        "loss_config": ("dual_clip=3",),
+    }
 
 
 def test_checked_overrides_name_the_source() -> None:

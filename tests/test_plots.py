@@ -45,7 +45,8 @@ def plot_args(*argv: str) -> argparse.Namespace:
 
 
 def test_plot_of_a_row_with_a_null_step_names_the_file_and_line(tmp_path: Path, capsys) -> None:
-    run = write_run(tmp_path / "run", [{"step": 1, "reward": 0.1}, {"step": None, "reward": 0.2}, {"step": 3, "reward": 0.3}])
+    rows = [{"step": 1, "reward": 0.1}, {"step": None, "reward": 0.2}, {"step": 3, "reward": 0.3}]
+    run = write_run(tmp_path / "run", rows)
     assert run_plot(plot_args(str(run), "--out", str(tmp_path / "x.png"))) == 2
     err = capsys.readouterr().err
     assert f"{run / 'metrics.jsonl'} line 2 is not a metrics row" in err and "Traceback" not in err

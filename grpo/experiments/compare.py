@@ -27,7 +27,14 @@ from grpo.experiments.report import (
     table,
     unfinished_section,
 )
-from grpo.experiments.runner import DEFAULT_JOBS, MANAGED_FLAGS, TRAIN_COMMAND, RunSpec, normalize_overrides, run_dir_name
+from grpo.experiments.runner import (
+    DEFAULT_JOBS,
+    MANAGED_FLAGS,
+    TRAIN_COMMAND,
+    RunSpec,
+    normalize_overrides,
+    run_dir_name,
+)
 from grpo.experiments.stats import ConfigSummary, on_policy_warning, summarize_by_label
 from grpo.flags import add_train_arguments, explicit_flags, load_toml, train_argv
 
@@ -54,12 +61,18 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_LAST_STEPS,
         help="the final train reward is the mean of this many last steps",
     )
-    parser.add_argument("--config", default=None, help="TOML file of train flags for every run (command-line flags win)")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="TOML file of train flags for every run (command-line flags win)",
+    )
     group = parser.add_argument_group("train flags, passed to every run (see `grpo train --help`)")
     add_train_arguments(group, exclude=MANAGED_FLAGS | {"loss_fn"})
 
 
-def compare_specs(loss_fns: Sequence[str], seeds: Sequence[int], shared: Mapping[str, Any], out: Path) -> list[RunSpec]:
+def compare_specs(
+    loss_fns: Sequence[str], seeds: Sequence[int], shared: Mapping[str, Any], out: Path
+) -> list[RunSpec]:
     """One run per loss x seed, in `out/<loss>-seed<k>`, all with the `shared` flags."""
     return [
         RunSpec(
@@ -73,9 +86,21 @@ def compare_specs(loss_fns: Sequence[str], seeds: Sequence[int], shared: Mapping
     ]
 
 
-def compare_command(loss_fns: Sequence[str], seeds: int, shared: Mapping[str, Any], out: Path) -> str:
+def compare_command(
+    loss_fns: Sequence[str], seeds: int, shared: Mapping[str, Any], out: Path
+) -> str:
     """The `grpo compare` command line that reproduces an experiment."""
-    argv = ["grpo", "compare", "--loss-fn", *loss_fns, "--seeds", str(seeds), *train_argv(shared), "--out", str(out)]
+    argv = [
+        "grpo",
+        "compare",
+        "--loss-fn",
+        *loss_fns,
+        "--seeds",
+        str(seeds),
+        *train_argv(shared),
+        "--out",
+        str(out),
+    ]
     return shlex.join(argv)
 
 
@@ -86,8 +111,17 @@ def render_compare_report(
     seeds = sorted({run.seed for summary in summaries for run in summary.runs})
     all_runs = [run for summary in summaries for run in summary.runs]
     header = [
-        "loss", "runs", "train reward", "test accuracy", "steps/s", "clip fraction",
-        "clip low", "clip high", "ratio mean", "ratio min", "ratio max",
+        "loss",
+        "runs",
+        "train reward",
+        "test accuracy",
+        "steps/s",
+        "clip fraction",
+        "clip low",
+        "clip high",
+        "ratio mean",
+        "ratio min",
+        "ratio max",
     ]
     rows = [
         [
@@ -120,7 +154,13 @@ def render_compare_report(
     lines += table(header, rows)
     lines += unfinished_section(all_runs)
     lines += ["", "## Runs", ""] + runs_table(all_runs)
-    lines += ["", "## Reward", "", f"![reward per loss: mean over seeds, band = min-max]({FIGURE_FILE})", ""]
+    lines += [
+        "",
+        "## Reward",
+        "",
+        f"![reward per loss: mean over seeds, band = min-max]({FIGURE_FILE})",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -135,7 +175,7 @@ def compare(
     train_command: Sequence[str] = TRAIN_COMMAND,
     echo: Callable[[str], None] = print,
 ) -> list[ConfigSummary]:
-    """Run every loss x seed (skip finished, resume unfinished), then write report.md, comparison.json, reward.png."""
+    """Run every loss x seed (skip finished, resume unfinished); write the report, JSON, plot."""
     check_positive("--seeds", seeds)
     if not loss_fns:
         raise ValueError("--loss-fn needs at least one loss")
@@ -153,25 +193,45 @@ def compare(
             "warning": warning,
             "losses": [summary_json(summary) for summary in summaries],
         }
-        figure = experiment_figure(experiment.specs, experiment.runs, ["reward", "test/reward"], title=" vs ".join(loss_fns))
-        markdown = render_compare_report(summaries, command=command, last_steps=last_steps, warning=warning)
+        figure = experiment_figure(
+            experiment.specs,
+            experiment.runs,
+            ["reward", "test/reward"],
+            title=" vs ".join(loss_fns),
+        )
+        markdown = render_compare_report(
+            summaries, command=command, last_steps=last_steps, warning=warning
+        )
         return Report(markdown=markdown, payload=payload, figure=figure, result=summaries)
 
     specs = compare_specs(loss_fns, range(seeds), shared, out)
     return run_and_report(
-        specs, out=out, json_name=COMPARISON_FILE, figure_name=FIGURE_FILE, render=render,
-        jobs=jobs, last_steps=last_steps, train_command=train_command, echo=echo,
+        specs,
+        out=out,
+        json_name=COMPARISON_FILE,
+        figure_name=FIGURE_FILE,
+        render=render,
+        jobs=jobs,
+        last_steps=last_steps,
+        train_command=train_command,
+        echo=echo,
     )
 
 
 def run_compare(args: argparse.Namespace, *, train_command: Sequence[str] = TRAIN_COMMAND) -> int:
-    """`grpo compare`: 0 when every run finished, 1 when some did not (report still written), 2 on bad input."""
+    """`grpo compare`: exit 0 if every run finished, 1 if not (report written), 2: bad input."""
     out = Path(args.out)
     try:
-        from_file = normalize_overrides(load_toml(args.config), where=args.config) if args.config else {}
+        from_file = (
+            normalize_overrides(load_toml(args.config), where=args.config) if args.config else {}
+        )
         if "loss_fn" in from_file:
-            raise ValueError(f"{args.config}: loss_fn is chosen by compare's --loss-fn; remove it from the file")
-        from_cli = normalize_overrides(explicit_flags(args, exclude=MANAGED_FLAGS | {"loss_fn"}), where="command line")
+            raise ValueError(
+                f"{args.config}: loss_fn is chosen by compare's --loss-fn; remove it from the file"
+            )
+        from_cli = normalize_overrides(
+            explicit_flags(args, exclude=MANAGED_FLAGS | {"loss_fn"}), where="command line"
+        )
         summaries = compare(
             args.loss_fns,
             seeds=args.seeds,

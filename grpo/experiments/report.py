@@ -14,7 +14,15 @@ import attrs
 
 from grpo import run_dir as run_files
 from grpo.experiments.runner import TRAIN_COMMAND, RunSpec, execute_runs, planned_configs
-from grpo.experiments.stats import ConfigSummary, RunData, RunStats, Stat, missing_runs, read_run, run_stats
+from grpo.experiments.stats import (
+    ConfigSummary,
+    RunData,
+    RunStats,
+    Stat,
+    missing_runs,
+    read_run,
+    run_stats,
+)
 from grpo.plots import band_figure, metric_keys, save_figure
 
 if TYPE_CHECKING:
@@ -46,7 +54,17 @@ def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
 
 
 def runs_table(stats: Sequence[RunStats]) -> list[str]:
-    header = ["run", "finished", "steps", "train reward", "test accuracy", "steps/s", "clip fraction", "ratio min", "ratio max"]
+    header = [
+        "run",
+        "finished",
+        "steps",
+        "train reward",
+        "test accuracy",
+        "steps/s",
+        "clip fraction",
+        "ratio min",
+        "ratio max",
+    ]
     rows = [
         [
             run.name,
@@ -66,9 +84,10 @@ def runs_table(stats: Sequence[RunStats]) -> list[str]:
 
 def definitions(last_steps: int) -> str:
     return (
-        f"Train reward: mean `reward` of the last {last_steps} logged steps. Test accuracy: `test/reward` of the "
-        "final evaluation. `±` is the sample standard deviation over seeds. Clip fractions and ratio mean: "
-        "mean over steps of the loss's metrics; ratio min / max: extremes over all steps of all seeds."
+        f"Train reward: mean `reward` of the last {last_steps} logged steps. Test accuracy: "
+        "`test/reward` of the final evaluation. `±` is the sample standard deviation over seeds. "
+        "Clip fractions and ratio mean: mean over steps of the loss's metrics; ratio min / max: "
+        "extremes over all steps of all seeds."
     )
 
 
@@ -79,28 +98,37 @@ def unfinished_section(stats: Sequence[RunStats]) -> list[str]:
     names = ", ".join(f"`{run.name}`" for run in unfinished)
     return [
         "",
-        f"**{len(unfinished)} run(s) did not finish: {names}.** Their numbers cover the steps they logged. "
-        f"Rerun the same command to resume them (logs in `<run>/{run_files.LOG_FILE}` beside this report).",
+        f"**{len(unfinished)} run(s) did not finish: {names}.** Their numbers cover the steps "
+        "they logged. Rerun the same command to resume them (logs in "
+        f"`<run>/{run_files.LOG_FILE}` beside this report).",
     ]
 
 
 def summary_json(summary: ConfigSummary) -> dict[str, Any]:
     """A ConfigSummary as JSON-ready dicts (the report's numbers, unrounded)."""
     data = attrs.asdict(summary, recurse=False, filter=lambda field, _value: field.name != "runs")
-    data = {key: attrs.asdict(value) if isinstance(value, Stat) else value for key, value in data.items()}
+    data = {
+        key: attrs.asdict(value) if isinstance(value, Stat) else value
+        for key, value in data.items()
+    }
     data["runs"] = [
-        {**attrs.asdict(run), "max_ratio_deviation": run.max_ratio_deviation} for run in summary.runs
+        {**attrs.asdict(run), "max_ratio_deviation": run.max_ratio_deviation}
+        for run in summary.runs
     ]
     return data
 
 
-def experiment_figure(specs: Sequence[RunSpec], runs: Sequence[RunData], metrics: Sequence[str], *, title: str) -> Figure:
-    """Band figure per label: a panel for `metrics[0]`, and for each other metric some run logged."""
+def experiment_figure(
+    specs: Sequence[RunSpec], runs: Sequence[RunData], metrics: Sequence[str], *, title: str
+) -> Figure:
+    """Band figure per label: a panel for `metrics[0]`, and for each other metric a run logged."""
     groups: dict[str, list[list[dict[str, Any]]]] = {}
     for spec, run in zip(specs, runs, strict=True):
         groups.setdefault(spec.label, []).append(run.rows)
     logged = set().union(*(metric_keys(run.rows) for run in runs)) if runs else set()
-    panels = list(dict.fromkeys([metrics[0], *(metric for metric in metrics[1:] if metric in logged)]))
+    panels = list(
+        dict.fromkeys([metrics[0], *(metric for metric in metrics[1:] if metric in logged)])
+    )
     return band_figure(groups, panels, title=title)
 
 
@@ -144,7 +172,10 @@ def run_and_report(
     planned_configs(specs)
     execute_runs(specs, jobs=jobs, train_command=train_command, echo=echo)
     runs = [read_run(spec.run_dir) for spec in specs]
-    stats = [run_stats(run, label=spec.label, seed=spec.seed, last_steps=last_steps) for run, spec in zip(runs, specs, strict=True)]
+    stats = [
+        run_stats(run, label=spec.label, seed=spec.seed, last_steps=last_steps)
+        for run, spec in zip(runs, specs, strict=True)
+    ]
     report = render(Experiment(specs=specs, runs=runs, stats=stats))
     out.mkdir(parents=True, exist_ok=True)
     (out / REPORT_FILE).write_text(report.markdown)

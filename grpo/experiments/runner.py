@@ -44,7 +44,8 @@ def normalize_overrides(raw: Mapping[str, Any], *, where: str) -> dict[str, Any]
         name = key.replace("-", "_")
         if name in MANAGED_FLAGS:
             raise ConfigError(
-                f"{where}: {name!r} is set per run by compare/sweep (run directory OUT/<label>-seed<k>); "
+                f"{where}: {name!r} is set per run by compare/sweep "
+                "(run directory OUT/<label>-seed<k>); "
                 "remove it (choose seeds with --seeds or `seeds = [...]`)"
             )
     return checked_overrides(raw, where=where)
@@ -85,16 +86,22 @@ def launch_command(spec: RunSpec, status: str, train_command: Sequence[str]) -> 
 
 def _same_setting(requested: Any, recorded: Any) -> bool:
     if isinstance(requested, (list, tuple)):
-        return isinstance(recorded, (list, tuple)) and [str(item) for item in requested] == [str(item) for item in recorded]
-    if isinstance(requested, (int, float)) and isinstance(recorded, (int, float)) and not isinstance(requested, bool):
+        return isinstance(recorded, (list, tuple)) and [str(item) for item in requested] == [
+            str(item) for item in recorded
+        ]
+    if (
+        isinstance(requested, (int, float))
+        and isinstance(recorded, (int, float))
+        and not isinstance(requested, bool)
+    ):
         return math.isclose(requested, recorded, rel_tol=1e-9, abs_tol=0.0)
     return requested == recorded
 
 
 def check_existing_run(spec: RunSpec) -> None:
-    """Refuse to skip or resume a run directory whose config.json has other settings than requested."""
+    """Refuse to skip or resume a run directory whose saved config differs from the request."""
     recorded = run_files.read_config(spec.run_dir)
-    # A key config.json lacks cannot be checked (the trainer may leave some out), only a differing one.
+    # A key the saved config lacks cannot be checked (the trainer may leave some out).
     differences = [
         f"{name}: {recorded[name]!r} there, {value!r} requested"
         for name, value in spec.overrides.items()
@@ -117,16 +124,22 @@ class RunOutcome:
     seconds: float
 
 
-def _launch(spec: RunSpec, status: str, train_command: Sequence[str], env: Mapping[str, str]) -> RunOutcome:
+def _launch(
+    spec: RunSpec, status: str, train_command: Sequence[str], env: Mapping[str, str]
+) -> RunOutcome:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     command = launch_command(spec, status, train_command)
     start = time.monotonic()
     with (spec.run_dir / run_files.LOG_FILE).open("a", encoding="utf-8") as log:
         log.write(f"$ {shlex.join(command)}\n")
         log.flush()
-        completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=dict(env), check=False)
+        completed = subprocess.run(
+            command, stdout=log, stderr=subprocess.STDOUT, env=dict(env), check=False
+        )
     action = "resumed" if status == UNFINISHED else "started"
-    return RunOutcome(spec=spec, action=action, returncode=completed.returncode, seconds=time.monotonic() - start)
+    return RunOutcome(
+        spec=spec, action=action, returncode=completed.returncode, seconds=time.monotonic() - start
+    )
 
 
 def execute_runs(
@@ -145,7 +158,10 @@ def execute_runs(
     directories = [spec.run_dir.resolve() for spec in specs]
     shared = sorted({str(path) for path in directories if directories.count(path) > 1})
     if shared:
-        raise ValueError(f"two runs would share the directory {shared[0]}; give the configurations distinct labels")
+        raise ValueError(
+            f"two runs would share the directory {shared[0]}; "
+            "give the configurations distinct labels"
+        )
     statuses = [run_files.run_status(spec.run_dir) for spec in specs]
     for spec, status in zip(specs, statuses, strict=True):
         if status != NEW:
@@ -164,7 +180,10 @@ def execute_runs(
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {}
         for index, spec, status in pending:
-            echo(f"{'resume' if status == UNFINISHED else 'start '} {spec.run_dir} (log: {spec.run_dir / run_files.LOG_FILE})")
+            echo(
+                f"{'resume' if status == UNFINISHED else 'start '} {spec.run_dir} "
+                f"(log: {spec.run_dir / run_files.LOG_FILE})"
+            )
             futures[pool.submit(_launch, spec, status, train_command, env)] = index
         try:
             for future in as_completed(futures):
@@ -186,8 +205,17 @@ def execute_runs(
             echo("interrupted: no new runs started; rerun the same command to resume")
             raise
     ordered = [outcomes[index] for index in range(len(specs))]
-    counts = {action: sum(outcome.action == action for outcome in ordered) for action in ("skipped", "resumed", "started")}
-    failed = sum(outcome.returncode not in (None, 0) and run_files.run_status(outcome.spec.run_dir) != FINISHED for outcome in ordered)
-    echo(f"runs: {counts['started']} started, {counts['resumed']} resumed, {counts['skipped']} skipped (finished); {failed} failed")
+    counts = {
+        action: sum(outcome.action == action for outcome in ordered)
+        for action in ("skipped", "resumed", "started")
+    }
+    failed = sum(
+        outcome.returncode not in (None, 0)
+        and run_files.run_status(outcome.spec.run_dir) != FINISHED
+        for outcome in ordered
+    )
+    echo(
+        f"runs: {counts['started']} started, {counts['resumed']} resumed, "
+        f"{counts['skipped']} skipped (finished); {failed} failed"
+    )
     return ordered
-

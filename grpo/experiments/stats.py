@@ -26,7 +26,7 @@ CLIP_EQUIVALENT_LOSSES = frozenset({"importance_sampling", "ppo", "cispo"})
 
 @attrs.frozen
 class RunData:
-    """What a run directory holds: config.json ({} if absent), merged metrics rows, summary.json (None if unfinished)."""
+    """A run directory's config ({} if absent), merged metrics rows, summary (None if running)."""
 
     run_dir: Path
     config: Mapping[str, Any]
@@ -66,7 +66,9 @@ def _loss_prefix(run: RunData) -> str | None:
     """The prefix of the run's loss metrics: its loss_fn, or the one its metrics use."""
     if run.config.get("loss_fn"):
         return str(run.config["loss_fn"])
-    prefixes = sorted({key.split("/", 1)[0] for key in metric_keys(run.rows) if key.endswith("/clip_fraction")})
+    prefixes = sorted(
+        {key.split("/", 1)[0] for key in metric_keys(run.rows) if key.endswith("/clip_fraction")}
+    )
     return prefixes[0] if prefixes else None
 
 
@@ -133,8 +135,12 @@ def run_stats(run: RunData, *, label: str, seed: int, last_steps: int) -> RunSta
         test_reward=final_value(run, "test/reward", last_steps),
         steps_per_s=steps_per_second(run),
         clip_fraction=_series_reduce(run, loss_key("clip_fraction"), lambda values: values.mean()),
-        clip_low_fraction=_series_reduce(run, loss_key("clip_low_fraction"), lambda values: values.mean()),
-        clip_high_fraction=_series_reduce(run, loss_key("clip_high_fraction"), lambda values: values.mean()),
+        clip_low_fraction=_series_reduce(
+            run, loss_key("clip_low_fraction"), lambda values: values.mean()
+        ),
+        clip_high_fraction=_series_reduce(
+            run, loss_key("clip_high_fraction"), lambda values: values.mean()
+        ),
         ratio_mean=_series_reduce(run, loss_key("ratio_mean"), lambda values: values.mean()),
         ratio_min=_series_reduce(run, loss_key("ratio_min"), lambda values: values.min()),
         ratio_max=_series_reduce(run, loss_key("ratio_max"), lambda values: values.max()),
@@ -143,7 +149,7 @@ def run_stats(run: RunData, *, label: str, seed: int, last_steps: int) -> RunSta
 
 @attrs.frozen
 class Stat:
-    """Mean and sample standard deviation (ddof 1; None for a single value) of the values present."""
+    """Mean and sample standard deviation (ddof 1; None for one value) of the values present."""
 
     mean: float | None
     std: float | None
@@ -165,7 +171,11 @@ def mean_std(values: Iterable[float | None]) -> Stat:
     if count == 0:
         return Stat(mean=None, std=None, n=0)
     mean = sum(present) / count
-    std = math.sqrt(sum((value - mean) ** 2 for value in present) / (count - 1)) if count > 1 else None
+    std = (
+        math.sqrt(sum((value - mean) ** 2 for value in present) / (count - 1))
+        if count > 1
+        else None
+    )
     return Stat(mean=mean, std=std, n=count)
 
 
@@ -229,7 +239,10 @@ def on_policy_warning(stats: Sequence[RunStats]) -> str | None:
     max_clip = max(clip_fractions) if clip_fractions else None
     ratio_is_one = max_deviation is not None and max_deviation <= RATIO_TOLERANCE
     never_clipped = (
-        max_clip is not None and max_clip <= CLIP_TOLERANCE and bool(losses) and losses <= CLIP_EQUIVALENT_LOSSES
+        max_clip is not None
+        and max_clip <= CLIP_TOLERANCE
+        and bool(losses)
+        and losses <= CLIP_EQUIVALENT_LOSSES
     )
     if not (ratio_is_one or never_clipped):
         return None
@@ -237,11 +250,12 @@ def on_policy_warning(stats: Sequence[RunStats]) -> str | None:
     clip_text = f"{max_clip:.2%}" if max_clip is not None else "not logged"
     return (
         "**WARNING: these runs were too on-policy for the losses to differ.** "
-        f"Over all runs, max |ratio − 1| = {deviation_text} and the largest mean clip fraction is {clip_text}. "
-        "With one optimizer step per freshly sampled batch the policy that computes the loss is the one that "
-        "sampled, so r = exp(lp − lp_old) = 1 on every token: importance sampling, PPO and CISPO then all have "
-        "the gradient A·∇lp, and with no token clipped PPO and CISPO reduce to importance sampling. "
-        "Any difference in this table is seed noise. Make the updates off-policy to compare the losses: "
+        f"Over all runs, max |ratio − 1| = {deviation_text} and the largest mean clip fraction "
+        f"is {clip_text}. With one optimizer step per freshly sampled batch the policy that "
+        "computes the loss is the one that sampled, so r = exp(lp − lp_old) = 1 on every token: "
+        "importance sampling, PPO and CISPO then all have the gradient A·∇lp, and with no token "
+        "clipped PPO and CISPO reduce to importance sampling. Any difference in this table is "
+        "seed noise. Make the updates off-policy to compare the losses: "
         "several optimizer steps per batch (`--num-substeps 4`, `--epochs 2`) or stale rollouts "
         "(`--max-steps-off-policy 1`)."
     )
@@ -250,4 +264,3 @@ def on_policy_warning(stats: Sequence[RunStats]) -> str | None:
 def missing_runs(stats: Sequence[RunStats]) -> list[RunStats]:
     """Runs that did not finish (crashed, killed or failed): the report must say so."""
     return [run for run in stats if not run.finished]
-

@@ -29,7 +29,13 @@ from grpo.experiments.report import (
     table,
     unfinished_section,
 )
-from grpo.experiments.runner import DEFAULT_JOBS, TRAIN_COMMAND, RunSpec, normalize_overrides, run_dir_name
+from grpo.experiments.runner import (
+    DEFAULT_JOBS,
+    TRAIN_COMMAND,
+    RunSpec,
+    normalize_overrides,
+    run_dir_name,
+)
 from grpo.experiments.stats import (
     ConfigSummary,
     Stat,
@@ -49,7 +55,7 @@ RANK_ORDERS = ("max", "min")
 
 @attrs.frozen
 class SweepPlan:
-    """A validated sweep file: fixed flags, the configurations (label, overrides), seeds and ranking."""
+    """A validated sweep file: fixed flags, configurations (label, overrides), seeds, ranking."""
 
     path: Path
     base: Mapping[str, Any]
@@ -81,8 +87,14 @@ def load_sweep(path: str | Path) -> SweepPlan:
     raw, _text = read_toml(file, what="sweep file")
     for key in raw:
         if key not in SWEEP_KEYS:
-            hint = " (train flags go under [base], [grid] or [[runs]])" if key.replace("-", "_") in FIELD_NAMES else ""
-            raise ValueError(f"{file}: unknown top-level key {key!r}{hint}; expected {', '.join(SWEEP_KEYS)}")
+            hint = (
+                " (train flags go under [base], [grid] or [[runs]])"
+                if key.replace("-", "_") in FIELD_NAMES
+                else ""
+            )
+            raise ValueError(
+                f"{file}: unknown top-level key {key!r}{hint}; expected {', '.join(SWEEP_KEYS)}"
+            )
     base_raw = raw.get("base", {})
     if not isinstance(base_raw, Mapping):
         raise ValueError(f"{file}: [base] must be a table of train flags")
@@ -91,19 +103,35 @@ def load_sweep(path: str | Path) -> SweepPlan:
     labels = [label for label, _ in configs]
     repeated = sorted({label for label in labels if labels.count(label) > 1})
     if repeated:
-        raise ValueError(f"{file}: two configurations are the same ({repeated[0]}); give each run different overrides")
+        raise ValueError(
+            f"{file}: two configurations are the same ({repeated[0]}); "
+            "give each run different overrides"
+        )
     seeds = raw.get("seeds", [0])
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(seed, int) and not isinstance(seed, bool) for seed in seeds):
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or not all(isinstance(seed, int) and not isinstance(seed, bool) for seed in seeds)
+    ):
         raise ValueError(f"{file}: seeds must be a non-empty list of integers, got {seeds!r}")
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"{file}: seeds lists a seed twice: {seeds!r}")
     rank_by = raw.get("rank_by", "test/reward")
     rank_order = raw.get("rank_order", "max")
     if not isinstance(rank_by, str) or not rank_by:
-        raise ValueError(f"{file}: rank_by must be a metric name such as \"test/reward\", got {rank_by!r}")
+        raise ValueError(
+            f'{file}: rank_by must be a metric name such as "test/reward", got {rank_by!r}'
+        )
     if rank_order not in RANK_ORDERS:
-        raise ValueError(f"{file}: rank_order must be \"max\" or \"min\", got {rank_order!r}")
-    return SweepPlan(path=file, base=base, configs=tuple(configs), seeds=tuple(seeds), rank_by=rank_by, rank_order=rank_order)
+        raise ValueError(f'{file}: rank_order must be "max" or "min", got {rank_order!r}')
+    return SweepPlan(
+        path=file,
+        base=base,
+        configs=tuple(configs),
+        seeds=tuple(seeds),
+        rank_by=rank_by,
+        rank_order=rank_order,
+    )
 
 
 def _sweep_configs(file: Path, raw: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -113,36 +141,55 @@ def _sweep_configs(file: Path, raw: Mapping[str, Any]) -> list[tuple[str, dict[s
     if "grid" in raw:
         grid = raw["grid"]
         if not isinstance(grid, Mapping) or not grid:
-            raise ValueError(f"{file}: [grid] is empty; give at least one flag with a list of values, e.g. learning_rate = [1e-4, 3e-4]")
+            raise ValueError(
+                f"{file}: [grid] is empty; give at least one flag with a list of values, "
+                "e.g. learning_rate = [1e-4, 3e-4]"
+            )
         for key, values in grid.items():
             if not isinstance(values, list) or not values:
-                raise ValueError(f"{file}: [grid] {key} must be a non-empty list of values, got {values!r}")
+                raise ValueError(
+                    f"{file}: [grid] {key} must be a non-empty list of values, got {values!r}"
+                )
         names = list(grid)
         configs = []
         for combination in itertools.product(*(grid[name] for name in names)):
-            overrides = normalize_overrides(dict(zip(names, combination, strict=True)), where=f"{file} [grid]")
+            overrides = normalize_overrides(
+                dict(zip(names, combination, strict=True)), where=f"{file} [grid]"
+            )
             configs.append((config_label(overrides), overrides))
         return configs
     if "runs" in raw:
         runs = raw["runs"]
         if not isinstance(runs, list) or not runs:
-            raise ValueError(f"{file}: [[runs]] is empty; add at least one [[runs]] table of overrides")
+            raise ValueError(
+                f"{file}: [[runs]] is empty; add at least one [[runs]] table of overrides"
+            )
         configs = []
         for index, entry in enumerate(runs):
             if not isinstance(entry, Mapping):
-                raise ValueError(f"{file}: runs[{index}] must be a table of train flags, got {entry!r}")
+                raise ValueError(
+                    f"{file}: runs[{index}] must be a table of train flags, got {entry!r}"
+                )
             overrides = dict(entry)
             name = overrides.pop("name", None)
             overrides = normalize_overrides(overrides, where=f"{file} runs[{index}]")
             configs.append((str(name) if name is not None else config_label(overrides), overrides))
         return configs
-    raise ValueError(f"{file}: no configurations: add a [grid] table of value lists or [[runs]] tables of overrides")
+    raise ValueError(
+        f"{file}: no configurations: add a [grid] table of value lists "
+        "or [[runs]] tables of overrides"
+    )
 
 
 def sweep_specs(plan: SweepPlan, out: Path) -> list[RunSpec]:
-    """One run per configuration x seed in `out/<label>-seed<k>`, flags = base | configuration | seed."""
+    """One run per configuration x seed in `out/<label>-seed<k>`: base | configuration | seed."""
     return [
-        RunSpec(label=label, seed=seed, run_dir=out / run_dir_name(label, seed), overrides={**plan.base, **overrides, "seed": seed})
+        RunSpec(
+            label=label,
+            seed=seed,
+            run_dir=out / run_dir_name(label, seed),
+            overrides={**plan.base, **overrides, "seed": seed},
+        )
         for label, overrides in plan.configs
         for seed in plan.seeds
     ]
@@ -150,7 +197,7 @@ def sweep_specs(plan: SweepPlan, out: Path) -> list[RunSpec]:
 
 @attrs.frozen
 class RankedConfig:
-    """A sweep configuration with its ranking metric over seeds; rank 0 when the metric is missing."""
+    """A sweep configuration with its ranking metric over seeds; rank 0 when it is missing."""
 
     rank: int
     summary: ConfigSummary
@@ -165,7 +212,7 @@ def rank_configs(
     *,
     order: str,
 ) -> list[RankedConfig]:
-    """Configurations sorted by their mean metric (best first; "max" = higher is better), missing last."""
+    """Configurations by mean metric, best first ("max": higher is better), missing ones last."""
     sign = -1.0 if order == "max" else 1.0
     present = sorted(
         (summary for summary in summaries if metric_by_label[summary.label].mean is not None),
@@ -173,21 +220,45 @@ def rank_configs(
     )
     missing = [summary for summary in summaries if metric_by_label[summary.label].mean is None]
     ranked = [
-        RankedConfig(rank=rank, summary=summary, overrides=overrides_by_label[summary.label], metric=metric_by_label[summary.label])
+        RankedConfig(
+            rank=rank,
+            summary=summary,
+            overrides=overrides_by_label[summary.label],
+            metric=metric_by_label[summary.label],
+        )
         for rank, summary in enumerate(present, start=1)
     ]
     return ranked + [
-        RankedConfig(rank=0, summary=summary, overrides=overrides_by_label[summary.label], metric=metric_by_label[summary.label])
+        RankedConfig(
+            rank=0,
+            summary=summary,
+            overrides=overrides_by_label[summary.label],
+            metric=metric_by_label[summary.label],
+        )
         for summary in missing
     ]
 
 
 def render_sweep_report(
-    plan: SweepPlan, ranked: Sequence[RankedConfig], *, command: str, last_steps: int, warnings: Sequence[str]
+    plan: SweepPlan,
+    ranked: Sequence[RankedConfig],
+    *,
+    command: str,
+    last_steps: int,
+    warnings: Sequence[str],
 ) -> str:
     """report.md of `grpo sweep`: configurations ranked by the chosen metric, then every run."""
     best = "highest" if plan.rank_order == "max" else "lowest"
-    header = ["rank", "configuration", f"{plan.rank_by} (ranked)", "runs", "train reward", "test accuracy", "steps/s", "clip fraction"]
+    header = [
+        "rank",
+        "configuration",
+        f"{plan.rank_by} (ranked)",
+        "runs",
+        "train reward",
+        "test accuracy",
+        "steps/s",
+        "clip fraction",
+    ]
     rows = [
         [
             str(entry.rank) if entry.rank else "–",
@@ -205,15 +276,20 @@ def render_sweep_report(
     lines = [
         f"# Sweep: {plan.path.name}",
         "",
-        f"{len(ranked)} configurations x {len(plan.seeds)} seeds ({', '.join(map(str, plan.seeds))}), "
+        f"{len(ranked)} configurations x {len(plan.seeds)} seeds "
+        f"({', '.join(map(str, plan.seeds))}), "
         f"ranked by the mean over seeds of `{plan.rank_by}` ({best} first). Made by:",
         "",
         f"    {command}",
         "",
         f"Fixed flags: `{base}`.",
         "",
-        definitions(last_steps) + f" `{plan.rank_by}` per run: " + (
-            "its final evaluation." if plan.rank_by.startswith("test/") else f"mean of its last {last_steps} logged values."
+        definitions(last_steps)
+        + f" `{plan.rank_by}` per run: "
+        + (
+            "its final evaluation."
+            if plan.rank_by.startswith("test/")
+            else f"mean of its last {last_steps} logged values."
         ),
         "",
     ]
@@ -222,7 +298,13 @@ def render_sweep_report(
     all_runs = [run for entry in ranked for run in entry.summary.runs]
     lines += unfinished_section(all_runs)
     lines += ["", "## Runs", ""] + runs_table(all_runs)
-    lines += ["", "## Curves", "", f"![curves per configuration: mean over seeds, band = min-max]({FIGURE_FILE})", ""]
+    lines += [
+        "",
+        "## Curves",
+        "",
+        f"![curves per configuration: mean over seeds, band = min-max]({FIGURE_FILE})",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -235,17 +317,28 @@ def sweep(
     train_command: Sequence[str] = TRAIN_COMMAND,
     echo: Callable[[str], None] = print,
 ) -> list[RankedConfig]:
-    """Run every configuration x seed (skip finished, resume unfinished), then write report.md, sweep.json, curves.png."""
+    """Run every configuration x seed (skip finished, resume unfinished); write report and plot."""
     order = ["--rank-order", plan.rank_order] if plan.rank_order != "max" else []
-    command = shlex.join(["grpo", "sweep", str(plan.path), "--out", str(out), "--rank-by", plan.rank_by, *order])
+    command = shlex.join(
+        ["grpo", "sweep", str(plan.path), "--out", str(out), "--rank-by", plan.rank_by, *order]
+    )
 
     def render(experiment: Experiment) -> Report:
         runs, specs = experiment.runs, experiment.specs
         metric_by_label = {
-            label: mean_std(final_value(run, plan.rank_by, last_steps) for run, spec in zip(runs, specs, strict=True) if spec.label == label)
+            label: mean_std(
+                final_value(run, plan.rank_by, last_steps)
+                for run, spec in zip(runs, specs, strict=True)
+                if spec.label == label
+            )
             for label, _ in plan.configs
         }
-        ranked = rank_configs(summarize_by_label(experiment.stats), dict(plan.configs), metric_by_label, order=plan.rank_order)
+        ranked = rank_configs(
+            summarize_by_label(experiment.stats),
+            dict(plan.configs),
+            metric_by_label,
+            order=plan.rank_order,
+        )
         warnings = []
         if all(stat.mean is None for stat in metric_by_label.values()):
             logged = sorted(set().union(*(metric_keys(run.rows) for run in runs)))
@@ -263,27 +356,59 @@ def sweep(
             "last_steps": last_steps,
             "warnings": warnings,
             "configurations": [
-                {"rank": entry.rank, "overrides": dict(entry.overrides), "metric": attrs.asdict(entry.metric), **summary_json(entry.summary)}
+                {
+                    "rank": entry.rank,
+                    "overrides": dict(entry.overrides),
+                    "metric": attrs.asdict(entry.metric),
+                    **summary_json(entry.summary),
+                }
                 for entry in ranked
             ],
         }
-        figure = experiment_figure(specs, runs, ["reward", plan.rank_by, "test/reward"], title=f"sweep {plan.path.name}")
-        markdown = render_sweep_report(plan, ranked, command=command, last_steps=last_steps, warnings=warnings)
+        figure = experiment_figure(
+            specs, runs, ["reward", plan.rank_by, "test/reward"], title=f"sweep {plan.path.name}"
+        )
+        markdown = render_sweep_report(
+            plan, ranked, command=command, last_steps=last_steps, warnings=warnings
+        )
         return Report(markdown=markdown, payload=payload, figure=figure, result=ranked)
 
     return run_and_report(
-        sweep_specs(plan, out), out=out, json_name=SWEEP_FILE, figure_name=FIGURE_FILE, render=render,
-        jobs=jobs, last_steps=last_steps, train_command=train_command, echo=echo,
+        sweep_specs(plan, out),
+        out=out,
+        json_name=SWEEP_FILE,
+        figure_name=FIGURE_FILE,
+        render=render,
+        jobs=jobs,
+        last_steps=last_steps,
+        train_command=train_command,
+        echo=echo,
     )
 
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `grpo sweep SWEEP.toml [--jobs J] [--out DIR] [--rank-by METRIC]`."""
-    parser.add_argument("sweep_file", metavar="SWEEP.toml", help="[base] flags, [grid] lists or [[runs]] overrides, seeds, rank_by")
+    parser.add_argument(
+        "sweep_file",
+        metavar="SWEEP.toml",
+        help="[base] flags, [grid] lists or [[runs]] overrides, seeds, rank_by",
+    )
     parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help="runs in parallel")
-    parser.add_argument("--out", default=None, help="experiment directory (None: runs/sweep-<file name>)")
-    parser.add_argument("--rank-by", default=None, metavar="METRIC", help="metric that ranks configurations (None: the file's rank_by, else test/reward)")
-    parser.add_argument("--rank-order", choices=RANK_ORDERS, default=None, help="max: higher is better, min: lower is better (None: the file's rank_order, else max)")
+    parser.add_argument(
+        "--out", default=None, help="experiment directory (None: runs/sweep-<file name>)"
+    )
+    parser.add_argument(
+        "--rank-by",
+        default=None,
+        metavar="METRIC",
+        help="metric that ranks configurations (None: the file's rank_by, else test/reward)",
+    )
+    parser.add_argument(
+        "--rank-order",
+        choices=RANK_ORDERS,
+        default=None,
+        help="max: higher is better, min: lower is better (None: the file's rank_order, else max)",
+    )
     parser.add_argument(
         "--last-steps",
         type=int,
@@ -293,12 +418,18 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_sweep(args: argparse.Namespace, *, train_command: Sequence[str] = TRAIN_COMMAND) -> int:
-    """`grpo sweep`: 0 when every run finished and ranked, 1 when some did not (report still written), 2 on bad input."""
+    """`grpo sweep`: 0 if all runs finished and ranked, 1 if not (report written), 2: bad input."""
     try:
         plan = load_sweep(args.sweep_file)
-        plan = attrs.evolve(plan, rank_by=args.rank_by or plan.rank_by, rank_order=args.rank_order or plan.rank_order)
+        plan = attrs.evolve(
+            plan,
+            rank_by=args.rank_by or plan.rank_by,
+            rank_order=args.rank_order or plan.rank_order,
+        )
         out = Path(args.out) if args.out else Path("runs") / f"sweep-{plan.path.stem}"
-        ranked = sweep(plan, out=out, jobs=args.jobs, last_steps=args.last_steps, train_command=train_command)
+        ranked = sweep(
+            plan, out=out, jobs=args.jobs, last_steps=args.last_steps, train_command=train_command
+        )
     except (FileNotFoundError, ValueError) as error:
         print(f"grpo sweep: error: {error}", file=sys.stderr)
         return 2
