@@ -58,7 +58,7 @@ def _flag(
     return attrs.field(
         default=default,
         validator=attrs.validators.and_(*validators) if validators else None,
-        metadata={"help": help, "choices": choices},
+        metadata={"help": help},
     )
 
 
@@ -186,10 +186,17 @@ def _convert(attribute: "attrs.Attribute[Any]") -> Callable[[Any], Any] | None:
     """TOML/JSON values to the field's type: ints to floats, lists and tables to tuples."""
     kind, _ = field_kind(attribute)
     if kind is float:
-        return lambda value: float(value) if type(value) is int else value
+        return _int_to_float
     if getattr(kind, "__origin__", None) is tuple:
         return _key_value_entries
     return None
+
+
+def _int_to_float(value: Any) -> Any:
+    """An int as a float (TOML `lr = 1`); anything else, or an int too large, as given."""
+    if type(value) is int and abs(value) < 2**1023:
+        return float(value)
+    return value
 
 
 def _key_value_entries(value: Any) -> Any:
