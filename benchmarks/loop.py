@@ -52,8 +52,9 @@ from benchmarks.common import argument_parser, markdown_table, print_header, thr
 from grpo.backends.tiny import IM_END, TINY_MODEL_NAME, build_tokenizer
 from grpo.config import TrainConfig
 from grpo.data import load_problems
-from grpo.logging import read_metrics
-from grpo.loop import Problem, build_problems, train
+from grpo.run_dir import read_metrics
+from grpo.loop import train
+from grpo.rollouts import Problem, build_problems
 
 FULL_LATENCY_S = {
     "sample": 0.300,
@@ -296,7 +297,7 @@ def run_setting(
     result = train(config, service_client=WithLatency(inner, latency_s, log), echo=on_line, progress=False)
     if backend == "local":
         inner.close()
-    rows_by_step = read_metrics(result.run_dir / "metrics.jsonl")
+    rows_by_step = read_metrics(result.run_dir)
     timed = range(1, len(step_ends))  # step k runs from the end of step k-1 to its own end
     uncovered = [
         (step_ends[k][0] - step_ends[k - 1][0]) - log.covered(step_ends[k - 1][0], step_ends[k][0]) for k in timed

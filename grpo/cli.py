@@ -169,8 +169,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from grpo.backends.pytrio import make_service_client
     from grpo.data import load_problems
-    from grpo.loop import build_problems, evaluate
-    from grpo.loop import _tokenizer_max_len as tokenizer_max_len
+    from grpo.rollouts import build_problems, evaluate, tokenizer_max_len
 
     config, model_path = _eval_config(args)
     local_root = str(Path(args.run_dir) / run_files.BACKEND_DIR) if args.run_dir else None

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from grpo.backends.names import TINY_MODEL_NAME
-from grpo.core.advantages import ADVANTAGES
 
 if TYPE_CHECKING:
     from grpo.core.loss_spec import LossSpec
@@ -222,6 +221,14 @@ def _with_checks(_cls: type, fields: list["attrs.Attribute[Any]"]) -> list["attr
     return checked
 
 
+# The registries of grpo.core load torch: they are read when a config is checked, not at import,
+# so `grpo --help` stays light.
+def _advantage_names() -> Iterable[str]:
+    from grpo.core.advantages import ADVANTAGES
+
+    return ADVANTAGES
+
+
 def _loss_names() -> Iterable[str]:
     from grpo.core.losses import LOSSES
 
@@ -294,7 +301,7 @@ class TrainConfig:
         0, "how many steps stale a rollout may be (0 = strictly on-policy)", _at_least(0)
     )
     # Advantages and loss
-    advantage: str = _flag("center", "group advantage estimator", choices=lambda: ADVANTAGES)
+    advantage: str = _flag("center", "group advantage estimator", choices=_advantage_names)
     loss_fn: str = _flag(
         "importance_sampling",
         "policy loss kernel (a name in grpo.core.losses.LOSSES; `grpo plot-losses` draws them)",

@@ -1,20 +1,20 @@
 """Run logging: `metrics.jsonl` in the run directory, a console line per step, and SwanLab.
 
-`metrics.jsonl` is the record of truth (written and flushed every step, so a crash loses
-nothing logged); SwanLab is a mirror that may fail: a SwanLab error degrades to offline
-logging, then to none, with a warning, and never stops training.
+`metrics.jsonl` is the record of truth (each row fsynced before `log` returns, through
+`grpo.run_dir.MetricsWriter`, so a crash loses nothing logged); SwanLab is a mirror that
+may fail: a SwanLab error degrades to offline logging, then to none, with a warning, and
+never stops training.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from grpo.run_dir import MetricsWriter
 
 # Config values whose key looks like a credential are never written anywhere.
 _SECRET_KEY = re.compile(r"(api[_-]?key|secret|passw(or)?d|(auth|access|bearer|api)[_-]?token)", re.IGNORECASE)
@@ -47,25 +47,6 @@ def console_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> s
     return " | ".join(parts)
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All rows of a metrics.jsonl file (a truncated last line from a crash is skipped)."""
-    rows = []
-    file = Path(path)
-    if not file.exists():
-        return rows
-    for line in file.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
-def _jsonable(value: float) -> float | None:
-    """Non-finite floats become null so every line stays valid JSON."""
-    return value if isinstance(value, (int, str)) or math.isfinite(value) else None
-
-
 class RunLogger:
     """Writes each step's metrics to metrics.jsonl, SwanLab (if enabled) and a console line."""
 
@@ -77,23 +58,11 @@ class RunLogger:
         swanlab_mode: str,
         swanlab_project: str,
         run_name: str,
-        resume_from_step: int = 0,
     ) -> None:
-        self.metrics_path = run_dir / "metrics.jsonl"
-        self._truncate_after(resume_from_step)
-        self._file = self.metrics_path.open("a", encoding="utf-8")
+        self._metrics = MetricsWriter(run_dir)
         self._swanlab: Any = None
         if swanlab_mode != "disabled":
             self._swanlab = self._start_swanlab(swanlab_mode, swanlab_project, run_name, run_dir, scrub_secrets(config))
-
-    def _truncate_after(self, step: int) -> None:
-        """On resume, drop rows logged after the checkpoint we continue from (they will be redone)."""
-        if not self.metrics_path.exists():
-            return
-        kept = [row for row in read_metrics(self.metrics_path) if row.get("step", 0) <= step]
-        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
-        os.replace(tmp, self.metrics_path)
 
     @staticmethod
     def _start_swanlab(mode: str, project: str, run_name: str, run_dir: Path, config: dict[str, Any]) -> Any:
@@ -121,10 +90,8 @@ class RunLogger:
         return None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Append one step's metrics everywhere (metrics.jsonl first, flushed)."""
-        row = {"step": step, **{key: _jsonable(value) for key, value in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        """Append one step's metrics everywhere (metrics.jsonl first, durable on return)."""
+        self._metrics.append(step, metrics)
         if self._swanlab is not None:
             try:
                 self._swanlab.log({key: value for key, value in metrics.items() if value is not None}, step=step)
@@ -133,8 +100,8 @@ class RunLogger:
                 self._swanlab = None
 
     def close(self) -> None:
-        """Flush and close every sink."""
-        self._file.close()
+        """Close every sink."""
+        self._metrics.close()
         if self._swanlab is not None:
             try:
                 self._swanlab.finish()

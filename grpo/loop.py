@@ -1,63 +1,65 @@
-"""The GRPO training loop: the article's ten steps, one named function each.
+"""The GRPO training loop: the article's ten steps, top to bottom.
 
-A step: pick a batch of problems -> build prompts -> refresh the sampler from the current
-weights -> sample a group per prompt -> grade -> group advantages -> drop degenerate groups
--> build datums -> update (minibatches x epochs, one optimizer step per minibatch) -> log.
+A step (``train_step``): pick a batch of problems -> sample a group per prompt from the
+sampler of the current weights -> grade -> group advantages -> drop degenerate groups ->
+pack the token batch (+ KL shaping) -> update (minibatches x epochs, one optimizer step
+per minibatch) -> log. Sampling, grading and evaluation live in ``grpo.rollouts``; the
+maths in ``grpo.core``; the run directory's files in ``grpo.run_dir``.
 
 The same code drives the PyTRIO service and the embedded local backend: only the service
-client differs. Rollouts of a batch are in flight concurrently (bounded by `concurrency`);
-with `max_steps_off_policy = K > 0`, sampling for the next K steps is submitted before this
-step trains, and a rollout is never used more than K optimizer-steps stale.
+client differs. With ``max_steps_off_policy = K > 0``, sampling for the next K steps is
+submitted before this step trains, and a rollout is never used more than K updates stale.
 
 Reproducibility: every random choice is a pure function of (seed, step, index), so a run
 stopped at step k and resumed from its checkpoint continues exactly as if never stopped
 (strictly on-policy runs; an off-policy pipeline re-samples what was in flight).
+
+Durability: a step's row reaches disk before any checkpoint that covers it, and a
+checkpoint is only taken of weights whose step has been logged, so a checkpoint never
+points past the last complete row and no row is logged twice (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import attrs
 import numpy as np
-import torch
-from pytrio.types import AdamParams, ModelInput, SamplingParams
+from pytrio.types import AdamParams, SamplingParams
 
+from grpo import run_dir as rundir
 from grpo.backends.pytrio import call_with_retries, make_service_client
-from grpo.backends.tiny import TINY_MODEL_NAME
-from grpo.config import TrainConfig, to_dict
-from grpo.core import losses
-from grpo.core.advantages import group_advantages
-from grpo.core.alignment import pack_groups
-from grpo.core.metrics import rollout_metrics
-from grpo.core.records import Completion, ScoredGroup, TokenBatch
-from grpo.core.rewards import grade, gsm8k_gold
+from grpo.config import ConfigError, TrainConfig, resolve_run, to_dict
+from grpo.core.advantages import kl_shaped_advantages
+from grpo.core.alignment import minibatches, pack_groups
+from grpo.core.metrics import batch_metrics, rollout_metrics, update_metrics
+from grpo.core.records import TokenBatch
 from grpo.custom_loss import as_custom_loss
 from grpo.data import load_problems
 from grpo.datums import batch_to_datums, forward_only, output_logprobs
 from grpo.logging import RunLogger, console_line, scrub_secrets
-from grpo.prompts import build_prompt_tokens
+from grpo.rollouts import (
+    Problem,
+    RolloutJob,
+    build_problems,
+    evaluate,
+    grade_groups,
+    pick_batch,
+    reference_logprobs,
+    sampling_seed,
+    score_groups,
+    tokenizer_max_len,
+)
 
-# PyTRIO's built-in losses; any other kernel runs through forward_backward_custom.
-SERVICE_BUILTIN_LOSSES = frozenset({"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"})
-CHECKPOINT_FILE = "checkpoint.json"
-SUMMARY_FILE = "summary.json"
-CONFIG_FILE = "config.json"
-
-
-class ConfigError(ValueError):
-    """A flag or input that cannot work; raised before any sampling or training."""
+__all__ = ["ConfigError", "NonFiniteUpdate", "RunResult", "RunStopped", "train"]
 
 
 class RunStopped(Exception):
@@ -68,375 +70,428 @@ class RunStopped(Exception):
         self.exit_code = exit_code
 
 
-@attrs.frozen
-class Problem:
-    """One training or test problem, ready to sample: its prompt tokens and gold answer."""
-
-    question: str
-    gold: str
-    prompt_tokens: tuple[int, ...]
+class NonFiniteUpdate(RuntimeError):
+    """An update whose loss or log-probs are not finite; raised before its optimizer step."""
 
 
 @attrs.frozen
-class LossSetup:
-    """The resolved loss: kernel, its config, reduction, and whether it runs as a custom loss."""
+class RunResult:
+    """What a finished run leaves: its directory, last metrics, final sampler path."""
 
-    kernel: losses.LossKernel
-    config: dict[str, Any]
-    reduction: str
-    norm_length: float | None
-    custom: bool
-
-    @property
-    def name(self) -> str:
-        """The kernel's registry name, also the metrics prefix."""
-        return self.kernel.name
+    run_dir: Path
+    steps: int
+    final_metrics: dict[str, float]
+    sampler_path: str | None
 
 
-# ---------------------------------------------------------------- validation (before any compute)
+@attrs.frozen
+class Run:
+    """What stays fixed during a run: the config, clients, problems and sinks."""
+
+    config: TrainConfig
+    run_dir: Path
+    steps: int
+    training_client: Any
+    tokenizer: Any
+    train_problems: list[Problem]
+    test_problems: list[Problem]
+    adam: AdamParams
+    pool: ThreadPoolExecutor
+    ref_sampler: Any
+    logger: RunLogger
+    note: Callable[[str], None]
 
 
-def parse_loss_config(entries: Sequence[str]) -> dict[str, Any]:
-    """`KEY=VALUE` strings to a dict (numbers parsed; `none`/`off` mean None)."""
-    parsed: dict[str, Any] = {}
-    for entry in entries:
-        key, sep, raw = entry.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--loss-config {entry!r} must look like KEY=VALUE, e.g. clip_high_threshold=1.28")
-        raw = raw.strip()
-        if raw.lower() in ("none", "off", "null"):
-            parsed[key.strip()] = None
-            continue
-        try:
-            parsed[key.strip()] = float(raw)
-        except ValueError:
-            raise ConfigError(f"--loss-config {key.strip()}={raw!r}: value must be a number (or 'none')") from None
-    return parsed
+@attrs.define
+class RunState:
+    """What changes during a run: progress, the sampler cache and in-flight rollouts."""
+
+    completed: int
+    """The last step whose row is on disk (the step a checkpoint of these weights covers)."""
+    last_saved_step: int
+    version: int
+    """Updates applied, at batch granularity: one per trained step."""
+    weights_dirty: bool = False
+    """True from the first optimizer step of a step until its row is logged."""
+    sampler: Any = None
+    sampler_version: int = -1
+    jobs: dict[int, RolloutJob] = attrs.Factory(dict)
+    last_metrics: dict[str, float] = attrs.Factory(dict)
 
 
-def resolve_loss(config: TrainConfig) -> LossSetup:
-    """Check the loss name, its config keys and thresholds, and the reduction; pick the call path."""
-    try:
-        kernel = losses.get_loss(config.loss_fn)
-    except ValueError as error:
-        raise ConfigError(f"--loss-fn: {error}") from None
-    overrides = parse_loss_config(config.loss_config)
-    norm_length = overrides.pop("norm_length", None)
-    if kernel.name == "cispo":
-        overrides = {
-            "clip_low_threshold": config.cispo_clip_low_threshold,
-            "clip_high_threshold": config.cispo_clip_high_threshold,
-            **overrides,
-        }
-    try:
-        resolved = losses.resolve_config(kernel.name, overrides)
-    except (ValueError, TypeError) as error:
-        raise ConfigError(f"--loss-config: {error}") from None
-    if config.reduction not in losses.REDUCTIONS:
-        raise ConfigError(f"--reduction {config.reduction!r} is not one of {', '.join(losses.REDUCTIONS)}")
-    if config.reduction == "seq_mean_token_sum_norm" and norm_length is None:
-        norm_length = float(config.max_tokens)
-    # Non-sum reductions and kernels the service lacks run our own kernel client-side.
-    custom = (
-        config.custom_loss
-        or kernel.name not in SERVICE_BUILTIN_LOSSES
-        or (config.backend == "pytrio" and config.reduction != "sum")
-    )
-    return LossSetup(kernel=kernel, config=resolved, reduction=config.reduction, norm_length=norm_length, custom=custom)
+# --- the ten steps ---------------------------------------------------------------------------
 
 
-def validate_config(config: TrainConfig) -> LossSetup:
-    """Every flag check that needs no data or model; the error names the flag and the fix."""
-    checks: list[tuple[bool, str]] = [
-        (config.backend in ("local", "pytrio"), f"--backend must be local or pytrio, got {config.backend!r}"),
-        (config.steps >= 1, f"--steps must be >= 1, got {config.steps}"),
-        (config.batch_size >= 1, f"--batch-size must be >= 1, got {config.batch_size}"),
-        (config.group_size >= 2, f"--group-size must be >= 2 (a group of one has no baseline), got {config.group_size}"),
-        (config.max_tokens >= 1, f"--max-tokens must be >= 1, got {config.max_tokens}"),
-        (config.temperature >= 0, f"--temperature must be >= 0, got {config.temperature}"),
-        (0 < config.top_p <= 1, f"--top-p must be in (0, 1], got {config.top_p}"),
-        (config.concurrency >= 1, f"--concurrency must be >= 1, got {config.concurrency}"),
-        (config.max_steps_off_policy >= 0, f"--max-steps-off-policy must be >= 0, got {config.max_steps_off_policy}"),
-        (1 <= config.num_substeps <= config.batch_size, f"--num-substeps must be in [1, --batch-size={config.batch_size}], got {config.num_substeps}"),
-        (config.epochs >= 1, f"--epochs must be >= 1, got {config.epochs}"),
-        (config.learning_rate > 0, f"--learning-rate must be > 0, got {config.learning_rate}"),
-        (0 <= config.beta1 < 1 and 0 <= config.beta2 < 1, f"--beta1/--beta2 must be in [0, 1), got {config.beta1}, {config.beta2}"),
-        (config.kl_coef >= 0, f"--kl-coef must be >= 0, got {config.kl_coef}"),
-        (config.eval_every >= 0, f"--eval-every must be >= 0, got {config.eval_every}"),
-        (config.eval_limit >= 1, f"--eval-limit must be >= 1, got {config.eval_limit}"),
-        (config.save_every >= 0, f"--save-every must be >= 0, got {config.save_every}"),
-        (config.max_retries >= 0, f"--max-retries must be >= 0, got {config.max_retries}"),
-        (config.swanlab_mode in ("online", "offline", "disabled"), f"--swanlab-mode must be online, offline or disabled, got {config.swanlab_mode!r}"),
-        (config.advantage in ("center", "standardize", "rloo", "batch_standardize"), f"--advantage {config.advantage!r} is not one of center, standardize, rloo, batch_standardize"),
-        (config.kl_estimator in losses.KL_ESTIMATORS, f"--kl-estimator must be one of {', '.join(losses.KL_ESTIMATORS)}, got {config.kl_estimator!r}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-    return resolve_loss(config)
-
-
-def build_problems(tokenizer: Any, rows: Any, *, fewshot: bool, max_tokens: int, max_len: int | None, split: str) -> list[Problem]:
-    """Prompt tokens and gold answers for dataset rows; empty or over-long prompts are errors."""
-    problems = []
-    for index, row in enumerate(rows):
-        tokens = build_prompt_tokens(tokenizer, row["question"], fewshot=fewshot)
-        if max_len is not None and len(tokens) + max_tokens > max_len:
-            raise ConfigError(
-                f"{split} problem {index}: prompt has {len(tokens)} tokens + --max-tokens {max_tokens} "
-                f"exceeds the model's {max_len} positions; lower --max-tokens or drop long problems"
-            )
-        problems.append(Problem(question=row["question"], gold=gsm8k_gold(row["answer"]), prompt_tokens=tuple(tokens)))
-    return problems
-
-
-# ---------------------------------------------------------------- the ten steps
-
-
-def pick_batch(num_problems: int, batch_size: int, step: int, seed: int) -> np.ndarray:
-    """Indices of step `step`'s problems: consecutive slices of a per-pass permutation seeded by (seed, pass)."""
-    positions = np.arange(step * batch_size, (step + 1) * batch_size)
-    passes, offsets = np.divmod(positions, num_problems)
-    indices = np.empty(batch_size, dtype=np.int64)
-    for data_pass in np.unique(passes):
-        order = np.random.default_rng([seed, int(data_pass)]).permutation(num_problems)
-        selected = passes == data_pass
-        indices[selected] = order[offsets[selected]]
-    return indices
-
-
-def sampling_seed(seed: int, step: int, index: int, purpose: int = 0) -> int:
-    """The sampler seed of request `index` at `step`: a pure function, so runs are reproducible."""
-    return int(np.random.SeedSequence([seed, purpose, step, index]).generate_state(1)[0] & 0x7FFFFFFF)
-
-
-def refresh_sampler(training_client: Any, max_retries: int, log: Callable[[str], None]) -> Any:
-    """A sampling client on the current weights (the old policy for this batch)."""
-    return call_with_retries(
-        training_client.save_weights_and_get_sampling_client, what="save_weights_and_get_sampling_client", max_retries=max_retries, on_retry=log
-    )
-
-
-def _completion_from(sequence: Any, tokenizer: Any) -> Completion:
-    """A core Completion from one sampled sequence (text decoded if the backend did not return it)."""
-    text = sequence.text if sequence.text is not None else tokenizer.decode(sequence.tokens)
-    return Completion(tokens=sequence.tokens, logprobs=sequence.logprobs, text=text, stop_reason=sequence.stop_reason)
-
-
-class RolloutJob:
-    """One step's sampling requests, submitted to a bounded pool; `result()` waits for all groups."""
-
-    def __init__(
-        self,
-        pool: ThreadPoolExecutor,
-        sampler: Any,
-        problems: Sequence[Problem],
-        *,
-        params_for: Callable[[int], SamplingParams],
-        num_samples: int,
-        tokenizer: Any,
-        max_retries: int,
-        log: Callable[[str], None],
-        sampler_version: int,
-    ) -> None:
-        self.sampler_version = sampler_version
-        self.problems = list(problems)
-
-        def sample_one(index: int) -> list[Completion]:
-            prompt = ModelInput.from_ints(list(self.problems[index].prompt_tokens))
-            response = call_with_retries(
-                lambda: sampler.sample(prompt=prompt, num_samples=num_samples, sampling_params=params_for(index), return_text=True).result(),
-                what=f"sample (problem {index})",
-                max_retries=max_retries,
-                on_retry=log,
-            )
-            return [_completion_from(sequence, tokenizer) for sequence in response.sequences]
-
-        self._futures: list[Future[list[Completion]]] = [pool.submit(sample_one, index) for index in range(len(self.problems))]
-
-    def result(self) -> list[list[Completion]]:
-        """The completions of every problem, in problem order."""
-        return [future.result() for future in self._futures]
-
-    def cancel(self) -> None:
-        """Drop requests that have not started."""
-        for future in self._futures:
-            future.cancel()
-
-
-def sample_groups(job: RolloutJob) -> list[list[Completion]]:
-    """Wait for a step's groups (sampled concurrently from the sampler the job was given)."""
-    return job.result()
-
-
-def grade_groups(problems: Sequence[Problem], completions_P: Sequence[Sequence[Completion]]) -> list[np.ndarray]:
-    """Reward of every completion: 1.0 when its last boxed answer matches the gold answer."""
-    return [np.array([grade(c.text, problem.gold) for c in completions], dtype=np.float64) for problem, completions in zip(problems, completions_P, strict=True)]
-
-
-def compute_advantages(
-    problems: Sequence[Problem], completions_P: Sequence[Sequence[Completion]], rewards_P: Sequence[np.ndarray], method: str
-) -> tuple[list[ScoredGroup], np.ndarray]:
-    """Group-relative advantages for every group (one vectorized call) and the degenerate flags."""
-    group_sizes = np.array([len(rewards) for rewards in rewards_P], dtype=np.int64)
-    result = group_advantages(np.concatenate(rewards_P), group_sizes, method)
-    advantages_P = np.split(result.advantages, np.cumsum(group_sizes)[:-1])
-    groups = [
-        ScoredGroup(prompt_tokens=problem.prompt_tokens, completions=tuple(completions), rewards=rewards, advantages=advantages)
-        for problem, completions, rewards, advantages in zip(problems, completions_P, rewards_P, advantages_P, strict=True)
-    ]
-    return groups, np.asarray(result.degenerate, dtype=bool)
-
-
-def drop_degenerate(groups: Sequence[ScoredGroup], degenerate_P: np.ndarray) -> list[ScoredGroup]:
-    """The groups that carry a training signal (not all rewards equal)."""
-    return [group for group, degenerate in zip(groups, degenerate_P, strict=True) if not degenerate]
-
-
-def reference_logprobs(pool: ThreadPoolExecutor, ref_sampler: Any, groups: Sequence[ScoredGroup], max_retries: int, log: Callable[[str], None]) -> list[np.ndarray]:
-    """Base-model log-probs of every sampled completion token, via prompt log-probs of prompt+completion."""
-
-    def one(prompt_tokens: tuple[int, ...], completion: Completion) -> np.ndarray:
-        tokens = [*prompt_tokens, *completion.tokens.tolist()]
-        values = call_with_retries(
-            lambda: ref_sampler.compute_logprobs(ModelInput.from_ints(tokens)).result(), what="reference compute_logprobs", max_retries=max_retries, on_retry=log
+def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
+    """One training step (steps 1-9 of the article); returns its metrics, not yet logged."""
+    config = run.config
+    step_start = time.perf_counter()
+    submit_rollouts(run, state, step)  # 1-3: pick problems, build prompts, sample (async)
+    job = state.jobs.pop(step)
+    staleness = state.version - job.sampler_version
+    if staleness > config.max_steps_off_policy:
+        raise AssertionError(
+            f"rollouts {staleness} steps stale > --max-steps-off-policy {config.max_steps_off_policy}"
         )
-        return np.asarray(values[-len(completion.tokens) :], dtype=np.float64)
+    completions_P = job.result()  # 4: a group per prompt
+    sample_time = time.perf_counter() - step_start
+    rewards_P = grade_groups(job.problems, completions_P)  # 5: grade
+    groups_P = score_groups(job.problems, completions_P, rewards_P, config.advantage)  # 6
+    metrics = {**rollout_metrics(groups_P), "off_policy_steps": float(staleness)}
+    trainable_P = [group for group in groups_P if not group.is_degenerate]  # 7: drop degenerate
+    train_start = time.perf_counter()
+    if trainable_P:
+        batch = pack_groups(trainable_P, drop_degenerate=False)  # 8: the token batch
+        if run.ref_sampler is not None:
+            ref_logprobs_N = reference_logprobs(
+                run.pool, run.ref_sampler, trainable_P, config.max_retries, run.note
+            )
+            batch, metrics["kl"] = shape_with_kl(batch, ref_logprobs_N, config)
+        metrics.update(batch_metrics(batch))
+        metrics.update(update(run, state, batch))  # 9: minibatches x epochs of updates
+        state.version += 1
+    else:
+        metrics.update({"datums": 0.0, "tokens": 0.0, "train_tokens": 0.0})
+    metrics["time/sample"] = sample_time
+    metrics["time/train"] = time.perf_counter() - train_start
+    return metrics
 
-    futures = [pool.submit(one, tuple(group.prompt_tokens.tolist()), completion) for group in groups for completion in group.completions]
-    return [future.result() for future in futures]
+
+def submit_rollouts(run: Run, state: RunState, step: int) -> None:
+    """Submit the sampling of steps ``step`` .. ``step + K`` not yet in flight (K = off-policy)."""
+    config = run.config
+    last = min(step + config.max_steps_off_policy, run.steps - 1)
+    for ahead in range(step, last + 1):
+        if ahead in state.jobs:
+            continue
+        indices = pick_batch(len(run.train_problems), config.batch_size, ahead, config.seed)
+        state.jobs[ahead] = RolloutJob(
+            run.pool,
+            current_sampler(run, state),
+            [run.train_problems[index] for index in indices],
+            params_for=_sampling_params(config, ahead),
+            num_samples=config.group_size,
+            tokenizer=run.tokenizer,
+            max_retries=config.max_retries,
+            log=run.note,
+            sampler_version=state.version,
+        )
 
 
-def kl_shape(batch: TokenBatch, ref_logprobs_C: Sequence[np.ndarray], kl_coef: float, estimator: str) -> tuple[TokenBatch, float]:
-    """Fold a KL-to-reference penalty into token advantages: A_t - kl_coef * k(lp_old_t - lp_ref_t) on masked tokens.
+def _sampling_params(config: TrainConfig, step: int) -> Callable[[int], SamplingParams]:
+    def params(index: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=config.max_tokens,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            seed=sampling_seed(config.seed, step, index),
+        )
 
-    Reward shaping (not a loss term) so it works with the service's built-in losses too.
-    Returns the shaped batch and the mean per-token KL estimate.
-    """
+    return params
+
+
+def current_sampler(run: Run, state: RunState) -> Any:
+    """A sampling client on the current weights, refreshed once per update."""
+    if state.sampler_version != state.version:
+        state.sampler = call_with_retries(
+            run.training_client.save_weights_and_get_sampling_client,
+            what="save_weights_and_get_sampling_client",
+            max_retries=run.config.max_retries,
+            on_retry=run.note,
+        )
+        state.sampler_version = state.version
+    return state.sampler
+
+
+def shape_with_kl(batch: TokenBatch, ref_logprobs_N: np.ndarray, config: TrainConfig) -> tuple[TokenBatch, float]:
+    """The batch with KL-to-base shaping folded into its advantages, and the mean KL estimate."""
     mask = np.asarray(batch.mask, dtype=bool)
-    ref_flat = np.zeros(len(batch.mask), dtype=np.float64)
-    ref_flat[mask] = np.concatenate(ref_logprobs_C)
-    sampled = torch.tensor(batch.sampling_logprobs, dtype=torch.float64)
-    kl_tokens = losses.kl_penalty(sampled, torch.from_numpy(ref_flat), estimator=estimator).numpy() * mask
-    shaped = np.where(mask, np.asarray(batch.advantages, dtype=np.float64) - kl_coef * kl_tokens, 0.0)
-    kl_mean = float(kl_tokens.sum() / max(mask.sum(), 1))
+    ref_flat = np.zeros(mask.size, dtype=np.float64)
+    ref_flat[mask] = ref_logprobs_N
+    shaped, kl_mean = kl_shaped_advantages(
+        batch.advantages,
+        batch.sampling_logprobs,
+        ref_flat,
+        mask,
+        kl_coef=config.kl_coef,
+        estimator=config.kl_estimator,
+    )
     return attrs.evolve(batch, advantages=shaped), kl_mean
 
 
-def build_datums(groups: Sequence[ScoredGroup]) -> TokenBatch:
-    """Aligned, packed token arrays of every completion (datums are made from them per minibatch)."""
-    return pack_groups(groups, drop_degenerate=False)
+def update(run: Run, state: RunState, batch: TokenBatch) -> dict[str, float]:
+    """Epochs x minibatches of forward_backward + optim_step; metrics averaged over them.
+
+    ``ratio/max_abs_log`` is the maximum over the updates. Each update's loss is checked
+    finite before its optimizer step, so non-finite numbers never reach the weights.
+    """
+    config, client, spec = run.config, run.training_client, run.config.loss_spec
+    loss_fn_config = spec.to_loss_fn_config()
+    collected: list[dict[str, float]] = []
+    parts = minibatches(batch, config.num_substeps)
+    for _epoch in range(config.epochs):
+        for minibatch in parts:
+            datums = batch_to_datums(minibatch)
+            if config.runs_custom_loss:
+                loss_fn = as_custom_loss(spec, datums)
+
+                def submit() -> Any:
+                    return client.forward_backward_custom(forward_only(datums), loss_fn)
+            else:
+
+                def submit() -> Any:
+                    return client.forward_backward(datums, loss_fn=spec.name, loss_fn_config=loss_fn_config)
+
+            output = _retry(run, lambda: submit().result(), "forward_backward")
+            metrics = update_metrics(spec, output_logprobs(output.loss_fn_outputs), minibatch)
+            if not math.isfinite(metrics["loss"]):
+                raise NonFiniteUpdate(
+                    f"the loss of update {len(collected) + 1} is {metrics['loss']}: the trainer's "
+                    "log-probs are not finite (diverged weights?); lower --learning-rate"
+                )
+            state.weights_dirty = True
+            _retry(run, lambda: client.optim_step(run.adam).result(), "optim_step")
+            collected.append(metrics)
+    averaged = {key: float(np.mean([m[key] for m in collected])) for key in collected[0]}
+    averaged["ratio/max_abs_log"] = max(m["ratio/max_abs_log"] for m in collected)
+    averaged["optim_steps"] = float(len(collected))
+    return averaged
 
 
-def minibatch_slices(batch: TokenBatch, num_substeps: int) -> list[np.ndarray]:
-    """Sequence indices of each minibatch: contiguous, near-equal splits (empty ones dropped)."""
-    return [part for part in np.array_split(np.arange(len(batch.seq_lens)), num_substeps) if len(part)]
+def _retry(run: Run, call: Callable[[], Any], what: str) -> Any:
+    return call_with_retries(call, what=what, max_retries=run.config.max_retries, on_retry=run.note)
 
 
-def _subbatch(batch: TokenBatch, sequence_indices: np.ndarray) -> TokenBatch:
-    """The packed arrays of a contiguous run of sequences."""
-    starts = np.concatenate([[0], np.cumsum(batch.seq_lens)])
-    lo, hi = starts[sequence_indices[0]], starts[sequence_indices[-1] + 1]
-    return TokenBatch(
-        input_tokens=batch.input_tokens[lo:hi],
-        target_tokens=batch.target_tokens[lo:hi],
-        sampling_logprobs=batch.sampling_logprobs[lo:hi],
-        advantages=batch.advantages[lo:hi],
-        mask=batch.mask[lo:hi],
-        seq_lens=batch.seq_lens[sequence_indices[0] : sequence_indices[-1] + 1],
+def evaluate_now(run: Run, state: RunState) -> dict[str, float]:
+    """Test accuracy of the current weights (one sample per problem at the run's temperature)."""
+    config = run.config
+    return evaluate(
+        run.pool, current_sampler(run, state), run.test_problems, run.tokenizer, num_samples=1,
+        temperature=config.temperature, max_tokens=config.max_tokens, seed=config.seed,
+        max_retries=config.max_retries, log=run.note,
     )
 
 
-def ratio_statistics(current_logprobs: np.ndarray, minibatch: TokenBatch, loss: LossSetup) -> dict[str, float]:
-    """The kernel's metrics recomputed from the logprobs the backend used, plus ratio statistics.
+def log_step(run: Run, state: RunState, step: int, metrics: dict[str, float], write: Callable[[str], None]) -> None:
+    """Step 10: the row to disk (durable), then the console; the weights are now those of ``step``."""
+    run.logger.log(step, metrics)
+    state.completed, state.weights_dirty, state.last_metrics = step, False, metrics
+    write(console_line(step, run.steps, metrics))
 
-    Computed client-side from `loss_fn_outputs`, so every backend and call path reports the
-    same numbers, and a user sees whether their losses could differ at all.
+
+def save_checkpoint(run: Run, state: RunState, name: str) -> None:
+    """A resumable checkpoint of the weights of step ``state.completed``."""
+    result = _retry(run, lambda: run.training_client.save_state(name).result(), "save_state")
+    rundir.write_checkpoint(
+        run.run_dir,
+        rundir.Checkpoint(step=state.completed, state_path=result.path),
+        run_name=run.config.run_name or run.run_dir.name,
+    )
+    state.last_saved_step = state.completed
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def train(
+    config: TrainConfig,
+    *,
+    resume: bool = False,
+    service_client: Any = None,
+    echo: Callable[[str], None] = print,
+    progress: bool = True,
+) -> RunResult:
+    """Run GRPO for ``config.steps`` steps (or continue a run directory with ``resume=True``).
+
+    The run directory is locked for the whole run; a fresh run refuses a directory that
+    already holds one, and resuming a finished run changes nothing unless more steps are asked.
     """
-    mask = torch.from_numpy(np.asarray(minibatch.mask, dtype=np.float32))
-    current = torch.from_numpy(current_logprobs.astype(np.float32))
-    sampled = torch.from_numpy(np.asarray(minibatch.sampling_logprobs, dtype=np.float32))
-    with torch.no_grad():
-        loss_value, metrics = loss.kernel(
-            current,
-            sampled,
-            torch.from_numpy(np.asarray(minibatch.advantages, dtype=np.float32)),
-            mask=mask,
-            seq_lens=torch.tensor(minibatch.seq_lens),
-            reduction=loss.reduction,
-            norm_length=loss.norm_length,
-            **loss.config,
+    config = resolve_run(config)
+    run_dir = Path(str(config.run_dir))
+    with rundir.owned(run_dir):
+        checkpoint = _check_run_dir(run_dir, config, resume)
+        if checkpoint is False:
+            return _finished_result(run_dir, echo)
+        return _train_in(run_dir, config, checkpoint, service_client, echo, progress)
+
+
+def _check_run_dir(run_dir: Path, config: TrainConfig, resume: bool) -> rundir.Checkpoint | None | bool:
+    """The checkpoint to resume from (None: from scratch), or False when there is nothing to do."""
+    status = rundir.run_status(run_dir)
+    if not resume:
+        if status != rundir.NEW:
+            raise ConfigError(
+                f"{run_dir} already holds a run ({status}); resume it with `grpo train --resume "
+                f"{run_dir}`, or start elsewhere with --run-name / --run-dir"
+            )
+        return None
+    if status == rundir.NEW:
+        raise ConfigError(f"--resume {run_dir}: not a run directory (no {rundir.CONFIG_FILE})")
+    checkpoint = rundir.read_checkpoint(run_dir)
+    summary = rundir.read_summary(run_dir)
+    if summary is not None and not config.all_data and int(summary.get("steps", 0)) >= config.steps:
+        return False
+    return checkpoint
+
+
+def _finished_result(run_dir: Path, echo: Callable[[str], None]) -> RunResult:
+    summary = rundir.read_summary(run_dir) or {}
+    steps = int(summary.get("steps", 0))
+    echo(
+        f"[grpo] {run_dir} already finished {steps} steps; nothing to do (pass --steps N with "
+        "N larger to continue it)"
+    )
+    return RunResult(
+        run_dir=run_dir, steps=steps, final_metrics=dict(summary.get("final", {})),
+        sampler_path=summary.get("sampler_path"),
+    )
+
+
+def _train_in(
+    run_dir: Path,
+    config: TrainConfig,
+    checkpoint: rundir.Checkpoint | None,
+    service_client: Any,
+    echo: Callable[[str], None],
+    progress: bool,
+) -> RunResult:
+    # Data is checked before the service is asked for anything.
+    train_rows = load_problems(config.dataset, "train", seed=config.seed, difficulty=config.difficulty)
+    test_rows = (
+        load_problems(config.dataset, "test", seed=config.seed, difficulty=config.difficulty, limit=config.eval_limit)
+        if config.eval_every
+        else []
+    )
+    steps = math.ceil(len(train_rows) / config.batch_size) if config.all_data else config.steps
+
+    def note(message: str) -> None:
+        echo(f"[grpo] {message}")
+
+    start_step = checkpoint.step if checkpoint is not None else 0
+    service = service_client or make_service_client(
+        config.backend, local_root=str(run_dir / rundir.BACKEND_DIR), seed=config.seed
+    )
+    if checkpoint is not None:
+        training_client = service.create_training_client_from_state_with_optimizer(checkpoint.state_path)
+    else:
+        training_client = service.create_lora_training_client(
+            base_model=config.base_model, rank=config.lora_rank, seed=config.seed
         )
-    log_ratio = (current - sampled)[mask.bool()]
-    stats = {f"{loss.name}/{key}": float(value) for key, value in metrics.items()}
-    stats["loss"] = float(loss_value)
-    stats["ratio/max_abs_log"] = float(log_ratio.abs().max()) if log_ratio.numel() else 0.0
-    stats["ratio/mean"] = float(log_ratio.exp().mean()) if log_ratio.numel() else 1.0
-    return stats
+    tokenizer = training_client.get_tokenizer()
+    max_len = tokenizer_max_len(tokenizer)
+    problems = {
+        split: build_problems(
+            tokenizer, rows, fewshot=config.use_fewshot, max_tokens=config.max_tokens, max_len=max_len, split=split
+        )
+        for split, rows in (("train", train_rows), ("test", test_rows))
+    }
+    # Every check has passed: only now does the directory become (or continue as) a run.
+    dropped = rundir.prepare_metrics_for_resume(run_dir, checkpoint.step if checkpoint else None)
+    if dropped:
+        note(f"resuming at step {start_step}: {dropped} logged row(s) after it will be redone")
+    (run_dir / rundir.SUMMARY_FILE).unlink(missing_ok=True)
+    rundir.write_json_atomic(run_dir / rundir.CONFIG_FILE, scrub_secrets(to_dict(config)))
+    run = Run(
+        config=config,
+        run_dir=run_dir,
+        steps=steps,
+        training_client=training_client,
+        tokenizer=tokenizer,
+        train_problems=problems["train"],
+        test_problems=problems["test"],
+        adam=AdamParams(
+            learning_rate=config.learning_rate, beta1=config.beta1, beta2=config.beta2, eps=config.eps,
+            weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm,
+        ),
+        pool=ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="rollout"),
+        ref_sampler=service.create_sampling_client(base_model=config.base_model) if config.kl_coef > 0 else None,
+        logger=RunLogger(
+            run_dir, config=to_dict(config), swanlab_mode=config.swanlab_mode,
+            swanlab_project=config.swanlab_project, run_name=str(config.run_name),
+        ),
+        note=note,
+    )
+    state = RunState(completed=start_step, last_saved_step=start_step, version=start_step)
+    return _run_steps(run, state, echo, progress)
 
 
-def update(training_client: Any, batch: TokenBatch, loss: LossSetup, adam: AdamParams, config: TrainConfig, log: Callable[[str], None], on_first_optim: Callable[[], None]) -> dict[str, float]:
-    """Minibatches x epochs of forward_backward (built-in or custom) + optim_step; mean metrics."""
-    slices = minibatch_slices(batch, config.num_substeps)
-    collected: list[dict[str, float]] = []
-    loss_fn_config: dict[str, Any] = {key: value for key, value in loss.config.items() if value is not None}
-    if loss.reduction != "sum":
-        loss_fn_config["reduction"] = loss.reduction
-        if loss.norm_length is not None:
-            loss_fn_config["norm_length"] = loss.norm_length
-    for _epoch in range(config.epochs):
-        for sequence_indices in slices:
-            minibatch = _subbatch(batch, sequence_indices)
-            datums = batch_to_datums(minibatch)
-            if loss.custom:
-                custom_fn = as_custom_loss(loss.name, datums, reduction=loss.reduction, norm_length=loss.norm_length, **loss.config)
-                submit = lambda: training_client.forward_backward_custom(forward_only(datums), custom_fn)  # noqa: E731
-            else:
-                submit = lambda: training_client.forward_backward(datums, loss_fn=loss.name, loss_fn_config=loss_fn_config)  # noqa: E731
-            output = call_with_retries(lambda: submit().result(), what="forward_backward", max_retries=config.max_retries, on_retry=log)
-            on_first_optim()
-            call_with_retries(lambda: training_client.optim_step(adam).result(), what="optim_step", max_retries=config.max_retries, on_retry=log)
-            collected.append(ratio_statistics(output_logprobs(output.loss_fn_outputs), minibatch, loss))
-    metrics = {key: float(np.mean([m[key] for m in collected])) for key in collected[0]}
-    metrics["ratio/max_abs_log"] = max(m["ratio/max_abs_log"] for m in collected)
-    metrics["optim_steps"] = float(len(collected))
-    return metrics
+def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress: bool) -> RunResult:
+    from tqdm import tqdm
+
+    config = run.config
+    bar = tqdm(total=run.steps, initial=state.completed, desc="grpo", unit="step", disable=not progress, dynamic_ncols=True)
+    write = bar.write if progress else echo
+    run_start = time.perf_counter()
+    try:
+        with stop_on_signals() as stop_requested:
+            if config.eval_every and state.completed == 0:
+                log_step(run, state, 0, evaluate_now(run, state), write)
+            for step in range(state.completed, run.steps):
+                if stop_requested.is_set():
+                    raise KeyboardInterrupt
+                step_start = time.perf_counter()
+                metrics = train_step(run, state, step)
+                done = step + 1
+                if config.eval_every and (done % config.eval_every == 0 or done == run.steps):
+                    metrics.update(evaluate_now(run, state))
+                metrics["time/step"] = time.perf_counter() - step_start
+                log_step(run, state, done, metrics, write)
+                bar.update(1)
+                if config.save_every and done % config.save_every == 0 and done < run.steps:
+                    save_checkpoint(run, state, f"step-{done:06d}")
+            save_checkpoint(run, state, "final")
+            sampler_path = _retry(
+                run, lambda: run.training_client.save_weights_for_sampler(str(config.run_name)).result(),
+                "save_weights_for_sampler",
+            ).path
+    except KeyboardInterrupt:
+        _stop_with_checkpoint(run, state)
+        raise RunStopped(
+            f"stopped by signal after step {state.completed}; resume with `grpo train --resume {run.run_dir}`",
+            exit_code=130,
+        ) from None
+    except Exception as error:
+        _stop_with_checkpoint(run, state)
+        raise RunStopped(
+            f"run failed at step {state.completed + 1}: {type(error).__name__}: {error}\n"
+            f"resume with `grpo train --resume {run.run_dir}`",
+            exit_code=1,
+        ) from error
+    finally:
+        for pending in state.jobs.values():
+            pending.cancel()
+        run.pool.shutdown(wait=False, cancel_futures=True)
+        bar.close()
+        run.logger.close()
+
+    wall_time = time.perf_counter() - run_start
+    rundir.write_json_atomic(
+        run.run_dir / rundir.SUMMARY_FILE,
+        {
+            "finished": True, "steps": run.steps, "wall_time_s": wall_time, "final": state.last_metrics,
+            "test/reward": state.last_metrics.get("test/reward"), "sampler_path": sampler_path,
+            "run_name": config.run_name,
+        },
+    )
+    echo(f"[grpo] done: {run.steps} steps in {wall_time:.1f}s; final sampler weights: {sampler_path}")
+    return RunResult(run_dir=run.run_dir, steps=run.steps, final_metrics=state.last_metrics, sampler_path=sampler_path)
 
 
-# ---------------------------------------------------------------- evaluation
-
-
-def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
-    """Unbiased pass@k = 1 - C(n - c, k) / C(n, k) (Chen et al., 2021)."""
-    if num_samples - num_correct < k:
-        return 1.0
-    return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
-
-
-def evaluate(
-    pool: ThreadPoolExecutor, sampler: Any, problems: Sequence[Problem], tokenizer: Any, *, num_samples: int, temperature: float, max_tokens: int, seed: int, max_retries: int, log: Callable[[str], None]
-) -> dict[str, float]:
-    """Accuracy (mean reward over all samples) and pass@k for k = 1, 2, 4, ... <= num_samples."""
-    params = lambda index: SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=1.0, seed=sampling_seed(seed, 0, index, purpose=1))  # noqa: E731
-    job = RolloutJob(pool, sampler, problems, params_for=params, num_samples=num_samples, tokenizer=tokenizer, max_retries=max_retries, log=log, sampler_version=0)
-    rewards_P = grade_groups(problems, job.result())
-    correct = np.array([int(rewards.sum()) for rewards in rewards_P])
-    metrics = {"test/reward": float(np.mean(np.concatenate(rewards_P)))}
-    k = 1
-    while k <= num_samples:
-        metrics[f"test/pass@{k}"] = float(np.mean([pass_at_k(num_samples, int(c), k) for c in correct]))
-        k *= 2
-    return metrics
-
-
-# ---------------------------------------------------------------- run state
-
-
-def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write JSON via a temp file and rename, so a crash never leaves half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+def _stop_with_checkpoint(run: Run, state: RunState) -> None:
+    """Save a resumable checkpoint at the last logged step, unless the weights moved past it."""
+    if state.weights_dirty:
+        run.note(
+            f"stopped mid-step: keeping the checkpoint of step {state.last_saved_step} (the "
+            "weights of a step whose row was not logged are not resumable)"
+        )
+        return
+    if state.completed == state.last_saved_step:
+        return
+    try:
+        save_checkpoint(run, state, f"step-{state.completed:06d}")
+        run.note(f"checkpoint saved at step {state.completed}")
+    except Exception as error:  # noqa: BLE001 - the original failure is what the user must see
+        run.note(f"could not save a checkpoint ({type(error).__name__}: {error}); the last one is step {state.last_saved_step}")
 
 
 @contextmanager
@@ -458,200 +513,3 @@ def stop_on_signals() -> Iterator[threading.Event]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
-
-
-@attrs.frozen
-class RunResult:
-    """What a finished run leaves: its directory, last metrics, final sampler path."""
-
-    run_dir: Path
-    steps: int
-    final_metrics: dict[str, float]
-    sampler_path: str | None
-
-
-def default_run_name(config: TrainConfig) -> str:
-    """`<loss>-seed<k>-<UTC time>`: unique per launch, readable in a listing."""
-    return f"{config.loss_fn}-seed{config.seed}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-
-
-def wants_fewshot(config: TrainConfig) -> bool:
-    """Few-shot prompts for real models; the character-level tiny model was warm-started without."""
-    return config.fewshot if config.fewshot is not None else config.base_model != TINY_MODEL_NAME
-
-
-def _tokenizer_max_len(tokenizer: Any) -> int | None:
-    """The model's context length when the tokenizer states a believable one."""
-    value = getattr(tokenizer, "model_max_length", None)
-    return int(value) if isinstance(value, int) and 0 < value < 10_000_000 else None
-
-
-def train(config: TrainConfig, *, resume: bool = False, service_client: Any = None, echo: Callable[[str], None] = print, progress: bool = True) -> RunResult:
-    """Run GRPO for `config.steps` steps (or continue a run directory with `resume=True`)."""
-    loss = validate_config(config)
-    run_name = config.run_name or (Path(config.run_dir).name if config.run_dir else default_run_name(config))
-    run_dir = Path(config.run_dir) if config.run_dir else Path("runs") / run_name
-    checkpoint = _read_checkpoint(run_dir) if resume else None
-    if resume and checkpoint is None and not (run_dir / CONFIG_FILE).exists():
-        raise ConfigError(f"--resume {run_dir}: not a run directory (no {CONFIG_FILE})")
-
-    # Data is checked before the service is asked for anything.
-    train_rows = load_problems(config.dataset, "train", seed=config.seed, difficulty=config.difficulty)
-    test_rows = load_problems(config.dataset, "test", seed=config.seed, difficulty=config.difficulty, limit=config.eval_limit) if config.eval_every else []
-    steps = math.ceil(len(train_rows) / config.batch_size) if config.all_data else config.steps
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _write_json_atomic(run_dir / CONFIG_FILE, scrub_secrets(to_dict(config)))
-    service = service_client or make_service_client(config.backend, local_root=str(run_dir / "backend"), seed=config.seed)
-    if checkpoint is not None:
-        training_client = service.create_training_client_from_state_with_optimizer(checkpoint["state_path"])
-        start_step = int(checkpoint["step"])
-    else:
-        training_client = service.create_lora_training_client(base_model=config.base_model, rank=config.lora_rank, seed=config.seed)
-        start_step = 0
-    tokenizer = training_client.get_tokenizer()
-    max_len = _tokenizer_max_len(tokenizer)
-    fewshot = wants_fewshot(config)
-    train_problems = build_problems(tokenizer, train_rows, fewshot=fewshot, max_tokens=config.max_tokens, max_len=max_len, split="train")
-    test_problems = build_problems(tokenizer, test_rows, fewshot=fewshot, max_tokens=config.max_tokens, max_len=max_len, split="test")
-
-    adam = AdamParams(learning_rate=config.learning_rate, beta1=config.beta1, beta2=config.beta2, eps=config.eps, weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm)
-    logger = RunLogger(run_dir, config=to_dict(config), swanlab_mode=config.swanlab_mode, swanlab_project=config.swanlab_project, run_name=run_name, resume_from_step=start_step)
-    pool = ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="rollout")
-    ref_sampler = service.create_sampling_client(base_model=config.base_model) if config.kl_coef > 0 else None
-
-    def note(message: str) -> None:
-        echo(f"[grpo] {message}")
-
-    def params_for_step(step: int) -> Callable[[int], SamplingParams]:
-        return lambda index: SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p, seed=sampling_seed(config.seed, step, index))
-
-    version = start_step  # optimizer-step count at batch granularity: one per training step
-    sampler: Any = None
-    sampler_version = -1
-    jobs: dict[int, RolloutJob] = {}
-    last_metrics: dict[str, float] = {}
-    last_saved_step = start_step
-    weights_dirty = False
-
-    def mark_dirty() -> None:
-        nonlocal weights_dirty
-        weights_dirty = True
-
-    def save(step: int, name: str) -> None:
-        nonlocal last_saved_step
-        result = call_with_retries(lambda: training_client.save_state(name).result(), what="save_state", max_retries=config.max_retries, on_retry=note)
-        _write_json_atomic(run_dir / CHECKPOINT_FILE, {"step": step, "state_path": result.path, "run_name": run_name})
-        last_saved_step = step
-
-    def current_sampler() -> Any:
-        nonlocal sampler, sampler_version
-        if sampler_version != version:
-            sampler = refresh_sampler(training_client, config.max_retries, note)
-            sampler_version = version
-        return sampler
-
-    def evaluate_now() -> dict[str, float]:
-        return evaluate(pool, current_sampler(), test_problems, tokenizer, num_samples=1, temperature=config.temperature, max_tokens=config.max_tokens, seed=config.seed, max_retries=config.max_retries, log=note)
-
-    def submit(step: int) -> None:
-        indices = pick_batch(len(train_problems), config.batch_size, step, config.seed)
-        jobs[step] = RolloutJob(
-            pool, current_sampler(), [train_problems[i] for i in indices], params_for=params_for_step(step), num_samples=config.group_size,
-            tokenizer=tokenizer, max_retries=config.max_retries, log=note, sampler_version=version,
-        )
-
-    from tqdm import tqdm
-
-    bar = tqdm(total=steps, initial=start_step, desc="grpo", unit="step", disable=not progress, dynamic_ncols=True)
-    run_start = time.perf_counter()
-    completed = start_step
-    try:
-        with stop_on_signals() as stop_requested:
-            if config.eval_every and start_step == 0:
-                baseline = evaluate_now()
-                logger.log(0, baseline)
-                (bar.write if progress else echo)(console_line(0, steps, baseline))
-            for step in range(start_step, steps):
-                if stop_requested.is_set():
-                    raise KeyboardInterrupt
-                step_start = time.perf_counter()
-                for ahead in range(step, min(step + config.max_steps_off_policy, steps - 1) + 1):
-                    if ahead not in jobs:
-                        submit(ahead)
-                job = jobs.pop(step)
-                staleness = version - job.sampler_version
-                if staleness > config.max_steps_off_policy:
-                    raise AssertionError(f"rollouts {staleness} steps stale > --max-steps-off-policy {config.max_steps_off_policy}")
-                completions_P = sample_groups(job)
-                sample_time = time.perf_counter() - step_start
-                rewards_P = grade_groups(job.problems, completions_P)
-                groups, degenerate_P = compute_advantages(job.problems, completions_P, rewards_P, config.advantage)
-                trainable = drop_degenerate(groups, degenerate_P)
-                metrics = rollout_metrics(groups)
-                metrics["off_policy_steps"] = float(staleness)
-                train_start = time.perf_counter()
-                if trainable:
-                    batch = build_datums(trainable)
-                    if ref_sampler is not None:
-                        ref_C = reference_logprobs(pool, ref_sampler, trainable, config.max_retries, note)
-                        batch, metrics["kl"] = kl_shape(batch, ref_C, config.kl_coef, config.kl_estimator)
-                    metrics.update({"datums": float(len(batch.seq_lens)), "train_tokens": float(np.sum(batch.mask))})
-                    metrics.update(update(training_client, batch, loss, adam, config, note, mark_dirty))
-                    version += 1
-                else:
-                    metrics.update({"datums": 0.0, "train_tokens": 0.0})
-                metrics["time/sample"] = sample_time
-                metrics["time/train"] = time.perf_counter() - train_start
-                completed, weights_dirty = step + 1, False
-                if config.eval_every and (completed % config.eval_every == 0 or completed == steps):
-                    metrics.update(evaluate_now())
-                metrics["time/step"] = time.perf_counter() - step_start
-                logger.log(completed, metrics)
-                last_metrics = metrics
-                bar.update(1)
-                (bar.write if progress else echo)(console_line(completed, steps, metrics))
-                if config.save_every and completed % config.save_every == 0 and completed < steps:
-                    save(completed, f"step-{completed:06d}")
-            save(steps, "final")
-            sampler_path = call_with_retries(lambda: training_client.save_weights_for_sampler(run_name).result(), what="save_weights_for_sampler", max_retries=config.max_retries, on_retry=note).path
-    except KeyboardInterrupt:
-        _stop_with_checkpoint(save, completed, weights_dirty, last_saved_step, note)
-        raise RunStopped(f"stopped by signal after step {completed}; resume with `grpo train --resume {run_dir}`", exit_code=130) from None
-    except Exception as error:
-        _stop_with_checkpoint(save, completed, weights_dirty, last_saved_step, note)
-        raise RunStopped(f"run failed at step {completed + 1}: {type(error).__name__}: {error}\nresume with `grpo train --resume {run_dir}`", exit_code=1) from error
-    finally:
-        for pending in jobs.values():
-            pending.cancel()
-        pool.shutdown(wait=False, cancel_futures=True)
-        bar.close()
-        logger.close()
-
-    wall_time = time.perf_counter() - run_start
-    _write_json_atomic(
-        run_dir / SUMMARY_FILE,
-        {"finished": True, "steps": steps, "wall_time_s": wall_time, "final": last_metrics, "test/reward": last_metrics.get("test/reward"), "sampler_path": sampler_path, "run_name": run_name},
-    )
-    echo(f"[grpo] done: {steps} steps in {wall_time:.1f}s; final sampler weights: {sampler_path}")
-    return RunResult(run_dir=run_dir, steps=steps, final_metrics=last_metrics, sampler_path=sampler_path)
-
-
-def _stop_with_checkpoint(save: Callable[[int, str], None], completed: int, weights_dirty: bool, last_saved_step: int, note: Callable[[str], None]) -> None:
-    """Save a resumable checkpoint at the last completed step, unless weights are mid-update."""
-    if weights_dirty:
-        note(f"stopped mid-update: keeping the checkpoint of step {last_saved_step} (weights of a half-done step are not resumable)")
-        return
-    if completed == last_saved_step:
-        return
-    try:
-        save(completed, f"step-{completed:06d}")
-        note(f"checkpoint saved at step {completed}")
-    except Exception as error:  # noqa: BLE001 - the original failure is what the user must see
-        note(f"could not save a checkpoint ({type(error).__name__}: {error}); the last one is step {last_saved_step}")
-
-
-def _read_checkpoint(run_dir: Path) -> dict[str, Any] | None:
-    """The run directory's latest checkpoint record, if any."""
-    path = run_dir / CHECKPOINT_FILE
-    return json.loads(path.read_text()) if path.exists() else None

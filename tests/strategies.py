@@ -337,7 +337,7 @@ LOSS_CONFIGS: dict[str, st.SearchStrategy[dict[str, float | None]]] = {
 def policy_datums(
     draw: st.DrawFn, max_datums: int = 4, max_prompt: int = 5, max_completion: int = 6
 ) -> tuple[list[pytrio.Datum], list[np.ndarray]]:
-    """Full policy Datums laid out as FORMULAS.md's token alignment, and the current
+    """Full policy Datums laid out as docs/FORMULAS.md's token alignment, and the current
     policy's log-probs for each (what the trainer's forward would return).
 
     Each datum has target_tokens, logprobs (0 on prompt positions) and advantages

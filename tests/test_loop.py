@@ -14,8 +14,10 @@ import pytest
 
 from grpo.config import TrainConfig
 from grpo.core import losses
-from grpo.logging import read_metrics
-from grpo.loop import ConfigError, RunStopped, pick_batch, train
+from grpo import run_dir as rundir
+from grpo.run_dir import read_metrics
+from grpo.loop import ConfigError, RunStopped, train
+from grpo.rollouts import pick_batch
 
 TINY = dict(steps=2, batch_size=2, group_size=4, max_tokens=24, eval_every=0, save_every=0, concurrency=4, num_substeps=1)
 
@@ -43,10 +45,11 @@ def test_every_loss_runs_with_every_reduction(tmp_path: Path, loss_fn: str) -> N
     for reduction in losses.REDUCTIONS:
         config = tiny_config(tmp_path, f"{loss_fn}-{reduction}", loss_fn=loss_fn, reduction=reduction, steps=2, group_size=3)
         result = quiet_train(config, service_client=service)
-        rows = read_metrics(result.run_dir / "metrics.jsonl")
+        rows = read_metrics(result.run_dir)
         assert [row["step"] for row in rows] == [1, 2]
         assert all(np.isfinite(row["reward"]) for row in rows)
         trained = [row for row in rows if row["datums"] > 0]
+        assert trained, f"no step of {loss_fn}/{reduction} trained: every group was degenerate"
         for row in trained:
             assert np.isfinite(row["loss"]), (loss_fn, reduction, row)
             assert f"{loss_fn}/train_tokens" in row
@@ -57,14 +60,14 @@ def test_every_loss_runs_with_every_reduction(tmp_path: Path, loss_fn: str) -> N
 def test_sync_and_concurrent_rollouts_give_identical_results(tmp_path: Path) -> None:
     sync = quiet_train(tiny_config(tmp_path, "sync", concurrency=1, steps=3))
     concurrent = quiet_train(tiny_config(tmp_path, "concurrent", concurrency=8, steps=3))
-    assert comparable(read_metrics(sync.run_dir / "metrics.jsonl")) == comparable(read_metrics(concurrent.run_dir / "metrics.jsonl"))
+    assert comparable(read_metrics(sync.run_dir)) == comparable(read_metrics(concurrent.run_dir))
 
 
 def test_same_seed_same_run_and_other_seed_differs(tmp_path: Path) -> None:
     first = quiet_train(tiny_config(tmp_path, "a", steps=2, seed=3))
     second = quiet_train(tiny_config(tmp_path, "b", steps=2, seed=3))
     other = quiet_train(tiny_config(tmp_path, "c", steps=2, seed=4))
-    rows = [comparable(read_metrics(r.run_dir / "metrics.jsonl")) for r in (first, second, other)]
+    rows = [comparable(read_metrics(r.run_dir)) for r in (first, second, other)]
     assert rows[0] == rows[1]
     assert rows[0] != rows[2]
 
@@ -113,38 +116,42 @@ def test_resume_after_interrupt_equals_an_uninterrupted_run(tmp_path: Path) -> N
     checkpoint = json.loads((tmp_path / "stopped" / "checkpoint.json").read_text())
     # SIGINT arrived during step 2; the loop finished that step, then saved and stopped.
     assert checkpoint["step"] == 2
-    assert [row["step"] for row in read_metrics(tmp_path / "stopped" / "metrics.jsonl")] == [1, 2]
+    assert [row["step"] for row in read_metrics(tmp_path / "stopped")] == [1, 2]
     assert not (tmp_path / "stopped" / "summary.json").exists()
     resumed = quiet_train(config, resume=True)
-    assert comparable(read_metrics(resumed.run_dir / "metrics.jsonl")) == comparable(read_metrics(whole.run_dir / "metrics.jsonl"))
+    assert comparable(read_metrics(resumed.run_dir)) == comparable(read_metrics(whole.run_dir))
 
 
 @pytest.mark.parametrize("max_off_policy", [1, 2])
 def test_off_policy_pipeline_never_exceeds_k(tmp_path: Path, max_off_policy: int) -> None:
     config = tiny_config(tmp_path, f"k{max_off_policy}", steps=5, max_steps_off_policy=max_off_policy, group_size=6)
-    rows = read_metrics(quiet_train(config).run_dir / "metrics.jsonl")
+    rows = read_metrics(quiet_train(config).run_dir)
     staleness = [row["off_policy_steps"] for row in rows]
-    assert max(staleness) <= max_off_policy
-    trained_steps = sum(row["datums"] > 0 for row in rows)
-    if trained_steps >= max_off_policy + 1:
-        assert max(staleness) >= 1
+    trained = [row["datums"] > 0 for row in rows]
+    # Step j's rollouts were sampled when step max(0, j - k) began, so they are as many
+    # optimizer steps old as steps in [max(0, j - k), j) trained.
+    expected = [
+        float(sum(trained[max(0, step - max_off_policy) : step])) for step in range(len(rows))
+    ]
+    assert staleness == expected, (trained, staleness)
+    assert max(staleness) == max_off_policy, "the run never filled the pipeline: test setup"
 
 
 def test_strictly_on_policy_rollouts_are_fresh(tmp_path: Path) -> None:
-    rows = read_metrics(quiet_train(tiny_config(tmp_path, steps=3)).run_dir / "metrics.jsonl")
+    rows = read_metrics(quiet_train(tiny_config(tmp_path, steps=3)).run_dir)
     assert all(row["off_policy_steps"] == 0 for row in rows)
 
 
 def test_extra_epochs_move_the_ratio_away_from_one(tmp_path: Path) -> None:
     config = tiny_config(tmp_path, steps=3, epochs=3, num_substeps=2, learning_rate=5e-3, group_size=6, batch_size=4)
-    rows = read_metrics(quiet_train(config).run_dir / "metrics.jsonl")
+    rows = read_metrics(quiet_train(config).run_dir)
     assert max(row.get("ratio/max_abs_log", 0.0) for row in rows) > 1e-3
 
 
 def test_periodic_and_final_checkpoints_and_eval(tmp_path: Path) -> None:
     config = tiny_config(tmp_path, steps=4, save_every=2, eval_every=2, eval_limit=8)
     result = quiet_train(config)
-    rows = read_metrics(result.run_dir / "metrics.jsonl")
+    rows = read_metrics(result.run_dir)
     # Step 0 is the evaluation of the starting weights, before any update.
     assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
     assert [("test/reward" in row) for row in rows] == [True, False, True, False, True]
@@ -190,7 +197,7 @@ def test_transient_failures_are_retried(tmp_path: Path, monkeypatch: pytest.Monk
     config = tiny_config(tmp_path, "flaky")
     flaky = _Flaky(LocalServiceClient(root=tmp_path / "flaky" / "backend", seed=0), {"sample": 2, "forward_backward": 1, "optim_step": 1})
     result = quiet_train(config, service_client=flaky)
-    assert comparable(read_metrics(result.run_dir / "metrics.jsonl")) == comparable(read_metrics(reference.run_dir / "metrics.jsonl"))
+    assert comparable(read_metrics(result.run_dir)) == comparable(read_metrics(reference.run_dir))
 
 
 def test_persistent_failure_stops_with_a_checkpoint_and_clear_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,7 +235,7 @@ def test_persistent_failure_stops_with_a_checkpoint_and_clear_message(tmp_path: 
     assert stopped.value.exit_code == 1
     assert "save_weights_and_get_sampling_client failed 3 times" in message and "--resume" in message
     assert json.loads((tmp_path / "broken" / "checkpoint.json").read_text())["step"] == 1
-    assert [row["step"] for row in read_metrics(tmp_path / "broken" / "metrics.jsonl")] == [1]
+    assert [row["step"] for row in read_metrics(tmp_path / "broken")] == [1]
 
 
 def test_swanlab_failure_never_stops_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -240,7 +247,7 @@ def test_swanlab_failure_never_stops_training(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(swanlab, "init", broken_init)
     with pytest.warns(UserWarning, match="SwanLab"):
         result = quiet_train(tiny_config(tmp_path, swanlab_mode="online"))
-    assert len(read_metrics(result.run_dir / "metrics.jsonl")) == 2
+    assert len(read_metrics(result.run_dir)) == 2
 
 
 def test_pytrio_backend_module_drives_the_same_loop_including_custom_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -259,7 +266,7 @@ def test_pytrio_backend_module_drives_the_same_loop_including_custom_loss(tmp_pa
     custom = quiet_train(tiny_config(tmp_path, "pytrio-custom", backend="pytrio", loss_fn="ppo", custom_loss=True))
     local = quiet_train(tiny_config(tmp_path, "local", backend="local", loss_fn="ppo"))
     assert len(created) == 2
-    rows = [comparable(read_metrics(r.run_dir / "metrics.jsonl")) for r in (builtin, custom, local)]
+    rows = [comparable(read_metrics(r.run_dir)) for r in (builtin, custom, local)]
     assert rows[0] == rows[2]
     for built_in_row, custom_row in zip(rows[0], rows[1], strict=True):
         assert built_in_row.keys() == custom_row.keys()
@@ -268,7 +275,7 @@ def test_pytrio_backend_module_drives_the_same_loop_including_custom_loss(tmp_pa
 
 
 def test_kl_penalty_is_logged_and_zero_at_the_start(tmp_path: Path) -> None:
-    rows = read_metrics(quiet_train(tiny_config(tmp_path, kl_coef=0.1, steps=2, learning_rate=1e-3)).run_dir / "metrics.jsonl")
+    rows = read_metrics(quiet_train(tiny_config(tmp_path, kl_coef=0.1, steps=2, learning_rate=1e-3)).run_dir)
     trained = [row for row in rows if row["datums"] > 0]
     assert trained, "no step trained; pick a seed with a non-degenerate group"
     # Step 1 samples the initial LoRA (B = 0), i.e. the base model itself: KL is ~0.
@@ -289,11 +296,9 @@ def test_kl_penalty_is_logged_and_zero_at_the_start(tmp_path: Path) -> None:
         ({"top_p": 0.0}, "--top-p"),
     ],
 )
-def test_bad_flags_fail_before_any_compute(tmp_path: Path, overrides: dict[str, Any], message: str) -> None:
-    # The config refuses bad flags when it is built (grpo.config.ConfigError), before the loop.
-    with pytest.raises(ValueError, match=message.replace("-", r"\-")):
-        quiet_train(tiny_config(tmp_path, **overrides))
-    assert not (tmp_path / "run").exists()
+def test_bad_flags_fail_when_the_config_is_built(tmp_path: Path, overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("-", r"\-")):
+        tiny_config(tmp_path, **overrides)
 
 
 def test_missing_dataset_file_and_column_fail_before_any_compute(tmp_path: Path) -> None:
@@ -303,13 +308,13 @@ def test_missing_dataset_file_and_column_fail_before_any_compute(tmp_path: Path)
     bad.write_text(json.dumps({"question": "1+1?", "solution": "#### 2"}) + "\n")
     with pytest.raises(ValueError, match="answer"):
         quiet_train(tiny_config(tmp_path, dataset=str(bad)))
-    assert not (tmp_path / "run").exists()
+    assert rundir.run_status(tmp_path / "run") == rundir.NEW
 
 
 def test_over_long_prompt_fails_before_sampling(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="positions"):
         quiet_train(tiny_config(tmp_path, max_tokens=250))
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert rundir.run_status(tmp_path / "run") == rundir.NEW
 
 
 def test_pick_batch_is_a_pure_function_covering_each_pass() -> None:

@@ -1,6 +1,6 @@
 """Group advantages: how much better each completion scored than the others of its prompt.
 
-For the rewards R_1..R_G of one prompt (FORMULAS.md "Group advantages"):
+For the rewards R_1..R_G of one prompt (docs/FORMULAS.md "Group advantages"):
 - `center` (seed demo, Dr. GRPO): A_i = R_i − mean(R)
 - `standardize` (DeepSeekMath): A_i = (R_i − mean(R)) / (std(R) + ε), std with ddof 0, ε = 1e-8
 - `rloo` (leave one out): A_i = R_i − mean_{j≠i} R_j = G/(G−1)·(R_i − mean(R)); 0 when G = 1
@@ -17,6 +17,9 @@ and stay within the group's reward range times G/(G−1).
 
 `group_advantages` computes any variant for a whole batch of ragged groups at once
 (flat rewards + group sizes, `np.add.reduceat` per group, `np.repeat` back to completions).
+
+`kl_shaped_advantages` folds a KL-to-reference penalty into token advantages
+(docs/FORMULAS.md, "KL shaping"): A_t − β·k(lp_old_t − lp_ref_t) on trained tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
+from grpo.core.losses import kl_penalty
 from grpo.core.records import GroupAdvantages
 
 __all__ = [
@@ -36,6 +41,7 @@ __all__ = [
     "center_groups",
     "degenerate_groups",
     "group_advantages",
+    "kl_shaped_advantages",
     "rloo",
     "rloo_groups",
     "standardize",
@@ -208,3 +214,31 @@ def group_advantages(
     return GroupAdvantages(
         advantages=advantage_fn(rewards, sizes), group_sizes=sizes, degenerate=degenerate_B
     )
+
+
+def kl_shaped_advantages(
+    advantages_N: npt.ArrayLike,
+    sampling_logprobs_N: npt.ArrayLike,
+    ref_logprobs_N: npt.ArrayLike,
+    mask_N: npt.ArrayLike,
+    *,
+    kl_coef: float,
+    estimator: str,
+) -> tuple[FloatArray, float]:
+    """(A_t − kl_coef·k(lp_old_t − lp_ref_t) on masked-in tokens and 0 elsewhere, mean k over them).
+
+    Reward shaping rather than a loss term, so it works with the service's built-in losses
+    too; k is a KL estimator of `losses.KL_ESTIMATORS`. The mean is 0 for an empty mask.
+    """
+    mask = np.asarray(mask_N, dtype=bool)
+    advantages = np.asarray(advantages_N, dtype=np.float64)
+    sampled = torch.tensor(np.asarray(sampling_logprobs_N), dtype=torch.float64)
+    reference = torch.tensor(np.asarray(ref_logprobs_N), dtype=torch.float64)
+    if not advantages.shape == mask.shape == tuple(sampled.shape) == tuple(reference.shape):
+        raise ValueError(
+            f"advantages {advantages.shape}, sampling_logprobs {tuple(sampled.shape)}, "
+            f"ref_logprobs {tuple(reference.shape)} and mask {mask.shape} must have one shape"
+        )
+    kl_N = kl_penalty(sampled, reference, estimator=estimator).numpy() * mask
+    shaped_N = np.where(mask, advantages - kl_coef * kl_N, 0.0)
+    return shaped_N, float(kl_N.sum() / max(mask.sum(), 1))

@@ -1,7 +1,7 @@
 """Token alignment: a prompt and its completion as next-token training arrays, and packing.
 
 For prompt P (length p >= 1), completion C (length c >= 1), sampler log-probs lp(C) and
-the completion's advantage A (FORMULAS.md "Token alignment"), all of length p + c − 1:
+the completion's advantage A (docs/FORMULAS.md "Token alignment"), all of length p + c − 1:
 - input_tokens      = P + C[:-1]
 - target_tokens     = [pad]·(p − 1) + C
 - sampling_logprobs = [0]·(p − 1) + lp(C)
@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from grpo.core.records import AlignedSequence, ScoredGroup, TokenBatch
 
-__all__ = ["PAD_TOKEN_ID", "align", "pack", "pack_groups"]
+__all__ = ["PAD_TOKEN_ID", "align", "minibatches", "pack", "pack_groups"]
 
 # The target at prompt positions is never trained (mask 0); PyTRIO's article pads with 0.
 PAD_TOKEN_ID = 0
@@ -168,3 +168,18 @@ def pack_groups(groups: Sequence[ScoredGroup], *, drop_degenerate: bool = True) 
         mask=_frozen(np.repeat(np.tile([0.0, 1.0], num_sequences), runs)),
         seq_lens=_frozen(prompt_lens + completion_lens - 1),
     )
+
+
+def minibatches(batch: TokenBatch, num_minibatches: int) -> list[TokenBatch]:
+    """``batch`` cut into ``num_minibatches`` contiguous runs of sequences, sizes differing by at
+    most one (earlier runs larger); empty runs are dropped, so a short batch gives fewer."""
+    if num_minibatches < 1:
+        raise ValueError(f"num_minibatches must be >= 1, got {num_minibatches}")
+    base, extra = divmod(batch.num_sequences, num_minibatches)
+    sizes = [base + (index < extra) for index in range(num_minibatches)]
+    bounds = np.cumsum([0, *sizes])
+    return [
+        batch.sequence_range(int(start), int(stop))
+        for start, stop in zip(bounds[:-1], bounds[1:], strict=True)
+        if stop > start
+    ]

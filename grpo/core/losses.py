@@ -1,4 +1,4 @@
-"""Vectorized policy-gradient loss kernels over a packed token batch (FORMULAS.md).
+"""Vectorized policy-gradient loss kernels over a packed token batch (docs/FORMULAS.md).
 
 Every kernel takes flat 1-D tensors over all target positions of a batch and returns
 ``(loss, metrics)``; the loss is the negative aggregated objective. Notation:
@@ -553,7 +553,7 @@ def _reduction_derivative(
     units_per_sequence: Callable[[], Tensor],
     seq_lens: Tensor,
 ) -> float | Tensor:
-    """d(aggregate)/d o_u under ``reduction`` (FORMULAS.md, Aggregation): aggregate = Σ_u d_u·o_u.
+    """d(aggregate)/d o_u under ``reduction``: aggregate = Σ_u d_u·o_u (docs/FORMULAS.md).
 
     One number, or one per unit for ``seq_mean_token_mean`` (1/(B·n_i) on sequence i).
     ``units_per_sequence`` gives n_i as floats; it is only called by the ``seq_mean_*``
@@ -982,7 +982,8 @@ KL_ESTIMATORS: Mapping[str, Callable[[Tensor], Tensor]] = MappingProxyType(
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, *, estimator: str = "k3") -> Tensor:
     """Elementwise KL estimate k(δ) with δ = lp − lp_ref.
 
-    Used as a penalty term: add ``kl_coef · Σ_t m_t·k_t`` to the loss (FORMULAS.md, KL).
+    Used as a penalty term ``kl_coef · Σ_t m_t·k_t`` or, as ``grpo train`` does, as reward
+    shaping of the advantages (docs/FORMULAS.md, KL).
     """
     try:
         estimate = KL_ESTIMATORS[estimator]

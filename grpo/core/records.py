@@ -396,6 +396,24 @@ class TokenBatch:
         """Start of each sequence in the flat arrays, then N (num_sequences + 1 entries)."""
         return np.concatenate(([0], np.cumsum(self.seq_lens)))
 
+    def sequence_range(self, start: int, stop: int) -> TokenBatch:
+        """The batch of sequences ``start..stop-1`` (a contiguous run), arrays sliced, not copied."""
+        if not 0 <= start < stop <= self.num_sequences:
+            raise ValueError(
+                f"sequence_range({start}, {stop}) is not a non-empty run of this batch's "
+                f"{self.num_sequences} sequences"
+            )
+        offsets = self.offsets
+        lo, hi = int(offsets[start]), int(offsets[stop])
+        return TokenBatch(
+            input_tokens=self.input_tokens[lo:hi],
+            target_tokens=self.target_tokens[lo:hi],
+            sampling_logprobs=self.sampling_logprobs[lo:hi],
+            advantages=self.advantages[lo:hi],
+            mask=self.mask[lo:hi],
+            seq_lens=self.seq_lens[start:stop],
+        )
+
     def sequences(self) -> tuple[AlignedSequence, ...]:
         """The packed sequences as `AlignedSequence` records holding read-only views (no copies)."""
         if self.num_sequences == 0:

@@ -5,7 +5,7 @@
 - `gsm8k_gold`: the gold answer of a GSM8K `answer` field (the text after `####`).
 - `grade`: 1.0 when the response's boxed answer equals the gold answer, else 0.0.
 
-Normalization (FORMULAS.md "Reward"): drop whitespace and LaTeX spacing (`\\,` `\\!` `\\;`
+Normalization (docs/FORMULAS.md "Reward"): drop whitespace and LaTeX spacing (`\\,` `\\!` `\\;`
 `\\:`), `$` and `\\$`, thousands separators (a comma or LaTeX `{,}` between digits followed
 by exactly three digits), trailing periods; map Unicode minus and dash signs to `-`. What
 is left is a number when it matches `[+-]?digits[.digits]`; numbers compare exactly as decimals

@@ -1,4 +1,4 @@
-"""Tests for grpo.core.advantages: the laws of FORMULAS.md "Group advantages"."""
+"""Tests for grpo.core.advantages: the laws of docs/FORMULAS.md "Group advantages"."""
 
 import numpy as np
 import pytest

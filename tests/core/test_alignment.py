@@ -1,4 +1,4 @@
-"""Tests for grpo.core.alignment: FORMULAS.md "Token alignment", packing and its fast path."""
+"""Tests for grpo.core.alignment: docs/FORMULAS.md "Token alignment", packing and its fast path."""
 
 import attrs
 import numpy as np

@@ -1,4 +1,4 @@
-"""Loss kernels against a per-token reference written from FORMULAS.md, and their laws."""
+"""Loss kernels against a per-token reference written from docs/FORMULAS.md, and their laws."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _norm_length(reduction: str) -> float | None:
     return NORM_LENGTH if reduction == "seq_mean_token_sum_norm" else None
 
 
-# --- the reference: one token at a time, Python floats, FORMULAS.md verbatim ------------
+# --- the reference: one token at a time, Python floats, docs/FORMULAS.md verbatim ------------
 
 
 def _clip(value: float, low: float, high: float) -> float:
@@ -88,7 +88,7 @@ def _reference(
     reduction: str,
     norm_length: float | None = None,
 ) -> tuple[float, np.ndarray, dict[str, float]]:
-    """(loss, d loss/d lp, metrics) straight from FORMULAS.md, token by token."""
+    """(loss, d loss/d lp, metrics) straight from docs/FORMULAS.md, token by token."""
     config = losses.resolve_config(name, config)
     gradient = np.zeros(batch.logprobs.size)
     sequences = [

@@ -72,13 +72,14 @@ def test_rollout_metrics_of_no_groups_is_an_error():
 def test_batch_metrics_count_datums_and_train_tokens(groups):
     batch = pack_groups(groups)
     kept = [
-        completion
+        (group.prompt_tokens.size, completion.tokens.size)
         for group in groups
         if not group.is_degenerate
         for completion in group.completions
     ]
+    # Each completion of length c after a prompt of length p aligns to p + c - 1 positions.
     assert batch_metrics(batch) == {
         "datums": float(len(kept)),
-        "tokens": float(batch.num_tokens),
-        "train_tokens": float(sum(completion.tokens.size for completion in kept)),
+        "tokens": float(sum(prompt + completion - 1 for prompt, completion in kept)),
+        "train_tokens": float(sum(completion for _, completion in kept)),
     }

@@ -89,7 +89,6 @@ BATCH = TokenBatch(
             dict(advantages=[float("inf"), 0.0]),
             "advantages has a non-finite value inf at index 0",
         ),
-        (GROUP, dict(gold=5), "'gold' must be <class 'str'>"),
         (
             SEQUENCE,
             dict(input_tokens=[], target_tokens=[], sampling_logprobs=[], advantages=[], mask=[]),

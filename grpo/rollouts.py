@@ -1,0 +1,230 @@
+"""Rollouts: problems, sampling jobs, grading, reference log-probs and evaluation.
+
+Everything the loop asks of a sampler lives here. Every random choice is a pure function
+of (seed, step, index): ``pick_batch`` orders the data, ``sampling_seed`` seeds each
+request, so a run resumed from a checkpoint samples exactly what it would have.
+Suffixes name axes (docs/DESIGN.md): ``_P`` one per problem of a step, ``_C`` one per
+completion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import numpy as np
+from pytrio.types import ModelInput, SamplingParams
+
+from grpo.backends.pytrio import call_with_retries
+from grpo.config import ConfigError
+from grpo.core.advantages import group_advantages
+from grpo.core.metrics import pass_at_k
+from grpo.core.records import Completion, ScoredGroup
+from grpo.core.rewards import grade, gsm8k_gold
+from grpo.prompts import build_prompt_tokens
+
+Log = Callable[[str], None]
+
+TRAIN_PURPOSE, EVAL_PURPOSE = 0, 1
+
+
+@attrs.frozen
+class Problem:
+    """One training or test problem, ready to sample: its prompt tokens and gold answer."""
+
+    question: str
+    gold: str
+    prompt_tokens: tuple[int, ...]
+
+
+def tokenizer_max_len(tokenizer: Any) -> int | None:
+    """The model's context length when the tokenizer states a believable one."""
+    value = getattr(tokenizer, "model_max_length", None)
+    return int(value) if isinstance(value, int) and 0 < value < 10_000_000 else None
+
+
+def build_problems(
+    tokenizer: Any, rows: Any, *, fewshot: bool, max_tokens: int, max_len: int | None, split: str
+) -> list[Problem]:
+    """Prompt tokens and gold answers for dataset rows; an over-long prompt is a ConfigError."""
+    problems = []
+    for index, row in enumerate(rows):
+        tokens = build_prompt_tokens(tokenizer, row["question"], fewshot=fewshot)
+        if max_len is not None and len(tokens) + max_tokens > max_len:
+            raise ConfigError(
+                f"{split} problem {index}: prompt has {len(tokens)} tokens + --max-tokens "
+                f"{max_tokens} exceeds the model's {max_len} positions; lower --max-tokens or "
+                "drop long problems"
+            )
+        problems.append(
+            Problem(question=row["question"], gold=gsm8k_gold(row["answer"]), prompt_tokens=tuple(tokens))
+        )
+    return problems
+
+
+def pick_batch(num_problems: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+    """Indices of step ``step``'s problems: slices of a per-pass permutation seeded by (seed, pass)."""
+    positions = np.arange(step * batch_size, (step + 1) * batch_size)
+    passes, offsets = np.divmod(positions, num_problems)
+    indices = np.empty(batch_size, dtype=np.int64)
+    for data_pass in np.unique(passes):
+        order = np.random.default_rng([seed, int(data_pass)]).permutation(num_problems)
+        selected = passes == data_pass
+        indices[selected] = order[offsets[selected]]
+    return indices
+
+
+def sampling_seed(seed: int, step: int, index: int, purpose: int = TRAIN_PURPOSE) -> int:
+    """The sampler seed of request ``index`` at ``step``: a pure function, so runs are reproducible."""
+    return int(np.random.SeedSequence([seed, purpose, step, index]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def _completion_from(sequence: Any, tokenizer: Any) -> Completion:
+    """A core Completion from one sampled sequence (text decoded if the backend did not return it)."""
+    text = sequence.text if sequence.text is not None else tokenizer.decode(sequence.tokens)
+    return Completion(
+        tokens=sequence.tokens, logprobs=sequence.logprobs, text=text, stop_reason=sequence.stop_reason
+    )
+
+
+class RolloutJob:
+    """One step's sampling requests, submitted to a bounded pool; ``result()`` waits for all groups."""
+
+    def __init__(
+        self,
+        pool: ThreadPoolExecutor,
+        sampler: Any,
+        problems: Sequence[Problem],
+        *,
+        params_for: Callable[[int], SamplingParams],
+        num_samples: int,
+        tokenizer: Any,
+        max_retries: int,
+        log: Log,
+        sampler_version: int,
+    ) -> None:
+        self.sampler_version = sampler_version
+        self.problems = list(problems)
+
+        def sample_one(index: int) -> list[Completion]:
+            prompt = ModelInput.from_ints(list(self.problems[index].prompt_tokens))
+            response = call_with_retries(
+                lambda: sampler.sample(
+                    prompt=prompt, num_samples=num_samples, sampling_params=params_for(index), return_text=True
+                ).result(),
+                what=f"sample (problem {index})",
+                max_retries=max_retries,
+                on_retry=log,
+            )
+            return [_completion_from(sequence, tokenizer) for sequence in response.sequences]
+
+        self._futures: list[Future[list[Completion]]] = [
+            pool.submit(sample_one, index) for index in range(len(self.problems))
+        ]
+
+    def result(self) -> list[list[Completion]]:
+        """The completions of every problem, in problem order."""
+        return [future.result() for future in self._futures]
+
+    def cancel(self) -> None:
+        """Drop requests that have not started."""
+        for future in self._futures:
+            future.cancel()
+
+
+def grade_groups(
+    problems_P: Sequence[Problem], completions_P: Sequence[Sequence[Completion]]
+) -> list[np.ndarray]:
+    """Reward of every completion: 1.0 when its last boxed answer matches the gold answer."""
+    return [
+        np.array([grade(completion.text, problem.gold) for completion in completions], dtype=np.float64)
+        for problem, completions in zip(problems_P, completions_P, strict=True)
+    ]
+
+
+def score_groups(
+    problems_P: Sequence[Problem],
+    completions_P: Sequence[Sequence[Completion]],
+    rewards_P: Sequence[np.ndarray],
+    method: str,
+) -> list[ScoredGroup]:
+    """Every group with its group-relative advantages (one vectorized call for the batch)."""
+    group_sizes_P = np.array([len(rewards) for rewards in rewards_P], dtype=np.int64)
+    result = group_advantages(np.concatenate(rewards_P), group_sizes_P, method)
+    advantages_P = np.split(result.advantages, np.cumsum(group_sizes_P)[:-1])
+    return [
+        ScoredGroup(
+            prompt_tokens=problem.prompt_tokens,
+            completions=tuple(completions),
+            rewards=rewards,
+            advantages=advantages,
+        )
+        for problem, completions, rewards, advantages in zip(
+            problems_P, completions_P, rewards_P, advantages_P, strict=True
+        )
+    ]
+
+
+def reference_logprobs(
+    pool: ThreadPoolExecutor, ref_sampler: Any, groups: Sequence[ScoredGroup], max_retries: int, log: Log
+) -> np.ndarray:
+    """Base-model log-probs of every sampled completion token, concatenated in packing order.
+
+    Obtained as the prompt log-probs of prompt + completion, one request per completion.
+    """
+
+    def one(prompt_tokens: tuple[int, ...], completion: Completion) -> np.ndarray:
+        tokens = [*prompt_tokens, *completion.tokens.tolist()]
+        values = call_with_retries(
+            lambda: ref_sampler.compute_logprobs(ModelInput.from_ints(tokens)).result(),
+            what="reference compute_logprobs",
+            max_retries=max_retries,
+            on_retry=log,
+        )
+        return np.asarray(values[-len(completion.tokens) :], dtype=np.float64)
+
+    futures_C = [
+        pool.submit(one, tuple(group.prompt_tokens.tolist()), completion)
+        for group in groups
+        for completion in group.completions
+    ]
+    return np.concatenate([future.result() for future in futures_C])
+
+
+def evaluate(
+    pool: ThreadPoolExecutor,
+    sampler: Any,
+    problems: Sequence[Problem],
+    tokenizer: Any,
+    *,
+    num_samples: int,
+    temperature: float,
+    max_tokens: int,
+    seed: int,
+    max_retries: int,
+    log: Log,
+) -> dict[str, float]:
+    """Accuracy (mean reward over all samples) and pass@k for k = 1, 2, 4, ... <= num_samples."""
+
+    def params(index: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=1.0,
+            seed=sampling_seed(seed, 0, index, purpose=EVAL_PURPOSE),
+        )
+
+    job = RolloutJob(
+        pool, sampler, problems, params_for=params, num_samples=num_samples, tokenizer=tokenizer,
+        max_retries=max_retries, log=log, sampler_version=0,
+    )
+    rewards_P = grade_groups(problems, job.result())
+    correct_P = [int(rewards.sum()) for rewards in rewards_P]
+    metrics = {"test/reward": float(np.mean(np.concatenate(rewards_P)))}
+    k = 1
+    while k <= num_samples:
+        metrics[f"test/pass@{k}"] = float(np.mean([pass_at_k(num_samples, c, k) for c in correct_P]))
+        k *= 2
+    return metrics

@@ -1,0 +1,156 @@
+"""The import rules of docs/DESIGN.md, checked on the source with ``ast``.
+
+- The functional core (``grpo/core``) imports nothing from the shell and not pytrio.
+- A backend (``grpo/backends``) imports from grpo only ``grpo.core``, ``grpo.datums`` and
+  other backend modules.
+- ``grpo --help`` loads neither torch nor transformers.
+
+Every import counts, including those inside functions and under ``TYPE_CHECKING``.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "grpo"
+
+
+def _module_name(path: Path) -> str:
+    """``grpo/backends/local.py`` -> ``grpo.backends.local``; an ``__init__`` -> its package."""
+    parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_grpo_module(name: str) -> bool:
+    """Whether ``name`` is a module or package of the grpo source tree."""
+    relative = Path(*name.split("."))
+    root = PACKAGE_ROOT.parent
+    is_file = (root / relative).with_suffix(".py").is_file()
+    return is_file or (root / relative / "__init__.py").is_file()
+
+
+def imported_modules(
+    source: str, module: str, is_package: bool = False
+) -> Iterator[tuple[int, str]]:
+    """(line, module) for every import statement anywhere in ``source``.
+
+    ``from X import name`` counts as importing ``X.name`` when that is a grpo module (so
+    ``from grpo import loop`` imports ``grpo.loop``), else as importing ``X``. Relative
+    imports are resolved against ``module``.
+    """
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*base_parts, *([node.module] if node.module else [])])
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                yield node.lineno, submodule if _is_grpo_module(submodule) else base
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def violations(subpackage: str, allowed: Callable[[str], bool]) -> list[str]:
+    """``path:line imports X`` for each import under ``grpo/<subpackage>`` ``allowed`` rejects."""
+    found = []
+    for path in sorted((PACKAGE_ROOT / subpackage).rglob("*.py")):
+        module = _module_name(path)
+        source = path.read_text(encoding="utf-8")
+        for line, name in imported_modules(source, module, path.name == "__init__.py"):
+            if not allowed(name):
+                found.append(f"{path.relative_to(PACKAGE_ROOT.parent)}:{line} imports {name}")
+    return found
+
+
+def core_may_import(name: str) -> bool:
+    """The core: anything but pytrio and the grpo modules outside grpo.core."""
+    if _within(name, "pytrio"):
+        return False
+    return not _within(name, "grpo") or _within(name, "grpo.core")
+
+
+def backend_may_import(name: str) -> bool:
+    """A backend: from grpo only grpo.core, grpo.datums and grpo.backends."""
+    if not _within(name, "grpo"):
+        return True
+    return any(_within(name, allowed) for allowed in ("grpo.core", "grpo.datums", "grpo.backends"))
+
+
+def test_the_import_scanner_sees_imports_in_functions_relative_and_from_package():
+    source = textwrap.dedent(
+        """
+        import numpy
+        from grpo import loop
+        from . import records
+        from ..datums import batch_to_datums
+
+        def later():
+            from grpo.custom_loss import datum_mask
+        """
+    )
+    assert sorted(name for _, name in imported_modules(source, "grpo.core.losses")) == [
+        "grpo.core.records",
+        "grpo.custom_loss",
+        "grpo.datums",
+        "grpo.loop",
+        "numpy",
+    ]
+    assert not core_may_import("grpo.custom_loss") and not core_may_import("pytrio.types")
+    assert core_may_import("grpo.core.records") and core_may_import("torch")
+    assert not backend_may_import("grpo.prompts") and backend_may_import("grpo.datums")
+
+
+def test_the_core_imports_neither_the_shell_nor_pytrio():
+    found = violations("core", core_may_import)
+    assert found == [], "the core must not import the shell or pytrio:\n" + "\n".join(found)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="today backends/local.py imports grpo.custom_loss (datum_mask) and "
+    "backends/warm_start.py imports grpo.prompts (build_prompt_tokens)",
+)
+def test_backends_import_only_the_core_datums_and_other_backends():
+    found = violations("backends", backend_may_import)
+    assert found == [], (
+        "a backend may import from grpo only grpo.core, grpo.datums and grpo.backends:\n"
+        + "\n".join(found)
+    )
+
+
+_HEAVY_MODULES_AFTER_HELP = """
+import contextlib, io, sys
+from grpo.cli import main
+for argv in (["--help"], ["train", "--help"]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+        main(argv)
+print(" ".join(sorted(name for name in ("torch", "transformers") if name in sys.modules)))
+"""
+
+
+def test_grpo_help_loads_neither_torch_nor_transformers():
+    result = subprocess.run(
+        [sys.executable, "-c", _HEAVY_MODULES_AFTER_HELP],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    loaded = result.stdout.split()
+    assert loaded == [], f"`grpo --help` and `grpo train --help` loaded {', '.join(loaded)}"
