@@ -20,6 +20,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from grpo import flags
 from grpo.backends.pytrio import BackendUnavailableError
@@ -143,16 +144,16 @@ def _eval_config(args: argparse.Namespace) -> tuple[TrainConfig, str | None]:
     ), model_path
 
 
-def _sampling_client(service: object, base_model: str, model_path: str | None) -> object:
+def _sampling_client(service: Any, base_model: str, model_path: str | None) -> Any:
     """A sampler on the base model, on sampler weights, or on a training state's weights."""
     if model_path is None:
-        return service.create_sampling_client(base_model=base_model)  # type: ignore[attr-defined]
+        return service.create_sampling_client(base_model=base_model)
     try:
-        return service.create_sampling_client(base_model=base_model, model_path=model_path)  # type: ignore[attr-defined]
+        return service.create_sampling_client(base_model=base_model, model_path=model_path)
     except Exception:  # noqa: BLE001 - not sampler weights: try it as a training state
         pass
     try:
-        training = service.create_training_client_from_state(model_path)  # type: ignore[attr-defined]
+        training = service.create_training_client_from_state(model_path)
     except Exception as error:  # noqa: BLE001 - the message below says what the path must be
         raise ConfigError(
             f"--checkpoint {model_path}: neither sampler weights nor a training state "
@@ -178,7 +179,7 @@ def run_eval(args: argparse.Namespace) -> int:
     )
     service = make_service_client(config.backend, local_root=local_root, seed=args.seed)
     sampler = _sampling_client(service, config.base_model, model_path)
-    tokenizer = sampler.get_tokenizer()  # type: ignore[attr-defined]
+    tokenizer = sampler.get_tokenizer()
     problems = build_problems(
         tokenizer,
         rows,
