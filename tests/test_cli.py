@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -336,3 +337,12 @@ def test_a_full_disk_names_the_path_and_the_free_space(
     err = capsys.readouterr().err
     assert f"no space left on the device writing {target}" in err and "MiB free there" in err
     assert "Traceback" not in err
+
+
+def test_pytrio_without_a_key_says_how_to_log_in(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in [name for name in os.environ if "PYTRIO" in name or "TRIO_" in name]:
+        monkeypatch.delenv(name)
+    run = ["train", *TINY_FLAGS, "--backend", "pytrio", "--run-dir", str(tmp_path / "run")]
+    fails_cleanly(run, capsys, "PyTRIO service unavailable", "trio login", "--backend local")
+    fails_cleanly(["eval", "--backend", "pytrio", "--limit", "2"], capsys, "trio login")
