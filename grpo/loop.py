@@ -22,6 +22,7 @@ points past the last complete row and no row is logged twice (docs/RELIABILITY.m
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import time
@@ -119,6 +120,27 @@ class RunState:
     last_metrics: dict[str, float] = attrs.Factory(dict)
 
 
+FAULT_ENV = "GRPO_FAULT_POINT"
+"""Fault injection for tests: ``<point>:<n>:<SIGNAL>`` sends SIGNAL to this process at the
+n-th pass (from 1) of the named point, e.g. ``save:2:SIGKILL``. Unset, it costs one lookup."""
+
+_fault_passes: dict[str, int] = {}
+
+
+def fault_point(name: str) -> None:
+    """A named place where the fault-injection suite may signal the run (see FAULT_ENV)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    point, count, signal_name = spec.split(":")
+    if point != name:
+        return
+    _fault_passes[name] = _fault_passes.get(name, 0) + 1
+    if _fault_passes[name] == int(count):
+        for _ in range(2 if signal_name == "SIGINT2" else 1):
+            os.kill(os.getpid(), getattr(signal, signal_name.rstrip("2")))
+
+
 # --- the ten steps ---------------------------------------------------------------------------
 
 
@@ -134,6 +156,7 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
             f"rollouts {staleness} steps stale > --max-steps-off-policy {config.max_steps_off_policy}"
         )
     completions_P = job.result()  # 4: a group per prompt
+    fault_point("sampled")
     sample_time = time.perf_counter() - step_start
     rewards_P = grade_groups(job.problems, completions_P)  # 5: grade
     groups_P = score_groups(job.problems, completions_P, rewards_P, config.advantage)  # 6
@@ -251,6 +274,7 @@ def update(run: Run, state: RunState, batch: TokenBatch) -> dict[str, float]:
                 )
             state.weights_dirty = True
             _retry(run, lambda: client.optim_step(run.adam).result(), "optim_step")
+            fault_point("optim")
             collected.append(metrics)
     averaged = {key: float(np.mean([m[key] for m in collected])) for key in collected[0]}
     averaged["ratio/max_abs_log"] = max(m["ratio/max_abs_log"] for m in collected)
@@ -265,6 +289,7 @@ def _retry(run: Run, call: Callable[[], Any], what: str) -> Any:
 def evaluate_now(run: Run, state: RunState) -> dict[str, float]:
     """Test accuracy of the current weights (one sample per problem at the run's temperature)."""
     config = run.config
+    fault_point("eval")
     return evaluate(
         run.pool, current_sampler(run, state), run.test_problems, run.tokenizer, num_samples=1,
         temperature=config.temperature, max_tokens=config.max_tokens, seed=config.seed,
@@ -274,6 +299,7 @@ def evaluate_now(run: Run, state: RunState) -> dict[str, float]:
 
 def log_step(run: Run, state: RunState, step: int, metrics: dict[str, float], write: Callable[[str], None]) -> None:
     """Step 10: the row to disk (durable), then the console; the weights are now those of ``step``."""
+    fault_point("log")
     run.logger.log(step, metrics)
     state.completed, state.weights_dirty, state.last_metrics = step, False, metrics
     write(console_line(step, run.steps, metrics))
@@ -282,6 +308,7 @@ def log_step(run: Run, state: RunState, step: int, metrics: dict[str, float], wr
 def save_checkpoint(run: Run, state: RunState, name: str) -> None:
     """A resumable checkpoint of the weights of step ``state.completed``."""
     result = _retry(run, lambda: run.training_client.save_state(name).result(), "save_state")
+    fault_point("save")
     rundir.write_checkpoint(
         run.run_dir,
         rundir.Checkpoint(step=state.completed, state_path=result.path),

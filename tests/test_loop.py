@@ -333,3 +333,55 @@ def test_config_is_saved_without_secrets(tmp_path: Path) -> None:
     saved = (result.run_dir / "config.json").read_text()
     assert "api_key" not in saved.lower()
     assert attrs.fields_dict(TrainConfig).keys() == json.loads(saved).keys()
+
+
+def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, steps=1)
+    quiet_train(config)
+    before = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError, match=r"already holds a run \(finished\); resume it with `grpo train --resume"):
+        quiet_train(config)
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == before
+
+
+def test_resuming_a_finished_run_changes_nothing(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, steps=1)
+    quiet_train(config)
+    files = {path.name: path.read_bytes() for path in (tmp_path / "run").iterdir() if path.is_file()}
+    lines: list[str] = []
+    result = train(config, resume=True, echo=lines.append, progress=False)
+    assert any("already finished 1 steps; nothing to do" in line for line in lines)
+    assert result.steps == 1 and result.final_metrics
+    after = {path.name: path.read_bytes() for path in (tmp_path / "run").iterdir() if path.is_file()}
+    assert after == files
+
+
+def test_resuming_a_finished_run_with_more_steps_continues_it(tmp_path: Path) -> None:
+    quiet_train(tiny_config(tmp_path, "short", steps=1))
+    quiet_train(tiny_config(tmp_path, "short", steps=2), resume=True)
+    whole = quiet_train(tiny_config(tmp_path, "whole", steps=2))
+    assert comparable(read_metrics(tmp_path / "short")) == comparable(read_metrics(whole.run_dir))
+    assert json.loads((tmp_path / "short" / "summary.json").read_text())["steps"] == 2
+
+
+def test_a_moved_run_directory_still_resumes(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, "first", steps=2, save_every=1)
+
+    def stop_after_first_step(line: str) -> None:
+        if line.startswith("step 1/"):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(RunStopped):
+        train(config, echo=stop_after_first_step, progress=False)
+    moved = tmp_path / "moved"
+    (tmp_path / "first").rename(moved)
+    quiet_train(attrs.evolve(config, run_dir=str(moved)), resume=True)
+    whole = quiet_train(tiny_config(tmp_path, "whole", steps=2, save_every=1))
+    assert comparable(read_metrics(moved)) == comparable(read_metrics(whole.run_dir))
+
+
+def test_two_runs_cannot_own_one_directory(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, steps=1)
+    with rundir.owned(tmp_path / "run"):
+        with pytest.raises(rundir.RunDirError, match=r"in use by pid \d+"):
+            quiet_train(config)
