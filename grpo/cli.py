@@ -1,90 +1,69 @@
 """The `grpo` command: train | eval | compare | sweep | plot | plot-losses.
 
-`grpo train` flags are generated from `grpo.config.TrainConfig`, so `--help` shows every
-flag with its default, and TOML files (`--config`) use the same names. Precedence:
-defaults < `--config` file < flags on the command line (and, with `--resume`, the run's
-saved config takes the place of the defaults).
+`grpo train` flags come from `grpo.config.TrainConfig` through `grpo.flags`, so `--help` shows
+every flag with its default and TOML files (`--config`) use the same names. Precedence:
+defaults < `--config` file < flags on the command line (and, with `--resume`, the run's saved
+config takes the place of the defaults).
+
+Every error ends in one line naming the input and the fix: exit 2 for bad input (flags,
+files, names), 1 for a failure of the run or the machine, 130 for Ctrl-C. `--debug` (or
+`GRPO_DEBUG=1`) prints the traceback too.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import errno
+import os
+import shutil
 import sys
-import types
-import typing
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
+from grpo import flags
+from grpo.backends.pytrio import BackendUnavailableError
+from grpo import run_dir as run_files
+from grpo.config import (
+    BACKENDS,
+    ConfigError,
+    TrainConfig,
+    check_value,
+    config_from_dict,
+    resolve_run,
+)
 
-from grpo.config import TrainConfig, check_keys, load_toml
-
-
-def _field_type(field: attrs.Attribute) -> Any:
-    """The runtime type of a TrainConfig field (its annotation resolved, Optional unwrapped)."""
-    hints = typing.get_type_hints(TrainConfig)
-    hint = hints[field.name]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        hint = args[0]
-    return hint
+DEBUG_ENV = "GRPO_DEBUG"
+EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """One `--flag` per TrainConfig field (defaults suppressed, so explicit flags can be told apart)."""
-    for field in attrs.fields(TrainConfig):
-        flag = "--" + field.name.replace("_", "-")
-        help_text = f"{field.metadata['help']} (default: {field.default!r})"
-        kind = _field_type(field)
-        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text, "dest": field.name}
-        if kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(kind) is tuple:
-            kwargs.update(action="append", metavar="KEY=VALUE")
-        else:
-            kwargs["type"] = kind
-            if "choices" in field.metadata:
-                kwargs["choices"] = field.metadata["choices"]
-        parser.add_argument(flag, **kwargs)
-    parser.add_argument("--config", dest="config_file", default=None, metavar="FILE.toml", help="TOML file of flag values; flags on the command line override it")
-    parser.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run directory from its last checkpoint (same data order and random stream)")
-
-
-def _coerce(overrides: dict[str, Any]) -> dict[str, Any]:
-    """TOML/JSON values to TrainConfig's types (lists -> tuples)."""
-    return {key: tuple(value) if isinstance(value, list) else value for key, value in overrides.items()}
-
-
-def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
-    """Merge defaults (or the resumed run's config), the TOML file and explicit flags."""
-    explicit = {field.name: getattr(args, field.name) for field in attrs.fields(TrainConfig) if hasattr(args, field.name)}
-    base: dict[str, Any] = {}
-    resume = args.resume is not None
-    if resume:
-        saved = Path(args.resume) / "config.json"
-        if not saved.exists():
-            raise FileNotFoundError(f"--resume {args.resume}: no config.json there; is it a run directory made by `grpo train`?")
-        base = json.loads(saved.read_text())
-        check_keys(base, where=str(saved))
-        explicit["run_dir"] = str(args.resume)
-    if args.config_file:
-        base.update(load_toml(args.config_file))
-    base.update(explicit)
-    try:
-        return TrainConfig(**_coerce(base)), resume
-    except TypeError as error:
-        raise ValueError(f"bad configuration: {error}") from None
+    """Every TrainConfig flag, plus `--config FILE.toml` and `--resume RUN_DIR`."""
+    flags.add_train_arguments(parser)
+    parser.add_argument(
+        "--config",
+        dest="config_file",
+        default=None,
+        metavar="FILE.toml",
+        help="TOML file of flag values; flags on the command line override it",
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue a run directory from its last checkpoint "
+        "(same data order and random stream)",
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """`grpo train`: one GRPO run; exit 0 when finished, 130 when stopped by a signal, 1 on failure."""
+    """`grpo train`: one GRPO run; exit 0 when finished, 130 on a signal, 1 on failure."""
     from grpo.loop import RunStopped, train
 
-    config, resume = config_from_args(args)
+    config, resume = flags.config_from_args(args)
     try:
-        train(config, resume=resume)
+        train(resolve_run(config), resume=resume)
     except RunStopped as stopped:
         print(f"[grpo] {stopped}", file=sys.stderr)
         return stopped.exit_code
@@ -94,18 +73,95 @@ def run_train(args: argparse.Namespace) -> int:
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `grpo eval`."""
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--run-dir", help="evaluate a run's final sampler weights (or its latest checkpoint)")
-    source.add_argument("--checkpoint", help="a state path from save_state, or a sampler weights path")
-    parser.add_argument("--backend", default="local", choices=("local", "pytrio"), help="(default: local)")
-    parser.add_argument("--base-model", default=None, help="base model (default: the run's, else the built-in tiny model)")
-    parser.add_argument("--dataset", default=None, help="problems (default: the run's, else arithmetic)")
-    parser.add_argument("--split", default="test", help="(default: test)")
-    parser.add_argument("--limit", type=int, default=200, help="number of problems (default: 200)")
-    parser.add_argument("--samples", type=int, default=1, help="samples per problem; pass@k is reported for k = 1, 2, 4 ... <= samples (default: 1)")
+    source.add_argument(
+        "--run-dir", help="evaluate a run's final sampler weights (or its latest checkpoint)"
+    )
+    source.add_argument(
+        "--checkpoint", help="a state path from save_state, or a sampler weights path"
+    )
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help=f"one of {', '.join(BACKENDS)} (default: the run's, else local)",
+    )
+    parser.add_argument(
+        "--base-model",
+        default=None,
+        help="base model (default: the run's, else the built-in tiny model)",
+    )
+    parser.add_argument(
+        "--dataset", default=None, help="problems (default: the run's, else arithmetic)"
+    )
+    parser.add_argument("--split", default="test", help="train or test (default: test)")
+    parser.add_argument(
+        "--limit", type=int, default=200, help="number of problems, >= 1 (default: 200)"
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="samples per problem, >= 1; pass@k is reported for k = 1, 2, 4 ... <= samples "
+        "(default: 1)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0.0)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="(default: the run's, else 24)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="(default: the run's, else 24)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="(default: 0)")
     parser.add_argument("--concurrency", type=int, default=32, help="(default: 32)")
+
+
+def _at_least_one(flag: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{flag} must be >= 1, got {value}")
+
+
+def _eval_config(args: argparse.Namespace) -> tuple[TrainConfig, str | None]:
+    """The run's config (or the defaults) with eval's overrides, checked; and the weights path."""
+    from grpo.data import SPLITS
+
+    _at_least_one("--limit", args.limit)
+    _at_least_one("--samples", args.samples)
+    if args.split not in SPLITS:
+        raise ConfigError(f"--split {args.split!r} is not one of {', '.join(SPLITS)}")
+    for name in ("temperature", "seed", "concurrency"):
+        check_value(name, getattr(args, name))
+    values: dict[str, object] = {}
+    model_path = args.checkpoint
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+        values = run_files.read_config(run_dir)
+        model_path = run_files.eval_weights_path(run_dir)
+    given = {
+        "backend": args.backend,
+        "base_model": args.base_model,
+        "dataset": args.dataset,
+        "max_tokens": args.max_tokens,
+    }
+    values.update({name: value for name, value in given.items() if value is not None})
+    return config_from_dict(
+        values, where=f"--run-dir {args.run_dir}" if args.run_dir else None
+    ), model_path
+
+
+def _sampling_client(service: Any, base_model: str, model_path: str | None) -> Any:
+    """A sampler on the base model, on sampler weights, or on a training state's weights."""
+    if model_path is None:
+        return service.create_sampling_client(base_model=base_model)
+    try:
+        return service.create_sampling_client(base_model=base_model, model_path=model_path)
+    except Exception:  # noqa: BLE001 - not sampler weights: try it as a training state
+        pass
+    try:
+        training = service.create_training_client_from_state(model_path)
+    except Exception as error:  # noqa: BLE001 - the message below says what the path must be
+        raise ConfigError(
+            f"--checkpoint {model_path}: neither sampler weights nor a training state "
+            f"({_short(error)}); give the sampler_path of a run's {run_files.SUMMARY_FILE} or "
+            f"the state path of its {run_files.CHECKPOINT_FILE}, "
+            "or use --run-dir"
+        ) from None
+    return training.save_weights_and_get_sampling_client()
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -116,38 +172,40 @@ def run_eval(args: argparse.Namespace) -> int:
     from grpo.data import load_problems
     from grpo.rollouts import build_problems, evaluate, tokenizer_max_len
 
-    run_config = TrainConfig()
-    local_root = None
-    model_path = args.checkpoint
-    if args.run_dir:
-        run_dir = Path(args.run_dir)
-        run_config = TrainConfig(**_coerce(json.loads((run_dir / "config.json").read_text())))
-        local_root = str(run_dir / "backend")
-        summary, checkpoint = run_dir / "summary.json", run_dir / "checkpoint.json"
-        if summary.exists():
-            model_path = json.loads(summary.read_text())["sampler_path"]
-        elif checkpoint.exists():
-            model_path = json.loads(checkpoint.read_text())["state_path"]
-        else:
-            raise FileNotFoundError(f"--run-dir {run_dir}: no summary.json or checkpoint.json to evaluate")
-    base_model = args.base_model or run_config.base_model
-    max_tokens = args.max_tokens or run_config.max_tokens
-    run_config = attrs.evolve(run_config, base_model=base_model)
-    service = make_service_client(args.backend if not args.run_dir else run_config.backend, local_root=local_root, seed=args.seed)
-    if model_path is None:
-        sampler = service.create_sampling_client(base_model=base_model)
-    else:
-        try:
-            sampler = service.create_sampling_client(base_model=base_model, model_path=model_path)
-        except Exception:  # noqa: BLE001 - not sampler weights: treat it as a training state
-            sampler = service.create_training_client_from_state(model_path).save_weights_and_get_sampling_client()
+    config, model_path = _eval_config(args)
+    local_root = str(Path(args.run_dir) / run_files.BACKEND_DIR) if args.run_dir else None
+    rows = load_problems(
+        config.dataset, args.split, seed=config.seed, difficulty=config.difficulty, limit=args.limit
+    )
+    service = make_service_client(config.backend, local_root=local_root, seed=args.seed)
+    sampler = _sampling_client(service, config.base_model, model_path)
     tokenizer = sampler.get_tokenizer()
-    rows = load_problems(args.dataset or run_config.dataset, args.split, seed=run_config.seed, difficulty=run_config.difficulty, limit=args.limit)
-    problems = build_problems(tokenizer, rows, fewshot=run_config.use_fewshot, max_tokens=max_tokens, max_len=tokenizer_max_len(tokenizer), split=args.split)
+    problems = build_problems(
+        tokenizer,
+        rows,
+        fewshot=config.use_fewshot,
+        max_tokens=config.max_tokens,
+        max_len=tokenizer_max_len(tokenizer),
+        split=args.split,
+    )
     with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-        metrics = evaluate(pool, sampler, problems, tokenizer, num_samples=args.samples, temperature=args.temperature, max_tokens=max_tokens, seed=args.seed, max_retries=3, log=print)
-    label = model_path or f"base model {base_model}"
-    print(f"{label}: {len(problems)} {args.split} problems, {args.samples} sample(s), temperature {args.temperature}")
+        metrics = evaluate(
+            pool,
+            sampler,
+            problems,
+            tokenizer,
+            num_samples=args.samples,
+            temperature=args.temperature,
+            max_tokens=config.max_tokens,
+            seed=args.seed,
+            max_retries=3,
+            log=print,
+        )
+    label = model_path or f"base model {config.base_model}"
+    print(
+        f"{label}: {len(problems)} {args.split} problems, {args.samples} sample(s), "
+        f"temperature {args.temperature}"
+    )
     for key, value in metrics.items():
         print(f"  {key.removeprefix('test/')}: {value:.4f}")
     return 0
@@ -155,34 +213,126 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `grpo` argument parser with every subcommand."""
-    from grpo import experiments, plots
+    from grpo import plots
+    from grpo.experiments import compare, sweep
 
-    parser = argparse.ArgumentParser(prog="grpo", description="Run and study GRPO on LLMs (PyTRIO or the embedded local backend).")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        help=f"print the traceback of an error (or set {DEBUG_ENV}=1)",
+    )
+    parser = argparse.ArgumentParser(
+        prog="grpo",
+        description="Run and study GRPO on LLMs (PyTRIO or the embedded local backend).",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     commands = [
-        ("train", "one GRPO run (default: offline on the built-in model)", add_train_arguments, run_train),
-        ("eval", "accuracy and pass@k of a checkpoint or the base model", add_eval_arguments, run_eval),
-        ("compare", "the same run for several losses and seeds, with a report and plot", experiments.add_compare_arguments, experiments.run_compare),
-        ("sweep", "a grid or list of flag overrides from a TOML file, ranked", experiments.add_sweep_arguments, experiments.run_sweep),
-        ("plot", "PNG plots of metrics across run directories", plots.add_plot_arguments, plots.run_plot),
-        ("plot-losses", "each loss's objective and gradient weight against the ratio", plots.add_plot_losses_arguments, plots.run_plot_losses),
+        (
+            "train",
+            "one GRPO run (default: offline on the built-in model)",
+            add_train_arguments,
+            run_train,
+        ),
+        (
+            "eval",
+            "accuracy and pass@k of a checkpoint or the base model",
+            add_eval_arguments,
+            run_eval,
+        ),
+        (
+            "compare",
+            "the same run for several losses and seeds, with a report and plot",
+            compare.add_compare_arguments,
+            compare.run_compare,
+        ),
+        (
+            "sweep",
+            "a grid or list of flag overrides from a TOML file, ranked",
+            sweep.add_sweep_arguments,
+            sweep.run_sweep,
+        ),
+        (
+            "plot",
+            "PNG plots of metrics across run directories",
+            plots.add_plot_arguments,
+            plots.run_plot,
+        ),
+        (
+            "plot-losses",
+            "each loss's objective and gradient weight against the ratio",
+            plots.add_plot_losses_arguments,
+            plots.run_plot_losses,
+        ),
     ]
     for name, help_text, add_arguments, handler in commands:
-        command = sub.add_parser(name, help=help_text, description=help_text)
+        command = sub.add_parser(name, help=help_text, description=help_text, parents=[common])
         add_arguments(command)
         command.set_defaults(handler=handler)
     return parser
 
 
+def _short(error: BaseException) -> str:
+    """An exception's message without PyTRIO's hint and request suffixes."""
+    return str(error).split(" | Hint:")[0]
+
+
+def _free_space(path: Path) -> str:
+    """The free space of the file system holding `path` (its nearest existing ancestor)."""
+    for parent in (path, *path.parents):
+        if parent.exists():
+            return f"{shutil.disk_usage(parent).free / 2**20:.0f} MiB free there"
+    return "free space unknown"
+
+
+def describe_error(error: BaseException) -> tuple[str, int]:
+    """The one-line message and exit code of an error reaching the command line."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        where = Path(error.filename) if error.filename else Path.cwd()
+        return (
+            f"no space left on the device writing {where} ({_free_space(where.parent)}); "
+            "free some space or choose another --run-dir",
+            EXIT_FAILED,
+        )
+    if isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return f"{error.strerror or error}: {error.filename}" if error.filename else str(
+            error
+        ), EXIT_BAD_INPUT
+    if isinstance(error, PermissionError):
+        return f"permission denied: {error.filename}; choose a path you can write", EXIT_FAILED
+    if isinstance(error, (ValueError, ConnectionError)):
+        return _short(error), EXIT_BAD_INPUT
+    if type(error).__module__.startswith("pytrio"):
+        bad_input = type(error).__name__ == "ValidationError"
+        return _short(error), EXIT_BAD_INPUT if bad_input else EXIT_FAILED
+    if isinstance(error, BackendUnavailableError):
+        return str(error), EXIT_BAD_INPUT
+    if isinstance(error, OSError):
+        return f"{error.strerror or error}" + (
+            f": {error.filename}" if error.filename else ""
+        ), EXIT_FAILED
+    return f"{type(error).__name__}: {error}", EXIT_FAILED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `grpo` console script; bad input exits 2 with a message naming the problem."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Entry point of the `grpo` console script: bad input exits 2 with one line naming it."""
+    args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         return int(args.handler(args))
-    except (ValueError, FileNotFoundError) as error:
-        print(f"grpo {args.command}: error: {error}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"grpo {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as error:  # noqa: BLE001 - every error ends in one line (traceback with --debug)
+        if debug:
+            traceback.print_exc()
+        message, code = describe_error(error)
+        hint = (
+            ""
+            if debug
+            else f" (traceback: --debug or {DEBUG_ENV}=1)"
+            if code == EXIT_FAILED
+            else ""
+        )
+        print(f"grpo {args.command}: error: {message}{hint}", file=sys.stderr)
+        return code

@@ -1,122 +1,436 @@
-"""The typed configuration of a GRPO run: one field per `grpo train` flag, each with its help.
+"""The typed configuration of a GRPO run: one field per `grpo train` flag, defined and checked here.
 
-The CLI, TOML config files, `grpo compare` and `grpo sweep` all read this one class, so a
-flag's name, type, default and help live here once. Field `foo_bar` is flag `--foo-bar`.
+The CLI, TOML config files, a run's saved `config.json`, `grpo compare` and `grpo sweep` all
+build this one class, so a flag's name, type, default, help and allowed values live here
+once. Field `foo_bar` is flag `--foo-bar`. Building a `TrainConfig` checks everything that
+needs no data and no model (types, ranges, finiteness, names from the registries of
+`grpo.core`, the loss and its config) and raises `ConfigError` naming the flag, the value and
+the fix, so a bad flag never fails after a step ran.
+
+No `from __future__ import annotations` here: the field transformer reads each field's type.
 """
 
-from __future__ import annotations
-
-import tomllib
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from grpo.backends.tiny import TINY_MODEL_NAME
-from grpo.core import losses
-from grpo.core.loss_spec import LossSpec
+from grpo.backends.names import TINY_MODEL_NAME
+
+if TYPE_CHECKING:
+    from grpo.core.loss_spec import LossSpec
 
 BACKENDS = ("local", "pytrio")
 SWANLAB_MODES = ("online", "offline", "disabled")
-ADVANTAGE_NAMES = ("center", "standardize", "rloo", "batch_standardize")
-KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")
+# PyTRIO's `create_lora_training_client` accepts ranks 4..64 (pytrio/client/service.py);
+# the local backend enforces the same range.
+LORA_RANKS = range(4, 65)
+# numpy's SeedSequence needs seeds >= 0 and the samplers take 31-bit seeds.
+SEEDS = range(0, 2**31)
 
 
 class ConfigError(ValueError):
     """A flag or input that cannot work; raised before any sampling or training."""
 
 
-def _flag(default: Any, help: str, **metadata: Any) -> Any:
-    """An attrs field carrying its CLI help text."""
-    return attrs.field(default=default, metadata={"help": help, **metadata})
+def flag_name(name: str) -> str:
+    """The command-line flag of field `name`: `max_tokens` -> `--max-tokens`."""
+    return "--" + name.replace("_", "-")
 
 
-@attrs.frozen
+# --- field checks ------------------------------------------------------------------------
+
+Check = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+def _flag(
+    default: Any, help: str, *checks: Check, choices: Callable[[], Iterable[str]] | None = None
+) -> Any:
+    """An attrs field carrying its CLI help, its range checks and its allowed values."""
+    validators = list(checks)
+    if choices is not None:
+        validators.append(_one_of(choices))
+    return attrs.field(
+        default=default,
+        validator=attrs.validators.and_(*validators) if validators else None,
+        metadata={"help": help},
+    )
+
+
+def _one_of(names: Callable[[], Iterable[str]]) -> Check:
+    """Value must be one of `names()` (read when checked: torch-backed registries load lazily)."""
+
+    def check(_instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+        allowed = list(names())
+        if value not in allowed:
+            raise ConfigError(
+                f"{flag_name(attribute.name)} {value!r} is not one of {', '.join(allowed)}"
+            )
+
+    return check
+
+
+def _at_least(low: float, why: str = "") -> Check:
+    def check(_instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+        if value < low:
+            raise ConfigError(f"{flag_name(attribute.name)} must be >= {low}{why}, got {value}")
+
+    return check
+
+
+def _positive(_instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    if not value > 0:
+        raise ConfigError(f"{flag_name(attribute.name)} must be > 0, got {value}")
+
+
+def _in_range(values: range) -> Check:
+    def check(_instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+        if value not in values:
+            raise ConfigError(
+                f"{flag_name(attribute.name)} must be in [{values.start}, {values.stop - 1}], "
+                f"got {value}"
+            )
+
+    return check
+
+
+def _unit_interval(_instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    if not 0 <= value < 1:
+        raise ConfigError(f"{flag_name(attribute.name)} must be in [0, 1), got {value}")
+
+
+def _top_p(_instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    if not 0 < value <= 1:
+        raise ConfigError(f"{flag_name(attribute.name)} must be in (0, 1], got {value}")
+
+
+def _not_empty(_instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    if value is not None and not value.strip():
+        raise ConfigError(f"{flag_name(attribute.name)} must not be empty, got {value!r}")
+
+
+def _plain_name(_instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """A run name names a directory and a SwanLab run: one path component, no `..`."""
+    if value is None:
+        return
+    bad = (
+        not value.strip()
+        or "/" in value
+        or "\\" in value
+        or ".." in value
+        or value == "."
+        or any(ord(char) < 32 for char in value)
+    )
+    if bad:
+        raise ConfigError(
+            f"{flag_name(attribute.name)} {value!r} must be a plain name: not empty, no '/', "
+            "'\\', '..' or control characters (choose the directory with --run-dir), "
+            "e.g. --run-name ppo-seed0"
+        )
+
+
+def field_kind(field: "attrs.Attribute[Any]") -> tuple[Any, bool]:
+    """(the field's type without None, whether None is allowed): `int | None` -> (int, True)."""
+    annotation = field.type
+    args = getattr(annotation, "__args__", ())
+    if type(None) in args and getattr(annotation, "__origin__", None) is not tuple:
+        return next(arg for arg in args if arg is not type(None)), True
+    return annotation, False
+
+
+def _example(name: str, default: Any) -> str:
+    return f" (e.g. {flag_name(name)} {default}, or {name} = {default!r} in TOML)"
+
+
+def _type_check(attribute: "attrs.Attribute[Any]") -> Check:
+    """Strict type of a field (ints accepted for floats; every float finite)."""
+    kind, optional = field_kind(attribute)
+    name, default = attribute.name, attribute.default
+
+    def check(_instance: Any, _attribute: "attrs.Attribute[Any]", value: Any) -> None:
+        if value is None and optional:
+            return
+        flag = flag_name(name)
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{flag} must be true or false, got {value!r}")
+        elif kind is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(
+                    f"{flag} must be an integer, got {value!r}" + _example(name, default)
+                )
+        elif kind is float:
+            if isinstance(value, bool) or not isinstance(value, float):
+                raise ConfigError(
+                    f"{flag} must be a number, got {value!r}" + _example(name, default)
+                )
+            if not math.isfinite(value):
+                raise ConfigError(f"{flag} must be a finite number, got {value!r}")
+        elif kind is str:
+            if not isinstance(value, str):
+                raise ConfigError(f"{flag} must be a string, got {value!r}")
+        elif not (isinstance(value, tuple) and all(isinstance(item, str) for item in value)):
+            raise ConfigError(
+                f"{flag} must be a list of KEY=VALUE strings (or a TOML table), got {value!r}"
+            )
+
+    return check
+
+
+def _convert(attribute: "attrs.Attribute[Any]") -> Callable[[Any], Any] | None:
+    """TOML/JSON values to the field's type: ints to floats, lists and tables to tuples."""
+    kind, _ = field_kind(attribute)
+    if kind is float:
+        return _int_to_float
+    if getattr(kind, "__origin__", None) is tuple:
+        return _key_value_entries
+    return None
+
+
+def _int_to_float(value: Any) -> Any:
+    """An int as a float (TOML `lr = 1`); anything else, or an int too large, as given."""
+    if type(value) is int and abs(value) < 2**1023:
+        return float(value)
+    return value
+
+
+def _key_value_entries(value: Any) -> Any:
+    """A list stays a list of entries as a tuple; a table {k = v} becomes ("k=v", ...)."""
+    if isinstance(value, Mapping):
+        return tuple(f"{key}={item}" for key, item in value.items())
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _with_checks(_cls: type, fields: list["attrs.Attribute[Any]"]) -> list["attrs.Attribute[Any]"]:
+    """Give every field its type check (first) and its converter."""
+    checked = []
+    for field in fields:
+        own = [field.validator] if field.validator is not None else []
+        checked.append(
+            field.evolve(
+                validator=attrs.validators.and_(_type_check(field), *own),
+                converter=_convert(field),
+            )
+        )
+    return checked
+
+
+# The registries of grpo.core load torch: they are read when a config is checked, not at import,
+# so `grpo --help` stays light.
+def _advantage_names() -> Iterable[str]:
+    from grpo.core.advantages import ADVANTAGES
+
+    return ADVANTAGES
+
+
+def _loss_names() -> Iterable[str]:
+    from grpo.core.losses import LOSSES
+
+    return sorted(LOSSES)
+
+
+def _reductions() -> Iterable[str]:
+    from grpo.core.losses import REDUCTIONS
+
+    return REDUCTIONS
+
+
+def _kl_estimators() -> Iterable[str]:
+    from grpo.core.losses import KL_ESTIMATORS
+
+    return KL_ESTIMATORS
+
+
+# --- the configuration -------------------------------------------------------------------
+
+
+@attrs.frozen(field_transformer=_with_checks)
 class TrainConfig:
     """Every knob of `grpo train`; defaults give the offline default run on the local backend."""
 
     # Model and backend
-    backend: str = _flag("local", "where training runs: the embedded local model or the PyTRIO service", choices=BACKENDS)
-    base_model: str = _flag(TINY_MODEL_NAME, "base model name (PyTRIO catalog id, the built-in tiny model, or a local HF directory)")
-    lora_rank: int = _flag(32, "LoRA rank")
+    backend: str = _flag(
+        "local",
+        "where training runs: the embedded local model or the PyTRIO service",
+        choices=lambda: BACKENDS,
+    )
+    base_model: str = _flag(
+        TINY_MODEL_NAME,
+        "base model name (PyTRIO catalog id, the built-in tiny model, or a local HF directory)",
+        _not_empty,
+    )
+    lora_rank: int = _flag(
+        32, f"LoRA rank ({LORA_RANKS.start}..{LORA_RANKS.stop - 1})", _in_range(LORA_RANKS)
+    )
     # Data
-    dataset: str = _flag("arithmetic", "problems: 'arithmetic' (built-in), 'gsm8k' (hub) or a local JSONL/Parquet path")
-    all_data: bool = _flag(False, "iterate over the whole train split instead of --steps x --batch-size problems")
-    difficulty: int = _flag(1, "difficulty of the built-in arithmetic problems")
-    fewshot: bool | None = _flag(None, "prepend the few-shot example to prompts (default: on for real models, off for the tiny one)")
+    dataset: str = _flag(
+        "arithmetic",
+        "problems: 'arithmetic' (built-in), 'gsm8k' (hub) or a local JSONL/Parquet path",
+        _not_empty,
+    )
+    all_data: bool = _flag(
+        False, "iterate over the whole train split instead of --steps x --batch-size problems"
+    )
+    difficulty: int = _flag(
+        1,
+        "difficulty of the built-in arithmetic problems (operands 0..2*10^difficulty)",
+        _at_least(1),
+    )
+    fewshot: bool | None = _flag(
+        None,
+        "prepend the few-shot example to prompts "
+        "(default: on for real models, off for the tiny one)",
+    )
     # Rollouts
-    steps: int = _flag(80, "number of training steps (batches)")
-    batch_size: int = _flag(8, "prompts per step")
-    group_size: int = _flag(8, "completions sampled per prompt")
-    max_tokens: int = _flag(24, "maximum generated tokens per completion")
-    temperature: float = _flag(1.0, "sampling temperature")
-    top_p: float = _flag(1.0, "nucleus sampling threshold")
-    concurrency: int = _flag(32, "sampling requests in flight at once")
-    max_steps_off_policy: int = _flag(0, "how many steps stale a rollout may be (0 = strictly on-policy)")
+    steps: int = _flag(80, "number of training steps (batches)", _at_least(1))
+    batch_size: int = _flag(8, "prompts per step", _at_least(1))
+    group_size: int = _flag(
+        8, "completions sampled per prompt", _at_least(2, " (a group of one has no baseline)")
+    )
+    max_tokens: int = _flag(24, "maximum generated tokens per completion", _at_least(1))
+    temperature: float = _flag(1.0, "sampling temperature", _at_least(0))
+    top_p: float = _flag(1.0, "nucleus sampling threshold", _top_p)
+    concurrency: int = _flag(32, "sampling requests in flight at once", _at_least(1))
+    max_steps_off_policy: int = _flag(
+        0, "how many steps stale a rollout may be (0 = strictly on-policy)", _at_least(0)
+    )
     # Advantages and loss
-    advantage: str = _flag("center", "group advantage estimator", choices=ADVANTAGE_NAMES)
-    loss_fn: str = _flag("importance_sampling", "policy loss kernel (any name in grpo.core.losses.LOSSES)")
-    loss_config: tuple[str, ...] = _flag((), "loss_fn_config entry KEY=VALUE (repeatable), validated against the kernel's keys")
-    custom_loss: bool = _flag(False, "run the loss through forward_backward_custom with the core kernel")
-    reduction: str = _flag("sum", "how token losses aggregate (sum, token_mean, seq_mean_token_mean, ...)")
+    advantage: str = _flag("center", "group advantage estimator", choices=_advantage_names)
+    loss_fn: str = _flag(
+        "importance_sampling",
+        "policy loss kernel (a name in grpo.core.losses.LOSSES; `grpo plot-losses` draws them)",
+        choices=_loss_names,
+    )
+    loss_config: tuple[str, ...] = _flag(
+        (), "loss_fn_config entry KEY=VALUE (repeatable), validated against the kernel's keys"
+    )
+    custom_loss: bool = _flag(
+        False, "run the loss through forward_backward_custom with the core kernel"
+    )
+    reduction: str = _flag(
+        "sum",
+        "how token losses aggregate (a name in grpo.core.losses.REDUCTIONS: sum, token_mean, ...)",
+        choices=_reductions,
+    )
     cispo_clip_low_threshold: float = _flag(0.0, "CISPO lower ratio bound (the article's flag)")
     cispo_clip_high_threshold: float = _flag(4.0, "CISPO upper ratio bound (the article's flag)")
-    kl_coef: float = _flag(0.0, "KL-to-base-model penalty folded into token advantages (0 = off)")
-    kl_estimator: str = _flag("k1", "KL estimator for the penalty", choices=KL_ESTIMATOR_NAMES)
-    num_substeps: int = _flag(2, "minibatches per step, one optimizer step each")
-    epochs: int = _flag(1, "passes over each batch (PPO-style reuse)")
+    kl_coef: float = _flag(
+        0.0, "KL-to-base-model penalty folded into token advantages (0 = off)", _at_least(0)
+    )
+    kl_estimator: str = _flag(
+        "k1", "KL estimator for the penalty (k1, k2 or k3)", choices=_kl_estimators
+    )
+    num_substeps: int = _flag(
+        2, "minibatches per step, one optimizer step each (1..--batch-size)", _at_least(1)
+    )
+    epochs: int = _flag(1, "passes over each batch (PPO-style reuse)", _at_least(1))
     # Optimizer
-    learning_rate: float = _flag(2e-4, "Adam learning rate")
-    beta1: float = _flag(0.9, "Adam beta1")
-    beta2: float = _flag(0.95, "Adam beta2")
-    eps: float = _flag(1e-8, "Adam epsilon")
-    weight_decay: float = _flag(0.0, "AdamW weight decay")
-    grad_clip_norm: float = _flag(1.0, "global gradient-norm clip (0 = off)")
+    learning_rate: float = _flag(2e-4, "Adam learning rate", _positive)
+    beta1: float = _flag(0.9, "Adam beta1", _unit_interval)
+    beta2: float = _flag(0.95, "Adam beta2", _unit_interval)
+    eps: float = _flag(1e-8, "Adam epsilon", _positive)
+    weight_decay: float = _flag(0.0, "AdamW weight decay", _at_least(0))
+    grad_clip_norm: float = _flag(1.0, "global gradient-norm clip (0 = off)", _at_least(0))
     # Evaluation, checkpoints, logging
-    seed: int = _flag(0, "seed for data order, sampling and LoRA init")
-    eval_every: int = _flag(40, "evaluate on the test split before training and every N steps (0 = never)")
-    eval_limit: int = _flag(300, "test problems per evaluation")
-    save_every: int = _flag(20, "save a resumable checkpoint every N steps (0 = only at the end)")
-    run_dir: str | None = _flag(None, "run directory (default: runs/<run name>)")
-    run_name: str | None = _flag(None, "run name (default: derived from loss, seed and time)")
-    swanlab_mode: str = _flag("disabled", "SwanLab logging mode", choices=SWANLAB_MODES)
-    swanlab_project: str = _flag("grpo", "SwanLab project name")
-    max_retries: int = _flag(3, "retries of a failed sampling/training call before the run stops with a checkpoint")
+    seed: int = _flag(
+        0, f"seed for data order, sampling and LoRA init (0..{SEEDS.stop - 1})", _in_range(SEEDS)
+    )
+    eval_every: int = _flag(
+        40, "evaluate on the test split before training and every N steps (0 = never)", _at_least(0)
+    )
+    eval_limit: int = _flag(300, "test problems per evaluation", _at_least(1))
+    save_every: int = _flag(
+        20, "save a resumable checkpoint every N steps (0 = only at the end)", _at_least(0)
+    )
+    run_dir: str | None = _flag(None, "run directory (default: runs/<run name>)", _not_empty)
+    run_name: str | None = _flag(
+        None,
+        "run name (default: the run directory's name, else derived from loss, seed and time)",
+        _plain_name,
+    )
+    swanlab_mode: str = _flag("disabled", "SwanLab logging mode", choices=lambda: SWANLAB_MODES)
+    swanlab_project: str = _flag("grpo", "SwanLab project name", _not_empty)
+    max_retries: int = _flag(
+        3,
+        "retries of a failed sampling/training call before the run stops with a checkpoint",
+        _at_least(0),
+    )
 
     def __attrs_post_init__(self) -> None:
-        _validate(self)
-        _resolve_loss(self)
+        if self.num_substeps > self.batch_size:
+            raise ConfigError(
+                f"--num-substeps must be in [1, --batch-size={self.batch_size}], "
+                f"got {self.num_substeps}"
+            )
+        _ = self.loss_spec  # builds (and checks) the loss once, at construction
 
-    @property
-    def loss_spec(self) -> LossSpec:
-        """The resolved loss: kernel, config (cispo flags folded in), reduction, norm length."""
-        return _resolve_loss(self)
+    @cached_property
+    def loss_spec(self) -> "LossSpec":
+        """The validated loss: --loss-fn, --loss-config (the CISPO flags folded in), --reduction.
+
+        norm_length comes from `--loss-config norm_length=L`, else --max-tokens when the
+        reduction is seq_mean_token_sum_norm (the constant L of docs/FORMULAS.md).
+        """
+        from grpo.core.loss_spec import LossSpec
+
+        overrides = parse_loss_config(self.loss_config)
+        norm_length = overrides.pop("norm_length", None)
+        if self.loss_fn == "cispo":
+            overrides = {
+                "clip_low_threshold": self.cispo_clip_low_threshold,
+                "clip_high_threshold": self.cispo_clip_high_threshold,
+                **overrides,
+            }
+        if self.reduction == "seq_mean_token_sum_norm" and norm_length is None:
+            norm_length = float(self.max_tokens)
+        try:
+            return LossSpec.build(
+                self.loss_fn, overrides, reduction=self.reduction, norm_length=norm_length
+            )
+        except (ValueError, TypeError) as error:
+            flags = "--loss-config" + (
+                " / --cispo-clip-*-threshold" if self.loss_fn == "cispo" else ""
+            )
+            raise ConfigError(f"{flags}: {error}") from None
 
     @property
     def runs_custom_loss(self) -> bool:
-        """Whether the loss runs through forward_backward_custom: asked for, or the service lacks it."""
-        spec = self.loss_spec
+        """Whether the loss runs client-side through forward_backward_custom.
+
+        Asked for (--custom-loss), a kernel PyTRIO lacks, or a non-sum reduction on PyTRIO
+        (its built-in losses only sum; the local backend reduces any way itself).
+        """
         return (
             self.custom_loss
-            or not spec.kernel.service_builtin
-            or (self.backend == "pytrio" and not spec.service_builtin)
+            or not self.loss_spec.kernel.service_builtin
+            or (self.backend == "pytrio" and self.reduction != "sum")
         )
 
     @property
     def use_fewshot(self) -> bool:
-        """Few-shot prompts for real models; the built-in tiny model was warm-started without."""
+        """Few-shot prompts for real models; the tiny model was warm-started without them."""
         return self.fewshot if self.fewshot is not None else self.base_model != TINY_MODEL_NAME
 
 
-def parse_loss_config(entries: Sequence[str]) -> dict[str, Any]:
-    """`KEY=VALUE` strings to a dict (numbers parsed; `none`/`off` mean None)."""
-    parsed: dict[str, Any] = {}
+FIELDS: Mapping[str, "attrs.Attribute[Any]"] = attrs.fields_dict(TrainConfig)
+FIELD_NAMES: frozenset[str] = frozenset(FIELDS)
+
+
+def parse_loss_config(entries: Iterable[str]) -> dict[str, float | None]:
+    """`KEY=VALUE` strings to a dict (numbers parsed; `none`/`off`/`null` mean None)."""
+    parsed: dict[str, float | None] = {}
     for entry in entries:
         key, sep, raw = entry.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--loss-config {entry!r} must look like KEY=VALUE, e.g. clip_high_threshold=1.28")
+            raise ConfigError(
+                f"--loss-config {entry!r} must look like KEY=VALUE, e.g. clip_high_threshold=1.28"
+            )
         raw = raw.strip()
         if raw.lower() in ("none", "off", "null"):
             parsed[key.strip()] = None
@@ -124,62 +438,51 @@ def parse_loss_config(entries: Sequence[str]) -> dict[str, Any]:
         try:
             parsed[key.strip()] = float(raw)
         except ValueError:
-            raise ConfigError(f"--loss-config {key.strip()}={raw!r}: value must be a number (or 'none')") from None
+            raise ConfigError(
+                f"--loss-config {key.strip()}={raw!r}: value must be a number (or 'none')"
+            ) from None
     return parsed
 
 
-def _resolve_loss(config: TrainConfig) -> LossSpec:
-    """Check the loss name, its config keys and thresholds, and the reduction."""
-    try:
-        kernel = losses.get_loss(config.loss_fn)
-    except ValueError as error:
-        raise ConfigError(f"--loss-fn: {error}") from None
-    overrides = parse_loss_config(config.loss_config)
-    norm_length = overrides.pop("norm_length", None)
-    if kernel.name == "cispo":
-        overrides = {
-            "clip_low_threshold": config.cispo_clip_low_threshold,
-            "clip_high_threshold": config.cispo_clip_high_threshold,
-            **overrides,
-        }
-    if config.reduction not in losses.REDUCTIONS:
-        raise ConfigError(f"--reduction {config.reduction!r} is not one of {', '.join(losses.REDUCTIONS)}")
-    if config.reduction == "seq_mean_token_sum_norm" and norm_length is None:
-        norm_length = float(config.max_tokens)
-    try:
-        return LossSpec.build(kernel, overrides, reduction=config.reduction, norm_length=norm_length)
-    except (ValueError, TypeError) as error:
-        raise ConfigError(f"--loss-config: {error}") from None
+def check_keys(overrides: Mapping[str, Any], *, where: str) -> None:
+    """Reject keys that are not `grpo train` flags, naming the key and the fix."""
+    for key in overrides:
+        if key not in FIELD_NAMES:
+            raise ConfigError(
+                f"{where}: unknown train flag {key!r} ({flag_name(key)}); "
+                "see `grpo train --help` for the flags"
+            )
 
 
-def _validate(config: TrainConfig) -> None:
-    """Every flag check that needs no data or model; the error names the flag and the fix."""
-    checks: list[tuple[bool, str]] = [
-        (config.backend in ("local", "pytrio"), f"--backend must be local or pytrio, got {config.backend!r}"),
-        (config.steps >= 1, f"--steps must be >= 1, got {config.steps}"),
-        (config.batch_size >= 1, f"--batch-size must be >= 1, got {config.batch_size}"),
-        (config.group_size >= 2, f"--group-size must be >= 2 (a group of one has no baseline), got {config.group_size}"),
-        (config.max_tokens >= 1, f"--max-tokens must be >= 1, got {config.max_tokens}"),
-        (config.temperature >= 0, f"--temperature must be >= 0, got {config.temperature}"),
-        (0 < config.top_p <= 1, f"--top-p must be in (0, 1], got {config.top_p}"),
-        (config.concurrency >= 1, f"--concurrency must be >= 1, got {config.concurrency}"),
-        (config.max_steps_off_policy >= 0, f"--max-steps-off-policy must be >= 0, got {config.max_steps_off_policy}"),
-        (1 <= config.num_substeps <= config.batch_size, f"--num-substeps must be in [1, --batch-size={config.batch_size}], got {config.num_substeps}"),
-        (config.epochs >= 1, f"--epochs must be >= 1, got {config.epochs}"),
-        (config.learning_rate > 0, f"--learning-rate must be > 0, got {config.learning_rate}"),
-        (0 <= config.beta1 < 1 and 0 <= config.beta2 < 1, f"--beta1/--beta2 must be in [0, 1), got {config.beta1}, {config.beta2}"),
-        (config.kl_coef >= 0, f"--kl-coef must be >= 0, got {config.kl_coef}"),
-        (config.eval_every >= 0, f"--eval-every must be >= 0, got {config.eval_every}"),
-        (config.eval_limit >= 1, f"--eval-limit must be >= 1, got {config.eval_limit}"),
-        (config.save_every >= 0, f"--save-every must be >= 0, got {config.save_every}"),
-        (config.max_retries >= 0, f"--max-retries must be >= 0, got {config.max_retries}"),
-        (config.swanlab_mode in SWANLAB_MODES, f"--swanlab-mode must be online, offline or disabled, got {config.swanlab_mode!r}"),
-        (config.advantage in ADVANTAGE_NAMES, f"--advantage {config.advantage!r} is not one of {', '.join(ADVANTAGE_NAMES)}"),
-        (config.kl_estimator in losses.KL_ESTIMATORS, f"--kl-estimator must be one of {', '.join(losses.KL_ESTIMATORS)}, got {config.kl_estimator!r}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
+def check_value(name: str, value: Any) -> Any:
+    """`value` converted and checked as field `name` alone (type and range; ConfigError if not)."""
+    field = FIELDS[name]
+    if field.converter is not None:
+        value = field.converter(value)
+    if field.validator is not None:
+        field.validator(None, field, value)
+    return value
+
+
+def config_from_dict(values: Mapping[str, Any], *, where: str | None = None) -> TrainConfig:
+    """A TrainConfig from flag values (underscore keys); errors prefixed with `where` if given."""
+    check_keys(values, where=where or "configuration")
+    try:
+        return TrainConfig(**values)
+    except ConfigError as error:
+        if where is None:
+            raise
+        raise ConfigError(f"{where}: {error}") from None
+
+
+def to_dict(config: TrainConfig) -> dict[str, Any]:
+    """The config as a JSON-ready dict (tuples become lists)."""
+    return attrs.asdict(
+        config,
+        value_serializer=lambda _inst, _field, value: (
+            list(value) if isinstance(value, tuple) else value
+        ),
+    )
 
 
 def default_run_name(config: TrainConfig) -> str:
@@ -188,40 +491,15 @@ def default_run_name(config: TrainConfig) -> str:
 
 
 def resolve_run(config: TrainConfig) -> TrainConfig:
-    """The config with its derived run name and run directory filled in (done once, at start).
+    """The config with its derived run name and directory filled in, once, right after parsing.
 
-    `steps` under `--all-data` depends on the dataset's size and is resolved by the loop.
+    run_name: --run-name, else the run directory's name, else `default_run_name`;
+    run_dir: --run-dir, else runs/<run name>. `steps` under --all-data needs the dataset's
+    size, so the loop resolves it after loading the data.
     """
-    run_name = config.run_name or (Path(config.run_dir).name if config.run_dir else default_run_name(config))
+    directory_name = Path(config.run_dir).name if config.run_dir else ""
+    if directory_name in ("", ".", ".."):
+        directory_name = ""
+    run_name = config.run_name or directory_name or default_run_name(config)
     run_dir = config.run_dir or str(Path("runs") / run_name)
     return attrs.evolve(config, run_name=run_name, run_dir=run_dir)
-
-
-FIELD_NAMES: frozenset[str] = frozenset(field.name for field in attrs.fields(TrainConfig))
-
-
-def check_keys(overrides: dict[str, Any], *, where: str) -> None:
-    """Reject keys that are not `grpo train` flags, naming the key and the fix."""
-    for key in overrides:
-        if key not in FIELD_NAMES:
-            flag = "--" + key.replace("_", "-")
-            raise ValueError(
-                f"{where}: unknown train flag {key!r} ({flag}); see `grpo train --help` for the flags"
-            )
-
-
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML file of flag overrides (keys as in `grpo train --help`, dashes or underscores)."""
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"--config file {file} not found")
-    with file.open("rb") as handle:
-        raw = tomllib.load(handle)
-    overrides = {key.replace("-", "_"): value for key, value in raw.items()}
-    check_keys(overrides, where=str(file))
-    return overrides
-
-
-def to_dict(config: TrainConfig) -> dict[str, Any]:
-    """The config as a JSON-ready dict (tuples become lists)."""
-    return attrs.asdict(config, value_serializer=lambda _inst, _field, value: list(value) if isinstance(value, tuple) else value)

@@ -18,6 +18,7 @@ The gold answer is the text after the last ``####`` (e.g. ``"3 + 4 = 7\\n#### 7"
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -171,11 +172,41 @@ def _local_file(path: Path, split: str) -> Path:
 
 
 def _load_local_file(path: Path) -> datasets.Dataset:
-    if path.suffix == ".parquet":
-        return datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
-    if path.suffix == ".csv":
+    if path.stat().st_size == 0 or (path.suffix != ".parquet" and not path.read_bytes().strip()):
+        raise ValueError(f"data file {path} is empty; it needs rows with `question` and `answer`")
+    if path.suffix in (".jsonl", ".json"):
+        bad_line = _bad_json_line(path)
+        if bad_line is not None:
+            raise ValueError(
+                f"data file {path} cannot be read: {bad_line}; a .jsonl file holds one JSON "
+                'object per line, e.g. {"question": "1 + 2?", "answer": "1 + 2 = 3\\n#### 3"}'
+            )
+        return datasets.Dataset.from_json(str(path), keep_in_memory=True)
+    try:
+        if path.suffix == ".parquet":
+            return datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
         return datasets.Dataset.from_csv(str(path), keep_in_memory=True)
-    return datasets.Dataset.from_json(str(path), keep_in_memory=True)
+    except datasets.exceptions.DatasetGenerationError as error:
+        raise ValueError(
+            f"data file {path} cannot be read as {path.suffix[1:]}: {error.__cause__}"
+        ) from None
+
+
+def _bad_json_line(path: Path) -> str | None:
+    """Where a JSON / JSON Lines file stops being valid JSON ("line N is not valid JSON (...)")."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        json.loads(text)
+        return None
+    except json.JSONDecodeError:
+        pass
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as error:
+                return f"line {number} is not valid JSON ({error.msg})"
+    return None
 
 
 def _validated(problems: datasets.Dataset, origin: str) -> datasets.Dataset:

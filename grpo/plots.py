@@ -22,16 +22,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import attrs
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
-from grpo.run_dir import read_metrics
+from grpo import run_dir as run_files
+from grpo.run_dir import STEP_KEY
 
-METRICS_FILE = "metrics.jsonl"
-STEP_KEY = "step"
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # Default panels of `grpo plot`, kept when some run logged them. "clip_fraction" has no exact
 # key: it matches each run's `<loss_fn>/clip_fraction` (see `resolve_metric_keys`).
@@ -54,30 +54,15 @@ MetricRows = list[dict[str, Any]]
 # --- reading -------------------------------------------------------------------------------
 
 
-def merge_rows_by_step(rows: Sequence[Mapping[str, Any]]) -> MetricRows:
-    """One dict per step, sorted by step; later rows of a step update earlier ones.
-
-    A final-evaluation row shares its step with the last training row, and a resumed run
-    rewrites the steps after its checkpoint: merging keeps every key with its latest value.
-    Null values (non-finite floats in the log) are dropped as missing.
-    """
-    merged: dict[int, dict[str, Any]] = {}
-    for row in rows:
-        if STEP_KEY not in row:
-            raise ValueError(f"metrics row without a {STEP_KEY!r} key: {dict(row)!r}")
-        step = int(row[STEP_KEY])
-        merged.setdefault(step, {STEP_KEY: step}).update(
-            {key: value for key, value in row.items() if value is not None}
-        )
-    return [merged[step] for step in sorted(merged)]
-
-
 def read_run_metrics(run_dir: str | Path) -> MetricRows:
-    """The merged per-step metrics of a run directory (`merge_rows_by_step` of its metrics.jsonl)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: is {run_dir} a `grpo train` run directory?")
-    return merge_rows_by_step(read_metrics(Path(run_dir)))
+    """The merged per-step metrics of a run directory (`run_dir.merge_rows_by_step` of its rows)."""
+    directory = Path(run_dir)
+    if not (directory / run_files.METRICS_FILE).is_file():
+        raise FileNotFoundError(
+            f"{directory / run_files.METRICS_FILE} not found: "
+            f"is {run_dir} a `grpo train` run directory?"
+        )
+    return run_files.merge_rows_by_step(run_files.read_metrics(directory))
 
 
 def metric_keys(rows: Sequence[Mapping[str, Any]]) -> set[str]:
@@ -115,7 +100,7 @@ def metric_series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarr
 
 @attrs.frozen
 class Band:
-    """A curve over seeds: at each step, the mean and the min and max of the seeds that logged it."""
+    """A curve over seeds: at each step, the mean, min and max of the seeds that logged it."""
 
     steps: np.ndarray
     mean: np.ndarray
@@ -145,8 +130,14 @@ def mean_band(series: Sequence[tuple[np.ndarray, np.ndarray]]) -> Band:
 # --- figures -------------------------------------------------------------------------------
 
 
-def _grid_figure(panel_count: int, *, columns: int, panel_size: tuple[float, float]) -> tuple[Figure, list[Any]]:
+def _grid_figure(
+    panel_count: int, *, columns: int, panel_size: tuple[float, float]
+) -> tuple[Figure, list[Any]]:
     """A Figure on an Agg canvas with `panel_count` axes in a grid (extra cells removed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     columns = max(1, min(columns, panel_count))
     rows = math.ceil(panel_count / columns)
     figure = Figure(figsize=(panel_size[0] * columns, panel_size[1] * rows), layout="constrained")
@@ -174,11 +165,15 @@ def metrics_figure(runs: Mapping[str, MetricRows], metrics: Sequence[str]) -> Fi
         raise ValueError("no runs to plot")
     keys_by_run = {label: metric_keys(rows) for label, rows in runs.items()}
     all_keys = set().union(*keys_by_run.values())
-    figure, axes = _grid_figure(len(metrics), columns=3 if len(metrics) > 4 else 2, panel_size=(5.0, 3.4))
+    figure, axes = _grid_figure(
+        len(metrics), columns=3 if len(metrics) > 4 else 2, panel_size=(5.0, 3.4)
+    )
     for ax, metric in zip(axes, metrics, strict=True):
         drawn = 0
         for label, rows in runs.items():
-            keys = resolve_metric_keys(metric, keys_by_run[label], exact_somewhere=metric in all_keys)
+            keys = resolve_metric_keys(
+                metric, keys_by_run[label], exact_somewhere=metric in all_keys
+            )
             for key in keys:
                 steps, values = metric_series(rows, key)
                 line_label = label if len(keys) == 1 else f"{label} ({key})"
@@ -197,12 +192,14 @@ def metrics_figure(runs: Mapping[str, MetricRows], metrics: Sequence[str]) -> Fi
 def unknown_metric_message(metric: str, keys: set[str]) -> str:
     """The error for a metric no run logged, listing what can be plotted."""
     aliases = sorted(suffix_aliases(keys))
-    available = ", ".join(sorted(keys)) or "none (empty metrics.jsonl)"
+    available = ", ".join(sorted(keys)) or f"none (empty {run_files.METRICS_FILE})"
     by_suffix = f"; by suffix: {', '.join(aliases)}" if aliases else ""
     return f"unknown metric {metric!r}: no run logged it. Available: {available}{by_suffix}"
 
 
-def band_figure(groups: Mapping[str, Sequence[MetricRows]], metrics: Sequence[str], *, title: str = "") -> Figure:
+def band_figure(
+    groups: Mapping[str, Sequence[MetricRows]], metrics: Sequence[str], *, title: str = ""
+) -> Figure:
     """A subplot per metric; per group, the mean over its runs with a shaded min–max band.
 
     `ax.lines[i]` of each panel is group i's mean curve (groups without the metric draw an
@@ -215,13 +212,29 @@ def band_figure(groups: Mapping[str, Sequence[MetricRows]], metrics: Sequence[st
             band = mean_band([pair for pair in series if pair[0].size])
             seeds = len(runs)
             style = "o-" if metric.startswith(_SPARSE_PREFIX) else "-"
-            (line,) = ax.plot(band.steps, band.mean, style, markersize=3, label=f"{label} (n={seeds})")
+            (line,) = ax.plot(
+                band.steps, band.mean, style, markersize=3, label=f"{label} (n={seeds})"
+            )
             if band.steps.size and seeds > 1:
                 if metric.startswith(_SPARSE_PREFIX):
                     # A band of evaluations at a few steps would be invisible slivers: draw bars.
-                    ax.vlines(band.steps, band.low, band.high, color=line.get_color(), alpha=0.4, linewidth=4)
+                    ax.vlines(
+                        band.steps,
+                        band.low,
+                        band.high,
+                        color=line.get_color(),
+                        alpha=0.4,
+                        linewidth=4,
+                    )
                 else:
-                    ax.fill_between(band.steps, band.low, band.high, color=line.get_color(), alpha=0.2, linewidth=0)
+                    ax.fill_between(
+                        band.steps,
+                        band.low,
+                        band.high,
+                        color=line.get_color(),
+                        alpha=0.2,
+                        linewidth=0,
+                    )
         ax.set_title(f"{metric}: mean over seeds, band = min–max")
         ax.set_xlabel("step")
         ax.set_ylabel(metric)
@@ -276,7 +289,9 @@ def kernel_token_response(
     advantages_T = torch.tensor([advantage], dtype=torch.float64)
     for index, ratio in enumerate(ratios):
         logprobs_T = (sampling_T + math.log(ratio)).requires_grad_(True)
-        loss, _ = kernel(logprobs_T, sampling_T, advantages_T, reduction="sum", **dict(config or {}))
+        loss, _ = kernel(
+            logprobs_T, sampling_T, advantages_T, reduction="sum", **dict(config or {})
+        )
         (gradient_T,) = torch.autograd.grad(loss, logprobs_T)
         objective[index] = -loss.item()
         weight[index] = -gradient_T.item()
@@ -284,22 +299,40 @@ def kernel_token_response(
 
 
 def loss_shape_curves(advantage: float, ratios: np.ndarray | None = None) -> list[LossShape]:
-    """The curves of IS, PPO, CISPO and DRO at their registry defaults (plus PPO with dual clip when A < 0)."""
+    """IS, PPO, CISPO and DRO at their registry defaults (and PPO with dual clip when A < 0)."""
     from grpo.core.losses import get_loss
 
-    grid = np.linspace(*LOSS_SHAPE_RATIO_RANGE, LOSS_SHAPE_POINTS) if ratios is None else np.asarray(ratios, float)
+    grid = (
+        np.linspace(*LOSS_SHAPE_RATIO_RANGE, LOSS_SHAPE_POINTS)
+        if ratios is None
+        else np.asarray(ratios, float)
+    )
     sampling_logprob = math.log(LOSS_SHAPE_SAMPLING_PROB)
     variants: list[tuple[str, str, dict[str, float | None]]] = []
     for name in ("importance_sampling", "ppo", "cispo", "dro"):
-        defaults = {key: value for key, value in get_loss(name).defaults.items() if value is not None}
-        settings = ", ".join(f"{key.replace('_threshold', '')}={value:g}" for key, value in defaults.items())
+        defaults = {
+            key: value for key, value in get_loss(name).defaults.items() if value is not None
+        }
+        settings = ", ".join(
+            f"{key.replace('_threshold', '')}={value:g}" for key, value in defaults.items()
+        )
         variants.append((f"{name} ({settings})" if settings else name, name, {}))
         if name == "ppo" and advantage < 0:
-            variants.append((f"ppo dual_clip={LOSS_SHAPE_DUAL_CLIP:g}", name, {"dual_clip": LOSS_SHAPE_DUAL_CLIP}))
+            variants.append(
+                (
+                    f"ppo dual_clip={LOSS_SHAPE_DUAL_CLIP:g}",
+                    name,
+                    {"dual_clip": LOSS_SHAPE_DUAL_CLIP},
+                )
+            )
     shapes = []
     for label, name, config in variants:
-        objective, weight = kernel_token_response(name, grid, advantage, sampling_logprob=sampling_logprob, config=config)
-        shapes.append(LossShape(label=label, ratios=grid, objective=objective, gradient_weight=weight))
+        objective, weight = kernel_token_response(
+            name, grid, advantage, sampling_logprob=sampling_logprob, config=config
+        )
+        shapes.append(
+            LossShape(label=label, ratios=grid, objective=objective, gradient_weight=weight)
+        )
     return shapes
 
 
@@ -315,7 +348,11 @@ _KERNEL_STYLES: dict[str, dict[str, Any]] = {
 
 
 def _kernel_style(label: str) -> dict[str, Any]:
-    return next(style for prefix, style in sorted(_KERNEL_STYLES.items(), key=lambda item: -len(item[0])) if label.startswith(prefix))
+    return next(
+        style
+        for prefix, style in sorted(_KERNEL_STYLES.items(), key=lambda item: -len(item[0]))
+        if label.startswith(prefix)
+    )
 
 
 def loss_shapes_figure(ratios: np.ndarray | None = None) -> Figure:
@@ -330,7 +367,9 @@ def loss_shapes_figure(ratios: np.ndarray | None = None) -> Figure:
             style = _kernel_style(shape.label)
             objective_ax.plot(shape.ratios, shape.objective, label=shape.label, **style)
             weight_ax.plot(shape.ratios, shape.gradient_weight, label=shape.label, **style)
-        sign = "A = +1 (better than the group)" if advantage > 0 else "A = −1 (worse than the group)"
+        sign = (
+            "A = +1 (better than the group)" if advantage > 0 else "A = −1 (worse than the group)"
+        )
         objective_ax.set_title(f"per-token objective o, {sign}")
         weight_ax.set_title(f"gradient weight do/dlp, {sign}")
         for ax in (objective_ax, weight_ax):
@@ -341,7 +380,8 @@ def loss_shapes_figure(ratios: np.ndarray | None = None) -> Figure:
     figure.suptitle(
         "Loss kernels of grpo.core.losses at their defaults, one token with "
         f"lp_old = log {LOSS_SHAPE_SAMPLING_PROB:g}\n"
-        "(CISPO and DRO objectives are surrogates in lp whose values are not comparable; their gradients are)"
+        "(CISPO and DRO objectives are surrogates in lp whose values are not comparable; "
+        "their gradients are)"
     )
     return figure
 
@@ -351,24 +391,35 @@ def loss_shapes_figure(ratios: np.ndarray | None = None) -> Figure:
 
 def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `grpo plot RUN_DIR... [--metrics M...] [--out FILE.png]`."""
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories with a metrics.jsonl")
+    parser.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help=f"run directories with a {run_files.METRICS_FILE}",
+    )
     parser.add_argument(
         "--metrics",
         nargs="+",
         default=None,
         metavar="METRIC",
-        help=f"metrics to plot, one panel each (None: those of {', '.join(DEFAULT_PLOT_METRICS)} that were logged); "
+        help="metrics to plot, one panel each "
+        f"(None: those of {', '.join(DEFAULT_PLOT_METRICS)} that were logged); "
         "a name without its prefix, e.g. clip_fraction, matches each run's <loss_fn>/clip_fraction",
     )
     parser.add_argument(
-        "--out", default=None, help="output PNG (None: RUN_DIR/metrics.png for one run, metrics.png otherwise)"
+        "--out",
+        default=None,
+        help="output PNG (None: RUN_DIR/metrics.png for one run, metrics.png otherwise)",
     )
 
 
 def run_labels(run_dirs: Sequence[str | Path]) -> list[str]:
     """A legend label per run: its directory name, or the path as given when names collide."""
     names = [Path(run_dir).resolve().name for run_dir in run_dirs]
-    return [name if names.count(name) == 1 else str(run_dir) for name, run_dir in zip(names, run_dirs, strict=True)]
+    return [
+        name if names.count(name) == 1 else str(run_dir)
+        for name, run_dir in zip(names, run_dirs, strict=True)
+    ]
 
 
 def default_metrics(runs: Mapping[str, MetricRows]) -> list[str]:
@@ -377,7 +428,10 @@ def default_metrics(runs: Mapping[str, MetricRows]) -> list[str]:
     return [
         metric
         for metric in DEFAULT_PLOT_METRICS
-        if any(resolve_metric_keys(metric, metric_keys(rows), exact_somewhere=metric in all_keys) for rows in runs.values())
+        if any(
+            resolve_metric_keys(metric, metric_keys(rows), exact_somewhere=metric in all_keys)
+            for rows in runs.values()
+        )
     ]
 
 
@@ -385,15 +439,22 @@ def run_plot(args: argparse.Namespace) -> int:
     """`grpo plot`: write the metrics PNG of the given runs; 0 on success, 2 on bad input."""
     labels = run_labels(args.run_dirs)
     try:
-        runs = {label: read_run_metrics(run_dir) for label, run_dir in zip(labels, args.run_dirs, strict=True)}
+        runs = {
+            label: read_run_metrics(run_dir)
+            for label, run_dir in zip(labels, args.run_dirs, strict=True)
+        }
         metrics = list(args.metrics) if args.metrics else default_metrics(runs)
         if not metrics:
-            raise ValueError(f"nothing to plot: no run logged any of {', '.join(DEFAULT_PLOT_METRICS)}")
+            raise ValueError(
+                f"nothing to plot: no run logged any of {', '.join(DEFAULT_PLOT_METRICS)}"
+            )
         figure = metrics_figure(runs, metrics)
     except (FileNotFoundError, ValueError) as error:
         print(f"grpo plot: error: {error}", file=sys.stderr)
         return 2
-    out = args.out or (Path(args.run_dirs[0]) / "metrics.png" if len(args.run_dirs) == 1 else Path("metrics.png"))
+    out = args.out or (
+        Path(args.run_dirs[0]) / "metrics.png" if len(args.run_dirs) == 1 else Path("metrics.png")
+    )
     print(f"wrote {save_figure(figure, out)} ({len(metrics)} metrics x {len(runs)} runs)")
     return 0
 

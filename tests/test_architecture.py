@@ -144,12 +144,6 @@ print(" ".join(sorted(name for name in ("torch", "transformers") if name in sys.
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="today grpo/config.py imports grpo.backends.tiny (for TINY_MODEL_NAME), which "
-    "imports torch and transformers at module level",
-)
 def test_grpo_help_loads_neither_torch_nor_transformers():
     result = subprocess.run(
         [sys.executable, "-c", _HEAVY_MODULES_AFTER_HELP],

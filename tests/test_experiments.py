@@ -17,20 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grpo import experiments
-from grpo.experiments import (
-    RunStats,
-    add_compare_arguments,
-    add_sweep_arguments,
-    load_sweep,
-    mean_std,
-    normalize_overrides,
-    on_policy_warning,
-    read_run,
-    run_compare,
-    run_sweep,
-    train_argv,
-)
+from grpo.experiments.compare import add_compare_arguments, compare_specs, run_compare
+from grpo.experiments.report import experiment_figure
+from grpo.experiments.runner import MANAGED_FLAGS, execute_runs, normalize_overrides
+from grpo.experiments.stats import RunStats, final_value, mean_std, on_policy_warning, read_run, steps_per_second
+from grpo.experiments.sweep import add_sweep_arguments, load_sweep, run_sweep
+from grpo.flags import explicit_flags, train_argv
 
 # Writes a plausible run directory quickly. Reward of step s for a run:
 # BASE[loss] + 0.01·seed + 0.02·s + 1000·learning_rate; ratios spread by FAKE_RATIO_SPREAD.
@@ -164,9 +156,9 @@ def test_normalize_overrides_turns_a_loss_config_table_into_key_value_strings() 
     ("raw", "message"),
     [
         ({"stepz": 3}, r"f\.toml: unknown train flag 'stepz' \(--stepz\)"),
-        ({"steps": "ten"}, r"steps = 'ten' must be an integer \(--steps\)"),
-        ({"custom_loss": 1}, r"custom_loss = 1 must be true or false"),
-        ({"backend": "cloud"}, r"backend = 'cloud' is not one of local, pytrio"),
+        ({"steps": "ten"}, r"f\.toml: --steps must be an integer, got 'ten'"),
+        ({"custom_loss": 1}, r"f\.toml: --custom-loss must be true or false, got 1"),
+        ({"backend": "cloud"}, r"f\.toml: --backend 'cloud' is not one of local, pytrio"),
         ({"seed": 1}, r"'seed' is set per run"),
         ({"run_dir": "x"}, r"'run_dir' is set per run"),
     ],
@@ -178,7 +170,7 @@ def test_normalize_overrides_rejects_bad_flags_naming_them(raw: dict, message: s
 
 def test_compare_arguments_pass_only_the_train_flags_given() -> None:
     args = compare_args(Path("out"), "--steps", "7", "--custom-loss", "--loss-config", "dual_clip=3")
-    flags = experiments.train_flags_from_args(args, exclude=experiments.MANAGED_FLAGS | {"loss_fn"})
+    flags = explicit_flags(args, exclude=MANAGED_FLAGS | {"loss_fn"})
     assert flags == {"steps": 7, "custom_loss": True, "loss_config": ["dual_clip=3"]}
     assert args.loss_fns == ["importance_sampling", "ppo"]
 
@@ -226,12 +218,12 @@ def test_final_value_prefers_the_summary_test_reward(tmp_path: Path) -> None:
     rows = [{"step": 1, "reward": 0.1, "test/reward": 0.2}, {"step": 2, "reward": 0.3}, {"step": 3, "reward": 0.6}]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     run = read_run(run_dir)
-    assert experiments.final_value(run, "reward", 2) == pytest.approx(0.45)
-    assert experiments.final_value(run, "test/reward", 2) == pytest.approx(0.2)
+    assert final_value(run, "reward", 2) == pytest.approx(0.45)
+    assert final_value(run, "test/reward", 2) == pytest.approx(0.2)
     (run_dir / "summary.json").write_text(json.dumps({"finished": True, "steps": 3, "wall_time_s": 6.0, "test/reward": 0.7}))
     run = read_run(run_dir)
-    assert experiments.final_value(run, "test/reward", 2) == pytest.approx(0.7)
-    assert experiments.steps_per_second(run) == pytest.approx(0.5)
+    assert final_value(run, "test/reward", 2) == pytest.approx(0.7)
+    assert steps_per_second(run) == pytest.approx(0.5)
 
 
 # --- compare -------------------------------------------------------------------------------
@@ -276,8 +268,8 @@ def test_compare_runs_each_loss_and_seed_and_reports_numbers_from_the_metrics(tm
 
     png = (out / "reward.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
-    specs = experiments.compare_specs(["importance_sampling", "ppo"], [0, 1], {}, out)
-    figure = experiments.experiment_figure(specs, [read_run(spec.run_dir) for spec in specs], ["reward", "test/reward"], title="")
+    specs = compare_specs(["importance_sampling", "ppo"], [0, 1], {}, out)
+    figure = experiment_figure(specs, [read_run(spec.run_dir) for spec in specs], ["reward", "test/reward"], title="")
     reward_ax, test_ax = figure.axes
     for index, loss in enumerate(["importance_sampling", "ppo"]):
         per_seed = [[row["reward"] for row in metric_rows(out / f"{loss}-seed{seed}") if "reward" in row] for seed in (0, 1)]
@@ -305,9 +297,9 @@ def test_compare_resumes_only_the_run_that_did_not_finish(tmp_path: Path, fake_t
     assert rewards == [1, 2, 3]
     assert "did not finish" not in (out / "report.md").read_text()
 
-    specs = experiments.compare_specs(["importance_sampling", "ppo"], [0, 1], {"steps": 3}, out)
+    specs = compare_specs(["importance_sampling", "ppo"], [0, 1], {"steps": 3}, out)
     (out / "ppo-seed0" / "summary.json").unlink()
-    outcomes = experiments.execute_runs(specs, jobs=1, train_command=train_command, echo=lambda line: None)
+    outcomes = execute_runs(specs, jobs=1, train_command=train_command, echo=lambda line: None)
     assert [(outcome.action, outcome.returncode) for outcome in outcomes] == [
         ("skipped", None), ("skipped", None), ("resumed", 0), ("skipped", None)
     ]
@@ -339,7 +331,17 @@ def test_compare_rejects_an_unknown_loss_before_running_anything(tmp_path: Path,
     args = compare_args(tmp_path / "cmp")
     args.loss_fns = ["ppo", "grpo_magic"]
     assert run_compare(args, train_command=train_command) == 2
-    assert "unknown loss 'grpo_magic'" in capsys.readouterr().err
+    assert "grpo_magic-seed0: --loss-fn 'grpo_magic' is not one of" in capsys.readouterr().err
+    assert read_calls(calls) == []
+
+
+def test_compare_validates_every_run_before_launching_any(tmp_path: Path, fake_trainer, capsys) -> None:
+    train_command, calls = fake_trainer
+    out = tmp_path / "cmp"
+    # Each flag is fine alone; no run can use this loss config, so none starts.
+    assert run_compare(compare_args(out, "--loss-config", "typo=1"), train_command=train_command) == 2
+    err = capsys.readouterr().err
+    assert f"run {out / 'importance_sampling-seed0'}: --loss-config: unknown config key 'typo'" in err
     assert read_calls(calls) == []
 
 
@@ -418,6 +420,16 @@ def test_sweep_by_a_metric_no_run_logged_says_so_and_ranks_nothing(tmp_path: Pat
     report = (out / "report.md").read_text()
     assert "WARNING: no run logged `test/pass@4`" in report
     assert "| – | `loss_fn=ppo` |" in report and "| – | `loss_fn=cispo` |" in report
+
+
+def test_sweep_validates_every_run_before_launching_any(tmp_path: Path, fake_trainer, capsys) -> None:
+    train_command, calls = fake_trainer
+    sweep_file = write(tmp_path / "sub.toml", "[base]\nbatch_size = 8\n[grid]\nnum_substeps = [1, 16]\n")
+    assert run_sweep(sweep_args(sweep_file, tmp_path / "out"), train_command=train_command) == 2
+    err = capsys.readouterr().err
+    run = tmp_path / "out" / "num_substeps=16-seed0"
+    assert f"run {run}: --num-substeps must be in [1, --batch-size=8], got 16" in err
+    assert read_calls(calls) == []
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,6 @@ from grpo.plots import (
     default_metrics,
     loss_shape_curves,
     mean_band,
-    merge_rows_by_step,
     metrics_figure,
     read_run_metrics,
     run_plot,
@@ -45,22 +44,12 @@ def plot_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def test_merge_rows_by_step_keeps_the_latest_value_of_each_key() -> None:
-    rows = [
-        {"step": 2, "reward": 0.1},
-        {"step": 1, "reward": 0.0, "kl": None},
-        {"step": 2, "reward": 0.3, "loss": 1.0},
-        {"step": 2, "test/reward": 0.5},
-    ]
-    assert merge_rows_by_step(rows) == [
-        {"step": 1, "reward": 0.0},
-        {"step": 2, "reward": 0.3, "loss": 1.0, "test/reward": 0.5},
-    ]
-
-
-def test_merge_rows_by_step_rejects_a_row_without_step() -> None:
-    with pytest.raises(ValueError, match="without a 'step' key"):
-        merge_rows_by_step([{"reward": 1.0}])
+def test_plot_of_a_row_with_a_null_step_names_the_file_and_line(tmp_path: Path, capsys) -> None:
+    rows = [{"step": 1, "reward": 0.1}, {"step": None, "reward": 0.2}, {"step": 3, "reward": 0.3}]
+    run = write_run(tmp_path / "run", rows)
+    assert run_plot(plot_args(str(run), "--out", str(tmp_path / "x.png"))) == 2
+    err = capsys.readouterr().err
+    assert f"{run / 'metrics.jsonl'} line 2 is not a metrics row" in err and "Traceback" not in err
 
 
 def test_mean_band_is_the_mean_min_and_max_of_the_runs_at_each_step() -> None:

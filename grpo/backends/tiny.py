@@ -15,7 +15,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils import logging as hf_logging
 
-TINY_MODEL_NAME = "grpo/tiny-qwen3-arith"
+from grpo.backends.names import TINY_MODEL_NAME
+
 TINY_MODEL_DIR = Path(__file__).parent / "tiny_model"
 
 PAD_TOKEN = "<|endoftext|>"
