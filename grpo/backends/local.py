@@ -728,6 +728,34 @@ def _require_finite_logprobs(logprobs: Tensor, seq_lens: Sequence[int] | np.ndar
     )
 
 
+SAMPLE_MEMORY_LIMIT_BYTES = int(os.environ.get("GRPO_LOCAL_SAMPLE_MEMORY_GB", "8")) * 2**30
+"""The most memory one local sample request may need (KV cache + logits), refused above it;
+``GRPO_LOCAL_SAMPLE_MEMORY_GB`` changes it (default 8)."""
+
+
+def sample_memory_bytes(host: ModelHost, num_samples: int, prompt_len: int, max_tokens: int) -> int:
+    """Float32 bytes of a request's KV cache (2 x layers x KV heads x head dim per position of
+    every sequence) plus one step's logits (vocab per sequence), an estimate within ~2x."""
+    config = host.model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_position = 2 * config.num_hidden_layers * heads * head_dim
+    positions = prompt_len + max_tokens
+    return 4 * num_samples * (per_position * positions + host.vocab_size)
+
+
+def _check_sample_memory(host: ModelHost, num_samples: int, prompt_len: int, max_tokens: int) -> None:
+    needed = sample_memory_bytes(host, num_samples, prompt_len, max_tokens)
+    if needed > SAMPLE_MEMORY_LIMIT_BYTES:
+        raise ValidationError(
+            f"sampling {num_samples} x {prompt_len + max_tokens} positions needs about "
+            f"{needed / 2**30:.1f} GiB, over the local backend's limit of "
+            f"{SAMPLE_MEMORY_LIMIT_BYTES / 2**30:.0f} GiB; lower num_samples or max_tokens "
+            "(or raise GRPO_LOCAL_SAMPLE_MEMORY_GB)",
+            code="validation.sample_too_large",
+        )
+
+
 def _call_custom_loss(
     loss_fn: CustomLossFn, data: list[Datum], logprobs: list[Tensor], config: dict[str, object] | None
 ) -> tuple[Tensor, dict[str, float]]:
@@ -793,6 +821,7 @@ class LocalSamplingClient:
             max_positions=self._host.max_positions,
             draw_seed=self._engine.draw_seed,
         )
+        _check_sample_memory(self._host, num_samples, len(prompt.to_ints()), sampling_params.max_tokens)
         return self._submit(spec)
 
     async def sample_async(
