@@ -312,6 +312,7 @@ def _sized(datum: Datum, value: float, dtype: type) -> np.ndarray:
         (lambda d: _with_input(d, "target_tokens", _sized(d, 500, np.int64)), "ppo", None, ValidationError),
         (lambda d: _with_input(d, "target_tokens", _sized(d, 1, np.float32)), "ppo", None, ValueError),
         (lambda d: _with_input(d, "logprobs", _sized(d, np.nan, np.float32)), "ppo", None, ValueError),
+        (lambda d: _with_input(d, "mask", _sized(d, 0.5, np.float32)), "ppo", None, ValueError),
         (lambda d: Datum(model_input=ModelInput.from_ints([5, 999]), loss_fn_inputs=d.loss_fn_inputs),
          "ppo", None, ValidationError),
         (lambda d: Datum(model_input=ModelInput.from_ints([5] * 300), loss_fn_inputs=d.loss_fn_inputs),
