@@ -27,10 +27,11 @@ How it differs from the service, on purpose:
   file): the sampler keeps sampling those weights while training goes on.
 - Numbers never poison the adapter (each refusal is a ``ValidationError`` whose code
   starts ``validation.non_finite_``, raised before anything changes): log-probs of the
-  model that are NaN or ±inf (diverged weights), a non-finite custom loss or custom-loss
-  gradient, a non-finite gradient norm in ``optim_step`` (its gradients are dropped; the
-  weights, optimizer state and step count stay), and ``save_state`` of weights that are
-  not finite or give non-finite log-probs (one forward over 8 probe tokens per save).
+  model that are NaN or ±inf (diverged weights), a built-in loss that overflows on finite
+  inputs (``forward_backward``), a non-finite custom loss or custom-loss gradient, a
+  non-finite gradient norm in ``optim_step`` (its gradients are dropped; the weights,
+  optimizer state and step count stay), and ``save_state`` of weights that are not
+  finite or give non-finite log-probs (one forward over 8 probe tokens per save).
 - Checkpoints are PEFT adapter directories under ``root`` (see ``_local_checkpoint``),
   addressed as ``local://<directory>``; ``ttl_seconds`` is recorded, never enforced.
 - Randomness: ``LocalServiceClient(seed=...)`` seeds a generator that supplies the LoRA
@@ -409,6 +410,8 @@ class LocalTrainingClient:
             _require_finite_logprobs(logprobs, arrays.seq_lens_B)
             loss, kernel_metrics = evaluate(logprobs, spec)
             if backward:
+                if not bool(torch.isfinite(loss.detach())):
+                    raise _non_finite_loss(batch, logprobs.detach(), float(loss.detach()))
                 loss.backward()
         if spec.reduction == "sum":
             loss_sum = float(loss.detach())
@@ -710,6 +713,13 @@ def _outputs(logprobs_list: Sequence[Tensor]) -> list[dict[str, TensorData]]:
     return [{"logprobs": TensorData.from_torch(logprobs.detach())} for logprobs in logprobs_list]
 
 
+def _datum_position(flat: int, seq_lens: Sequence[int] | np.ndarray) -> tuple[int, int]:
+    """(datum, position within it) of an index into the concatenated per-datum values."""
+    ends = np.cumsum(seq_lens)
+    index = int(np.searchsorted(ends, flat, side="right"))
+    return index, flat - (int(ends[index - 1]) if index else 0)
+
+
 def _require_finite_logprobs(logprobs: Tensor, seq_lens: Sequence[int] | np.ndarray) -> None:
     """ValidationError at the first non-finite model log-prob (its datum and position)."""
     values = logprobs.detach()
@@ -717,9 +727,7 @@ def _require_finite_logprobs(logprobs: Tensor, seq_lens: Sequence[int] | np.ndar
     if not bool(bad.any()):
         return
     flat = int(bad.nonzero()[0, 0])
-    ends = np.cumsum(seq_lens)
-    index = int(np.searchsorted(ends, flat, side="right"))
-    position = flat - (int(ends[index - 1]) if index else 0)
+    index, position = _datum_position(flat, seq_lens)
     raise ValidationError(
         f"the model's log-prob of datum {index}, position {position} is "
         f"{float(values[flat])}: the LoRA weights have diverged (a learning rate too high?). "
@@ -754,6 +762,26 @@ def _check_sample_memory(host: ModelHost, num_samples: int, prompt_len: int, max
             "(or raise GRPO_LOCAL_SAMPLE_MEMORY_GB)",
             code="validation.sample_too_large",
         )
+
+
+def _non_finite_loss(batch: _LossBatch, logprobs: Tensor, value: float) -> ValidationError:
+    """The error for a built-in loss that overflowed on finite inputs: the largest log-ratio."""
+    culprit = ""
+    arrays = batch.arrays
+    if arrays.sampling_logprobs_N is not None and arrays.mask_N.any():
+        gaps = np.where(arrays.mask_N, logprobs.numpy() - arrays.sampling_logprobs_N, 0.0)
+        flat = int(np.argmax(np.abs(gaps)))
+        index, position = _datum_position(flat, arrays.seq_lens_B)
+        culprit = (
+            f"; its largest log-ratio lp − lp_old is {gaps[flat]:.4g} (datum {index}, position "
+            f"{position}), and exp(lp − lp_old) overflows float32 above 88"
+        )
+    return ValidationError(
+        f"the {batch.spec.name} loss is {value} on finite inputs{culprit}; no gradient was "
+        "applied: use a clipped loss (ppo, cispo) or check that the sampling log-probs come "
+        "from the model being trained",
+        code="validation.non_finite_loss",
+    )
 
 
 def _call_custom_loss(
