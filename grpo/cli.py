@@ -156,6 +156,7 @@ def run_eval(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The `grpo` argument parser with every subcommand."""
     from grpo import experiments, plots
+    from grpo.backends import serve
 
     parser = argparse.ArgumentParser(prog="grpo", description="Run and study GRPO on LLMs (PyTRIO or the embedded local backend).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("sweep", "a grid or list of flag overrides from a TOML file, ranked", experiments.add_sweep_arguments, experiments.run_sweep),
         ("plot", "PNG plots of metrics across run directories", plots.add_plot_arguments, plots.run_plot),
         ("plot-losses", "each loss's objective and gradient weight against the ratio", plots.add_plot_losses_arguments, plots.run_plot_losses),
+        ("serve", "the PyTRIO service on localhost, backed by the local backend", serve.add_serve_arguments, serve.run_serve),
     ]
     for name, help_text, add_arguments, handler in commands:
         command = sub.add_parser(name, help=help_text, description=help_text)

@@ -1,0 +1,670 @@
+"""`grpo serve`: the PyTRIO service on localhost, backed by the embedded local backend.
+
+pytrio 0.2.9's own, unchanged client (and so any PyTRIO program) runs against it offline:
+start ``grpo serve``, then run the program with ``PYTRIO_BASE_URL`` and ``PYTRIO_API_KEY``
+set as it prints. The wire protocol is the part of PyTRIO's that the SDK's
+``ServiceClient``, ``TrainingClient``, ``SamplingClient`` and ``RestClient`` use:
+
+- Control API, JSON under ``<base>/api/``: API-key verify, SDK bootstrap, the model
+  catalogue, service sessions, training and sampling runs (create, get, list, renew,
+  restore binding), checkpoints (list, download URL, delete); telemetry is accepted and
+  dropped.
+- Actor API under ``<base>/actor/``: ``POST v1/events`` (msgpack envelopes),
+  ``GET v1/events/{id}`` (long-polled, ``Prefer: wait=N``), ``POST v1/client/heartbeat``
+  and ``POST v1/sampling-runs/{id}/sample`` (JSON).
+
+What each operation does is `serve_state`'s business; this module is the HTTP shell:
+routing, authentication (``--api-key``: a request without it gets 401), fault injection
+(`serve_faults`) and error statuses. A request the backend refuses is a 4xx (or a failed
+event) that the SDK raises at once, never a 5xx it would retry for 15 minutes.
+
+The server is the standard library's ``ThreadingHTTPServer`` (HTTP/1.1, keep-alive, one
+thread per connection): the SDK keeps a few connections open and every request is either
+short or a long poll, so it needs no more; pytrio's own msgpack encodes the events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import attrs
+import msgpack
+from pydantic import ValidationError as PydanticValidationError
+from pytrio.errors.base import PyTrioError
+from pytrio.protocol.actor.events.event import EVENT_PROTOCOL_VERSION, EventEnvelope, EventType
+from pytrio.protocol.actor.sampling_run.sample import SampleRequest
+
+from grpo.backends.local import LocalServiceClient, default_root
+from grpo.backends.serve_faults import FaultPlan, parse_fault
+from grpo.backends.serve_state import ServeError, ServeState, error_code
+
+DEFAULT_PORT = 8765
+MAX_LONG_POLL_S = 20.0
+_HEARTBEAT_MS = 60_000
+_EVENT_OPERATIONS = {
+    EventType.TRAINER_INIT_RUN: "init_run",
+    EventType.TRAINER_FORWARD: "forward",
+    EventType.TRAINER_FORWARD_BACKWARD: "forward_backward",
+    EventType.TRAINER_OPTIMIZE_STEP: "optimize_step",
+    EventType.TRAINER_SAVE_STATE: "save_state",
+    EventType.TRAINER_SAVE_WEIGHTS: "save_weights",
+    EventType.TRAINER_END_RUN: "end_run",
+}
+
+
+@attrs.define
+class _Request:
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: Any
+    body: bytes
+
+    def json(self) -> dict[str, Any]:
+        """The body as a JSON object (400 if it is not one)."""
+        try:
+            data = json.loads(self.body or b"{}")
+        except ValueError as error:
+            raise ServeError(
+                400, "validation.invalid_request", f"body is not JSON: {error}"
+            ) from None
+        if not isinstance(data, dict):
+            raise ServeError(400, "validation.invalid_request", "body must be a JSON object")
+        return data
+
+    def int_param(self, name: str, default: int) -> int:
+        """Query parameter `name` as an int."""
+        try:
+            return int(self.query.get(name, default))
+        except ValueError:
+            raise ServeError(
+                400, "validation.invalid_request", f"query {name} must be an int"
+            ) from None
+
+
+@attrs.define
+class _Reply:
+    status: int
+    body: Any = None  # dict -> JSON (or msgpack when `msgpack`), bytes -> as is, None -> empty
+    msgpack: bool = False
+
+
+Route = tuple[str, "re.Pattern[str]", str, str, Callable[..., _Reply]]
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        *,
+        api_key: str | None,
+        faults: FaultPlan,
+        log_requests: bool,
+    ) -> None:
+        super().__init__(address, _Handler)
+        self.api_key = api_key
+        self.faults = faults
+        self.log_requests = log_requests
+        self.stopping = threading.Event()
+        self.state: ServeState | None = None
+        self.routes: list[Route] = []
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        if self.server.log_requests:
+            super().log_message(format, *args)
+
+    def do_GET(self) -> None:  # noqa: N802 - stdlib names
+        self._handle()
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._handle()
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._handle()
+
+    def do_PATCH(self) -> None:  # noqa: N802
+        self._handle()
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._handle()
+
+    def _handle(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        parts = urlsplit(self.path)
+        query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
+        request = _Request(self.command, parts.path, query, self.headers, body)
+        wants_msgpack = "application/msgpack" in (self.headers.get("Accept") or "")
+        try:
+            reply = self._route(request)
+        except ServeError as error:
+            reply = _Reply(error.status, _error_body(error.code, error.message, request.path))
+        except Exception as error:  # noqa: BLE001 - an unexpected bug is a 500, logged here
+            traceback.print_exc(file=sys.stderr)
+            reply = _Reply(
+                500, _error_body("internal_error", f"{type(error).__name__}: {error}", request.path)
+            )
+        if reply.status >= 400 and wants_msgpack:
+            reply.msgpack = True
+        self._send(reply)
+
+    def _route(self, request: _Request) -> _Reply:
+        for method, pattern, operation, auth, handler in self.server.routes:
+            match = pattern.fullmatch(request.path)
+            if match is None or method != request.method:
+                continue
+            self._authorize(auth, request)
+            if operation:
+                self._inject_fault(
+                    operation if operation != "submit" else _event_operation(request)
+                )
+            return handler(self.server.state, request, *match.groups())
+        raise ServeError(404, "not_found", f"no route for {request.method} {request.path}")
+
+    def _authorize(self, auth: str, request: _Request) -> None:
+        key = self.server.api_key
+        bearer = (request.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
+        if auth == "files":
+            if request.query.get("token") != self.server.state.download_token:
+                raise ServeError(403, "forbidden", "the download token is missing or wrong")
+        elif key is None or auth == "none":
+            return
+        elif auth == "control" and key not in (request.headers.get("X-API-Key"), bearer):
+            raise ServeError(
+                401,
+                "unauthorized",
+                "missing or wrong API key; set PYTRIO_API_KEY to the key "
+                "given to `grpo serve --api-key`",
+            )
+        elif auth == "actor" and bearer not in self.server.state.actor_tokens:
+            raise ServeError(401, "unauthorized", "missing or unknown actor token")
+
+    def _inject_fault(self, operation: str) -> None:
+        status, delay = self.server.faults.decide(operation)
+        if delay > 0:
+            time.sleep(delay)
+        if status is not None:
+            code = "too_many_requests" if status == 429 else "service_unavailable"
+            raise ServeError(status, code, f"injected fault: {operation} -> HTTP {status}")
+
+    def _send(self, reply: _Reply) -> None:
+        if isinstance(reply.body, bytes):
+            payload, content_type = reply.body, "application/octet-stream"
+        elif reply.body is None:
+            payload, content_type = b"", "application/json"
+        elif reply.msgpack:
+            payload, content_type = (
+                msgpack.packb(reply.body, use_bin_type=True),
+                "application/msgpack",
+            )
+        else:
+            payload, content_type = json.dumps(reply.body).encode(), "application/json"
+        try:
+            self.send_response(reply.status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+
+def _error_body(code: str, message: str, path: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"code": code, "message": message}
+    if path.startswith("/actor/"):
+        body["error"] = {"code": code, "message": message}
+    return body
+
+
+def _event_operation(request: _Request) -> str:
+    """The fault-injection name of a submitted event (`forward_backward`, ...), or `submit`."""
+    try:
+        kind = msgpack.unpackb(request.body, raw=False).get("type")
+        return _EVENT_OPERATIONS[EventType(kind)]
+    except Exception:  # noqa: BLE001 - a malformed body is refused later, with a 400
+        return "submit"
+
+
+# --- handlers ------------------------------------------------------------------------------
+
+
+def _json(body: Any, status: int = 200) -> _Reply:
+    return _Reply(status, body)
+
+
+def _submit(state: ServeState, request: _Request) -> _Reply:
+    try:
+        raw = msgpack.unpackb(request.body, raw=False)
+        envelope = EventEnvelope.model_validate(raw)
+    except (ValueError, PydanticValidationError, msgpack.UnpackException) as error:
+        raise ServeError(
+            400, "validation.invalid_event", f"malformed event envelope: {error}"
+        ) from None
+    return _Reply(200, _event_body(state.submit_event(envelope), wait_s=0.0), msgpack=True)
+
+
+def _get_event(
+    stopping: threading.Event, state: ServeState, request: _Request, event_id: str
+) -> _Reply:
+    prefer = request.headers.get("Prefer") or ""
+    match = re.search(r"wait=(\d+(?:\.\d+)?)", prefer)
+    wait_s = min(float(match.group(1)), MAX_LONG_POLL_S) if match else 0.0
+    event = state.event(event_id)
+    deadline = time.monotonic() + wait_s
+    while not event.future.done() and not stopping.is_set():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        concurrent.futures.wait([event.future], timeout=min(remaining, 0.5))
+    return _Reply(200, _event_body(event, wait_s=0.0), msgpack=True)
+
+
+def _event_body(event: Any, *, wait_s: float) -> dict[str, Any]:
+    """The `EventResponse` of an event: accepted/running, succeeded with its result, or failed."""
+    base = {"version": EVENT_PROTOCOL_VERSION, "event_id": event.event_id, "type": event.type.value}
+    if not event.future.done():
+        return {**base, "status": "running"}
+    error = event.future.exception(timeout=wait_s)
+    usage = {"input_tokens": event.input_tokens, "output_tokens": 0, "train_tokens": 0}
+    if error is not None:
+        message = error.message if isinstance(error, (PyTrioError, ServeError)) else str(error)
+        code = error.code if isinstance(error, ServeError) else error_code(error)
+        return {
+            **base,
+            "status": "failed",
+            "error": {"code": code, "message": message},
+            "usage": usage,
+        }
+    result = event.future.result()
+    if event.type == EventType.TRAINER_FORWARD_BACKWARD:
+        usage["train_tokens"] = result["metrics"]["token_count"]
+    return {**base, "status": "succeeded", "result": result, "usage": usage}
+
+
+def _sample(state: ServeState, request: _Request, run: str) -> _Reply:
+    try:
+        sample_request = SampleRequest.model_validate(request.json())
+    except PydanticValidationError as error:
+        raise ServeError(400, "validation.invalid_sampling_request", str(error)) from None
+    return _json(state.sample(run, sample_request))
+
+
+def _archive(state: ServeState, request: _Request, cuid: str) -> _Reply:
+    return _Reply(200, state.archive(cuid))
+
+
+def _routes(stopping: threading.Event) -> list[Route]:
+    """(method, path pattern, fault-injection operation, auth kind, handler) for every endpoint."""
+    api, actor, ident = "/api/openapi/v1", "/actor/v1", r"([^/]+)"
+    table: list[tuple[str, str, str, str, Callable[..., _Reply]]] = [
+        ("GET", "/", "", "none", lambda s, r: _json({"service": "grpo serve"})),
+        ("HEAD", "/", "", "none", lambda s, r: _Reply(200)),
+        ("POST", "/api/telemetry/event", "", "none", lambda s, r: _Reply(204)),
+        (
+            "GET",
+            f"{api}/api-key/verify",
+            "verify_api_key",
+            "control",
+            lambda s, r: _json(s.api_key_info()),
+        ),
+        (
+            "GET",
+            "/api/sdk/bootstrap",
+            "sdk_bootstrap",
+            "control",
+            lambda s, r: _json(s.bootstrap(r.query.get("sdk_version", ""))),
+        ),
+        (
+            "GET",
+            "/api/models",
+            "list_models",
+            "control",
+            lambda s, r: _json(s.models(r.int_param("limit", 100), r.int_param("offset", 0))),
+        ),
+        (
+            "POST",
+            f"{api}/service-sessions",
+            "create_service_session",
+            "control",
+            lambda s, r: _json(s.create_session()),
+        ),
+        (
+            "GET",
+            f"{api}/service-sessions",
+            "list_service_sessions",
+            "control",
+            lambda s, r: _json(s.list_sessions(r.int_param("limit", 20), r.int_param("offset", 0))),
+        ),
+        (
+            "GET",
+            f"{api}/service-sessions/{ident}",
+            "get_service_session",
+            "control",
+            lambda s, r, cuid: _json(s.get_session(cuid)),
+        ),
+        (
+            "POST",
+            f"{api}/service-sessions/{ident}/renew",
+            "renew_service_session",
+            "control",
+            lambda s, r, cuid: _json(s.renew_session(cuid)),
+        ),
+        (
+            "POST",
+            f"{api}/service-sessions/{ident}/close",
+            "close_service_session",
+            "control",
+            lambda s, r, cuid: (
+                s.close_session(cuid, str(r.json().get("status", "ENDED"))),
+                _Reply(204),
+            )[1],
+        ),
+        (
+            "POST",
+            f"{api}/service-sessions/{ident}/training-runs",
+            "create_training_run",
+            "control",
+            lambda s, r, cuid: _json(s.create_training_run(cuid, r.json())),
+        ),
+        (
+            "PATCH",
+            f"{api}/service-sessions/{ident}/training-runs/{ident}",
+            "update_training_run",
+            "control",
+            lambda s, r, _session, cuid: _json(s.update_training_run(cuid, r.json())),
+        ),
+        (
+            "POST",
+            f"{api}/service-sessions/{ident}/sampling-runs",
+            "create_sampling_run",
+            "control",
+            lambda s, r, cuid: _json(s.create_sampling_run(cuid, r.json())),
+        ),
+        (
+            "GET",
+            f"{api}/training-runs/by-checkpoint-uri",
+            "find_training_run_by_checkpoint_uri",
+            "control",
+            lambda s, r: _json(s.find_by_checkpoint(r.query.get("checkpoint_uri", ""))),
+        ),
+        (
+            "GET",
+            f"{api}/training-runs",
+            "list_training_runs",
+            "control",
+            lambda s, r: _json(
+                s.list_training_runs(r.int_param("limit", 20), r.int_param("offset", 0))
+            ),
+        ),
+        (
+            "GET",
+            f"{api}/training-runs/{ident}",
+            "get_training_run",
+            "control",
+            lambda s, r, cuid: _json(s.get_training_run(cuid)),
+        ),
+        (
+            "GET",
+            f"{api}/training-runs/{ident}/checkpoints",
+            "list_training_run_checkpoints",
+            "control",
+            lambda s, r, cuid: _json(
+                s.list_checkpoints(cuid, r.int_param("limit", 200), r.int_param("offset", 0))
+            ),
+        ),
+        (
+            "POST",
+            f"{api}/training-runs/{ident}/renew",
+            "renew_training_run",
+            "control",
+            lambda s, r, cuid: _json(s.renew_run(cuid, "training")),
+        ),
+        (
+            "GET",
+            f"{api}/sampling-runs/{ident}",
+            "get_sampling_run",
+            "control",
+            lambda s, r, cuid: _json(s.get_sampling_run(cuid)),
+        ),
+        (
+            "POST",
+            f"{api}/sampling-runs/{ident}/renew",
+            "renew_sampling_run",
+            "control",
+            lambda s, r, cuid: _json(s.renew_run(cuid, "sampling")),
+        ),
+        (
+            "GET",
+            f"{api}/checkpoints",
+            "list_checkpoints",
+            "control",
+            lambda s, r: _json(
+                s.list_checkpoints(None, r.int_param("limit", 100), r.int_param("offset", 0))
+            ),
+        ),
+        (
+            "GET",
+            f"{api}/checkpoints/{ident}/download-url",
+            "get_checkpoint_download_url",
+            "control",
+            lambda s, r, cuid: _json(s.download_url(cuid)),
+        ),
+        (
+            "DELETE",
+            f"{api}/checkpoints/{ident}",
+            "delete_checkpoint",
+            "control",
+            lambda s, r, cuid: (s.delete_checkpoint(cuid), _Reply(204))[1],
+        ),
+        ("POST", f"{actor}/events", "submit", "actor", _submit),
+        (
+            "GET",
+            f"{actor}/events/{ident}",
+            "get_event",
+            "actor",
+            lambda s, r, event_id: _get_event(stopping, s, r, event_id),
+        ),
+        (
+            "POST",
+            f"{actor}/client/heartbeat",
+            "heartbeat",
+            "actor",
+            lambda s, r: _json({"heartbeat_ms": _HEARTBEAT_MS}),
+        ),
+        ("POST", f"{actor}/sampling-runs/{ident}/sample", "sample", "actor", _sample),
+        ("GET", r"/files/checkpoints/([^/]+)\.tar", "download_checkpoint", "files", _archive),
+    ]
+    return [
+        (method, re.compile(path), operation, auth, handler)
+        for method, path, operation, auth, handler in table
+    ]
+
+
+OPERATIONS = sorted(
+    {operation for _m, _p, operation, _a, _h in _routes(threading.Event()) if operation}
+    - {"submit"}
+    | set(_EVENT_OPERATIONS.values()) - {"end_run"}
+)
+
+
+# --- public API ----------------------------------------------------------------------------
+
+
+class ServeHandle:
+    """A running server: `url` (PYTRIO_BASE_URL), `state`, `faults`; `close()` stops it."""
+
+    def __init__(
+        self, server: _Server, local: LocalServiceClient, thread: threading.Thread | None
+    ) -> None:
+        self._server, self._local, self._thread = server, local, thread
+        host, port = server.server_address[:2]
+        self.url = f"http://{host}:{port}"
+        self.state: ServeState = server.state  # type: ignore[assignment]
+        self.faults = server.faults
+
+    def close(self) -> None:
+        """Stop serving, end long polls, free the port and the local backend's worker."""
+        self._server.stopping.set()
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join()
+        self._server.server_close()
+        self._local.close()
+
+    def __enter__(self) -> ServeHandle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def start_server(
+    *,
+    root: str | Path | None = None,
+    api_key: str | None = None,
+    faults: FaultPlan | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    seed: int = 0,
+    log_requests: bool = False,
+) -> tuple[_Server, LocalServiceClient]:
+    """A bound, not yet serving server on a local backend under `root`; port 0 = any free port."""
+    server = _Server(
+        (host, port), api_key=api_key, faults=faults or FaultPlan(), log_requests=log_requests
+    )
+    root_path = Path(root) if root is not None else default_root()
+    local = LocalServiceClient(root=root_path, seed=seed)
+    bound_host, bound_port = server.server_address[:2]
+    base = f"http://{bound_host}:{bound_port}"
+    server.state = ServeState(
+        local, root_path, actor_endpoint=f"{base}/actor", files_url=f"{base}/files"
+    )
+    server.routes = _routes(server.stopping)
+    return server, local
+
+
+def serve_in_thread(
+    *,
+    root: str | Path | None = None,
+    api_key: str | None = None,
+    faults: FaultPlan | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    seed: int = 0,
+) -> ServeHandle:
+    """Serve on a daemon thread (for tests and notebooks); close the handle to stop."""
+    server, local = start_server(
+        root=root, api_key=api_key, faults=faults, host=host, port=port, seed=seed
+    )
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="grpo-serve", daemon=True
+    )
+    thread.start()
+    return ServeHandle(server, local, thread)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `grpo serve` options."""
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: loopback only)"
+    )
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0 picks a free one)")
+    parser.add_argument(
+        "--root", default=None, help=f"checkpoint directory (default: {default_root()})"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require this API key (default: accept any non-empty key); also read from "
+        "$GRPO_SERVE_API_KEY so that it stays out of the process list",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds LoRA init / sampling when a call gives none"
+    )
+    parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="OP:ACTION[:WHEN]",
+        help="inject a transient fault, e.g. sample:503:first=2 or forward_backward:"
+        "delay=0.5:every=3 (WHEN: first=N, every=K, calls=1,4, p=0.25); operations: "
+        + ", ".join(OPERATIONS)
+        + ", or * for all",
+    )
+    parser.add_argument("--fault-seed", type=int, default=0, help="seed of p=... faults")
+    parser.add_argument("--log-requests", action="store_true", help="log every request to stderr")
+
+
+def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) -> int:
+    """Serve until Ctrl-C (or SIGTERM); prints the URL and the environment variables to set."""
+    import os
+
+    api_key = args.api_key or os.environ.get("GRPO_SERVE_API_KEY") or None
+    try:
+        faults = FaultPlan([parse_fault(spec) for spec in args.fault], seed=args.fault_seed)
+    except ValueError as error:
+        echo(f"grpo serve: {error}")
+        return 2
+    try:
+        server, local = start_server(
+            root=args.root,
+            api_key=api_key,
+            faults=faults,
+            host=args.host,
+            port=args.port,
+            seed=args.seed,
+            log_requests=args.log_requests,
+        )
+    except OSError as error:
+        echo(
+            f"grpo serve: cannot listen on {args.host}:{args.port}: {error}; "
+            "pick another --port (0 = any)"
+        )
+        return 1
+    handle = ServeHandle(server, local, None)
+    key_hint = (
+        "<the key given to --api-key>" if api_key else "local   # any non-empty key is accepted"
+    )
+    echo(
+        f"grpo serve: PyTRIO service on {handle.url} "
+        f"(local backend; checkpoints in {handle.state.root})"
+    )
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        echo(f"grpo serve: warning: bound to {args.host}, reachable from other machines")
+    for spec in args.fault:
+        echo(f"grpo serve: injecting fault {spec}")
+    echo("In the shell that runs your PyTRIO program:")
+    echo(f"  export PYTRIO_BASE_URL={handle.url}")
+    echo(f"  export PYTRIO_API_KEY={key_hint}")
+    echo("Ctrl-C stops the server.")
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        echo("grpo serve: stopping")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        handle.close()
+    return 0
