@@ -165,6 +165,7 @@ class ServeState:
         self._memory: collections.OrderedDict[str, LocalSamplingClient] = collections.OrderedDict()
         self._model_ids: dict[str, str] = {}  # model name -> model_id (tokenizer directory)
         self.actor_tokens: set[str] = set()
+        self.event_log: list[tuple[str, str]] = []  # (training run, event type) in arrival order
         self._capabilities = local.get_server_capabilities()
 
     # --- identity, models -------------------------------------------------------------
@@ -582,6 +583,7 @@ class ServeState:
                 event.future.set_exception(error)
         with self._lock:
             self._events[event.event_id] = event
+            self.event_log.append((run.cuid, envelope.type.value))
             run.updated_at = now_iso()
         return event
 
