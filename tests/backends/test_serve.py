@@ -27,7 +27,6 @@ from grpo.config import TrainConfig
 from grpo.logging import read_metrics
 from grpo.loop import train
 
-
 TINY = dict(
     steps=2,
     batch_size=2,
@@ -95,6 +94,8 @@ def exercise(service: Any) -> dict[str, Any]:
     params = SamplingParams(max_tokens=6, seed=11, temperature=1.0)
     out["sample"] = sampler.sample(prompt, 3, params, include_prompt_logprobs=True).result()
     out["logprobs"] = sampler.compute_logprobs(prompt).result()
+    # Unseeded: the service's seeded generator supplies the seed (compute_logprobs draws none).
+    out["unseeded"] = sampler.sample(prompt, 2, SamplingParams(max_tokens=6)).result()
     out["saved_sample"] = (
         service.create_sampling_client(TINY_MODEL_NAME, weights.path)
         .sample(prompt, 2, params)
@@ -149,7 +150,7 @@ def test_every_method_through_pytrio_computes_what_the_local_backend_computes(
     # The optimizer state travels with the checkpoint only when asked for.
     assert remote["with_optimizer_optim"].metrics["optimizer_step"] == 3.0
     assert remote["weights_only_optim"].metrics["optimizer_step"] == 1.0
-    for key in ("sample", "saved_sample", "base_sample"):
+    for key in ("sample", "unseeded", "saved_sample", "base_sample"):
         assert [s.tokens for s in remote[key].sequences] == [s.tokens for s in local[key].sequences]
         for left, right in zip(remote[key].sequences, local[key].sequences, strict=True):
             np.testing.assert_allclose(left.logprobs, right.logprobs, rtol=1e-6)
