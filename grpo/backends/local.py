@@ -82,6 +82,7 @@ from torch import Tensor, nn
 
 from grpo.backends import _local_checkpoint as checkpoints
 from grpo.backends._local_model import AdapterWeights, LoraSpec, ModelHost, load_host
+from grpo.backends._local_rest import LocalRestClient
 from grpo.backends._local_sampling import PendingSample, SampleSpec, sample_batch, validate_sample_request
 from grpo.backends._local_worker import Worker
 from grpo.backends.tiny import TINY_MODEL_NAME
@@ -189,6 +190,10 @@ class LocalServiceClient:
     async def get_server_capabilities_async(self) -> GetServerCapabilitiesResponse:
         """Async twin of `get_server_capabilities`."""
         return await asyncio.to_thread(self.get_server_capabilities)
+
+    def create_rest_client(self) -> LocalRestClient:
+        """Checkpoint listing and deletion under this service's root (pytrio's RestClient methods)."""
+        return LocalRestClient(self._engine.root)
 
     def create_lora_training_client(
         self,

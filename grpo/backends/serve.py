@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import re
 import signal
@@ -34,7 +35,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ from grpo.backends.serve_state import ServeError, ServeState, error_code
 
 DEFAULT_PORT = 8765
 MAX_LONG_POLL_S = 20.0
+SUBMIT_WAIT_S = 0.005
 _HEARTBEAT_MS = 60_000
 _EVENT_OPERATIONS = {
     EventType.TRAINER_INIT_RUN: "init_run",
@@ -128,6 +130,7 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # else headers and body wait on delayed ACKs (~40 ms)
     server: _Server
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
@@ -262,7 +265,10 @@ def _submit(state: ServeState, request: _Request) -> _Reply:
         raise ServeError(
             400, "validation.invalid_event", f"malformed event envelope: {error}"
         ) from None
-    return _Reply(200, _event_body(state.submit_event(envelope), wait_s=0.0), msgpack=True)
+    event = state.submit_event(envelope)
+    # A quick event (optim_step, a save) answers with its result: one round trip, not two.
+    concurrent.futures.wait([event.future], timeout=SUBMIT_WAIT_S)
+    return _Reply(200, _event_body(event, wait_s=0.0), msgpack=True)
 
 
 def _get_event(
@@ -549,6 +555,7 @@ def start_server(
     port: int = 0,
     seed: int = 0,
     log_requests: bool = False,
+    aliases: dict[str, str] | None = None,
 ) -> tuple[_Server, LocalServiceClient]:
     """A bound, not yet serving server on a local backend under `root`; port 0 = any free port."""
     server = _Server(
@@ -558,9 +565,14 @@ def start_server(
     local = LocalServiceClient(root=root_path, seed=seed)
     bound_host, bound_port = server.server_address[:2]
     base = f"http://{bound_host}:{bound_port}"
-    server.state = ServeState(
-        local, root_path, actor_endpoint=f"{base}/actor", files_url=f"{base}/files"
-    )
+    try:
+        server.state = ServeState(
+            local, root_path, f"{base}/actor", files_url=f"{base}/files", aliases=aliases
+        )
+    except BaseException:
+        server.server_close()
+        local.close()
+        raise
     server.routes = _routes(server.stopping)
     return server, local
 
@@ -573,16 +585,53 @@ def serve_in_thread(
     host: str = "127.0.0.1",
     port: int = 0,
     seed: int = 0,
+    aliases: dict[str, str] | None = None,
 ) -> ServeHandle:
-    """Serve on a daemon thread (for tests and notebooks); close the handle to stop."""
+    """Serve on a daemon thread (for tests and notebooks); close the handle to stop.
+
+    `aliases` maps model names a program asks for to served models (``--model-alias``).
+    """
     server, local = start_server(
-        root=root, api_key=api_key, faults=faults, host=host, port=port, seed=seed
+        root=root, api_key=api_key, faults=faults, host=host, port=port, seed=seed, aliases=aliases
     )
     thread = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="grpo-serve", daemon=True
     )
     thread.start()
     return ServeHandle(server, local, thread)
+
+
+@contextlib.contextmanager
+def configured_pytrio(
+    url: str, *, api_key: str, home: str | Path, **options: Any
+) -> Iterator[None]:
+    """pytrio pointed at `url` (its home at `home`, telemetry off, `options` passed to
+    `pytrio.configure`) for clients created inside the block; its settings restored after.
+
+    At exit the block's clients are shut down (their service sessions closed) while the
+    server still answers: a pytrio client collected after its server is gone would retry
+    closing its session for 15 minutes.
+    """
+    import gc
+
+    import pytrio
+    from pytrio.config import config as pytrio_config
+    from pytrio.runtime.service import cancel_active_service_runtimes
+
+    saved = pytrio_config.configuration.model_copy(deep=True)
+    auth = pytrio_config.auth_state
+    saved_auth = (auth.api_key, auth.config_error)
+    pytrio.configure_observability(enabled=False)
+    pytrio.configure(home=str(home), base_url=url, api_key=api_key, **options)
+    try:
+        yield
+    finally:
+        gc.collect()
+        cancel_active_service_runtimes()
+        for field in type(saved).model_fields:
+            setattr(pytrio_config.configuration, field, getattr(saved, field))
+        auth.api_key, auth.config_error = saved_auth
+        pytrio.configure_observability(enabled=True)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -613,8 +662,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(OPERATIONS)
         + ", or * for all",
     )
+    parser.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME=MODEL",
+        help="serve MODEL (e.g. grpo's built-in one) under NAME too, so that a program asking "
+        "for NAME (e.g. Qwen/Qwen3.5-4B) runs unchanged; repeatable",
+    )
     parser.add_argument("--fault-seed", type=int, default=0, help="seed of p=... faults")
     parser.add_argument("--log-requests", action="store_true", help="log every request to stderr")
+
+
+def _parse_alias(spec: str) -> tuple[str, str]:
+    alias, separator, name = spec.partition("=")
+    if not (alias and separator and name):
+        raise ValueError(
+            f"--model-alias {spec!r}: expected NAME=MODEL, e.g. Qwen/Qwen3.5-4B=grpo/..."
+        )
+    return alias, name
 
 
 def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) -> int:
@@ -624,6 +690,7 @@ def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) 
     api_key = args.api_key or os.environ.get("GRPO_SERVE_API_KEY") or None
     try:
         faults = FaultPlan([parse_fault(spec) for spec in args.fault], seed=args.fault_seed)
+        aliases = dict(_parse_alias(spec) for spec in args.model_alias)
     except ValueError as error:
         echo(f"grpo serve: {error}")
         return 2
@@ -636,7 +703,11 @@ def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) 
             port=args.port,
             seed=args.seed,
             log_requests=args.log_requests,
+            aliases=aliases,
         )
+    except ValueError as error:
+        echo(f"grpo serve: {error}")
+        return 2
     except OSError as error:
         echo(
             f"grpo serve: cannot listen on {args.host}:{args.port}: {error}; "
@@ -653,18 +724,25 @@ def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) 
     )
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         echo(f"grpo serve: warning: bound to {args.host}, reachable from other machines")
+    for alias, name in aliases.items():
+        echo(f"grpo serve: serving {name} as {alias!r} too")
     for spec in args.fault:
         echo(f"grpo serve: injecting fault {spec}")
     echo("In the shell that runs your PyTRIO program:")
     echo(f"  export PYTRIO_BASE_URL={handle.url}")
     echo(f"  export PYTRIO_API_KEY={key_hint}")
     echo("Ctrl-C stops the server.")
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # Ctrl-C and SIGTERM stop it, even when started in the background (SIGINT ignored there).
+    previous = {
+        number: signal.signal(number, signal.default_int_handler)
+        for number in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:
         echo("grpo serve: stopping")
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
         handle.close()
     return 0

@@ -149,7 +149,12 @@ class ServeState:
     """The server's runs, events and checkpoints on one local backend (all methods thread-safe)."""
 
     def __init__(
-        self, local: LocalServiceClient, root: Path, actor_endpoint: str, files_url: str
+        self,
+        local: LocalServiceClient,
+        root: Path,
+        actor_endpoint: str,
+        files_url: str,
+        aliases: dict[str, str] | None = None,
     ) -> None:
         self.local = local
         self.root = root
@@ -167,6 +172,11 @@ class ServeState:
         self.actor_tokens: set[str] = set()
         self.event_log: list[tuple[str, str]] = []  # (training run, event type) in arrival order
         self._capabilities = local.get_server_capabilities()
+        names = [model.model_name for model in self._capabilities.supported_models]
+        self.aliases = dict(aliases or {})  # a name a program asks for -> a served model's name
+        for alias, name in self.aliases.items():
+            if name not in names:
+                raise ValueError(f"--model-alias {alias}={name}: {name!r} is not one of {names}")
 
     # --- identity, models -------------------------------------------------------------
 
@@ -194,7 +204,10 @@ class ServeState:
     def models(self, limit: int, offset: int) -> dict[str, Any]:
         """`ModelListResponse`: the local backend's named models with their real limits."""
         items = []
-        for model in self._capabilities.supported_models:
+        served = [(model.model_name, model) for model in self._capabilities.supported_models]
+        by_name = dict(served)
+        served += [(alias, by_name[name]) for alias, name in self.aliases.items()]
+        for model_name, model in served:
 
             def runner(operation: Any) -> dict[str, Any]:
                 return {
@@ -205,11 +218,11 @@ class ServeState:
 
             items.append(
                 {
-                    "cuid": f"model-{model.model_name}",
-                    "alias": model.model_name,
-                    "model_id": model.model_name,
-                    "display_name": model.model_name,
-                    "description": "served by grpo serve (embedded local backend)",
+                    "cuid": f"model-{model_name}",
+                    "alias": model_name,
+                    "model_id": model_name,
+                    "display_name": model_name,
+                    "description": f"{model.model_name}, served by grpo serve (local backend)",
                     "context_length": model.max_context_length,
                     "train_available": model.training.available,
                     "sample_available": model.sampling.available,
@@ -243,6 +256,7 @@ class ServeState:
             by_id = {model_id: name for name, model_id in self._model_ids.items()}
         if base_model in by_id:
             return by_id[base_model], base_model
+        base_model = self.aliases.get(base_model, base_model)
         if base_model in names:
             return base_model, self._tokenizer_directory(base_model)
         directory = Path(base_model).expanduser()
@@ -252,8 +266,9 @@ class ServeState:
         raise ServeError(
             404,
             "model_not_found",
-            f"base_model {base_model!r} is not served here; use one of {names} or the path of "
-            "a local Hugging Face model directory",
+            f"base_model {base_model!r} is not served here; use one of "
+            f"{names + list(self.aliases)} or the path of a local Hugging Face model directory "
+            "(or map the name: grpo serve --model-alias NAME=SERVED_MODEL)",
         )
 
     def _tokenizer_directory(self, name: str) -> str:
@@ -856,7 +871,8 @@ def _local_call(call: Callable[[], Any]) -> Any:
         raise
     except Exception as error:  # noqa: BLE001 - local validation errors of several types
         if isinstance(error, (PyTrioError, ValueError, TypeError, KeyError)):
-            raise ServeError(400, error_code(error), str(error)) from None
+            message = error.message if isinstance(error, PyTrioError) else str(error)
+            raise ServeError(400, error_code(error), message) from None
         raise
 
 

@@ -465,5 +465,39 @@ def test_the_local_client_accepts_pytrio_extras(tmp_path: Path) -> None:
         training = service.create_lora_training_client(TINY_MODEL_NAME, rank=4)
         output = training.forward(datums(training.get_tokenizer()), "ppo").result()
         assert set(output.metrics) == {"loss_sum", "loss_mean", "token_count"}
+        state = training.save_state("kept", ttl_seconds=60).result()
+        weights = training.save_weights_for_sampler("weights").result()
+        rest = service.create_rest_client()
+        listed = rest.list_checkpoints(training.training_run_cuid).result().checkpoints
+        assert [(c.checkpoint_type, c.path) for c in listed] == [
+            ("training", state.path),
+            ("sampler", weights.path),
+        ]
+        assert listed[0].expires_at is not None and listed[1].expires_at is None
+        page = asyncio.run(rest.list_user_checkpoints_async(limit=1))
+        assert len(page.checkpoints) == 1 and page.cursor.total_count == 2
+        rest.delete_checkpoint(training.training_run_cuid, listed[0].checkpoint_id).result()
+        assert not Path(state.path.removeprefix("local://")).exists()
+        with pytest.raises(pytrio.PyTrioError, match="list_checkpoints"):
+            rest.delete_checkpoint("another-run", listed[1].checkpoint_id)
         training.close()
         asyncio.run(training.close_async())
+
+
+def test_a_model_alias_lets_a_program_that_asks_for_another_model_run(tmp_path: Path) -> None:
+    from grpo.backends.serve import configured_pytrio, serve_in_thread
+
+    alias = "Qwen/Qwen3.5-4B"
+    with (
+        serve_in_thread(root=tmp_path / "served", aliases={alias: TINY_MODEL_NAME}) as handle,
+        configured_pytrio(handle.url, api_key="any", home=tmp_path),
+    ):
+        service = pytrio.ServiceClient()
+        assert service.get_supported_models() == [TINY_MODEL_NAME, alias]
+        training = service.create_lora_training_client(alias, rank=4, seed=0)
+        batch = datums(training.get_tokenizer())
+        assert training.forward(batch, "ppo").result().metrics["token_count"] > 0
+        sampler = training.save_weights_and_get_sampling_client()
+        assert sampler.sample(batch[0].model_input, 1, SamplingParams(max_tokens=2)).result()
+    with pytest.raises(ValueError, match="--model-alias"):
+        serve_in_thread(root=tmp_path / "bad", aliases={alias: "no/such-model"})
