@@ -31,118 +31,46 @@ import shutil
 import tarfile
 import threading
 import uuid
-from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import attrs
-import numpy as np
 from pytrio.errors.base import PyTrioError
 from pytrio.protocol.actor.events.event import EventEnvelope, EventType
-from pytrio.protocol.actor.events.tensor import WireTensorData
 from pytrio.protocol.actor.events.trainer.forward import TrainerForwardBackwardPayload
 from pytrio.protocol.actor.events.trainer.init_run import TrainerInitRunPayload
 from pytrio.protocol.actor.events.trainer.optimize_step import TrainerOptimizeStepPayload
 from pytrio.protocol.actor.events.trainer.save import TrainerSavePayload
 from pytrio.protocol.actor.model_input import WireEncodedTextChunk
 from pytrio.protocol.actor.sampling_run.sample import SampleRequest
-from pytrio.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
+from pytrio.types import AdamParams, ModelInput
 
 from grpo.backends import _local_checkpoint as checkpoints
 from grpo.backends.local import LocalSamplingClient, LocalServiceClient, LocalTrainingClient
+from grpo.backends.serve_wire import (
+    CheckpointRecord,
+    Event,
+    SamplingRun,
+    ServeError,
+    TrainingRun,
+    chain,
+    checkpoint_record,
+    datum_from_wire,
+    forward_result,
+    local_call,
+    model_list,
+    not_found,
+    now_iso,
+    sampling_params,
+    training_run_record,
+)
 
-SDK_VERSION_OK = "compatible"
 MEMORY_SCHEME = "memory://"
 _MEMORY_SAMPLERS_KEPT = 16
+_SAMPLING_RUNS_KEPT = 32  # the most recently used; each may hold a copy of LoRA weights
+_EVENTS_KEPT = 4096
 _JWT_LIFETIME = timedelta(days=7)
-_SAMPLING_PARAM_KEYS = {
-    "max_tokens",
-    "seed",
-    "temperature",
-    "top_k",
-    "top_p",
-    "stop",
-    "stop_token_ids",
-}
-
-
-class ServeError(Exception):
-    """A request the server refuses: HTTP `status`, PyTRIO error `code`, and a message."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-
-def now_iso() -> str:
-    """The current UTC time as ISO 8601 (what pydantic parses into an aware datetime)."""
-    return datetime.now(UTC).isoformat()
-
-
-def error_code(error: BaseException) -> str:
-    """The PyTRIO code of a local-backend error (its own code, else validation/internal)."""
-    if isinstance(error, PyTrioError):
-        return error.code
-    return (
-        "validation.invalid_request"
-        if isinstance(error, (ValueError, TypeError, KeyError))
-        else "trainer.error"
-    )
-
-
-def _not_found(what: str, key: str) -> ServeError:
-    return ServeError(404, "not_found", f"{what} {key!r} does not exist on this server")
-
-
-@attrs.define
-class _TrainingRun:
-    cuid: str
-    session: str
-    base_model: str
-    model_id: str
-    rank: int
-    seed: int | None
-    train_mlp: bool
-    train_attn: bool
-    train_unembed: bool
-    source_checkpoint_uri: str
-    restore_optimizer: bool
-    created_at: str
-    updated_at: str
-    client: LocalTrainingClient | None = None
-
-
-@attrs.define
-class _SamplingRun:
-    cuid: str
-    session: str
-    base_model: str
-    model_id: str
-    source_checkpoint_uri: str
-    created_at: str
-    client: LocalSamplingClient
-
-
-@attrs.define
-class _Checkpoint:
-    cuid: str
-    run: str
-    name: str
-    checkpoint_type: str  # "TRAINING" (save_state) or "SAMPLER" (save_weights_for_sampler)
-    uri: str
-    size_bytes: int
-    created_at: str
-    ttl_seconds: int | None
-
-
-@attrs.define
-class _Event:
-    event_id: str
-    type: EventType
-    future: Future  # resolves to the event's result dict
-    input_tokens: int = 0
 
 
 class ServeState:
@@ -163,10 +91,10 @@ class ServeState:
         self.download_token = uuid.uuid4().hex
         self._lock = threading.Lock()
         self._sessions: dict[str, dict[str, Any]] = {}
-        self._training: dict[str, _TrainingRun] = {}
-        self._sampling: dict[str, _SamplingRun] = {}
-        self._events: dict[str, _Event] = {}
-        self._checkpoints: dict[str, _Checkpoint] = {}
+        self._training: dict[str, TrainingRun] = {}
+        self._sampling: collections.OrderedDict[str, SamplingRun] = collections.OrderedDict()
+        self._events: collections.OrderedDict[str, Event] = collections.OrderedDict()
+        self._checkpoints: dict[str, CheckpointRecord] = {}
         self._memory: collections.OrderedDict[str, LocalSamplingClient] = collections.OrderedDict()
         self._model_ids: dict[str, str] = {}  # model name -> model_id (tokenizer directory)
         self.actor_tokens: set[str] = set()
@@ -180,64 +108,9 @@ class ServeState:
 
     # --- identity, models -------------------------------------------------------------
 
-    def api_key_info(self) -> dict[str, Any]:
-        """`APIKeyInfo` for any accepted key: one local user and workspace."""
-        return {
-            "api_key_tid": "local",
-            "api_key_name": "grpo serve",
-            "user_cuid": "local-user",
-            "username": "local",
-            "display_name": "grpo serve",
-            "workspace_cuid": "local-workspace",
-            "workspace_name": "local",
-            "workspace_type": "personal",
-            "expires_at": None,
-        }
-
-    def bootstrap(self, sdk_version: str) -> dict[str, Any]:
-        """`SDKBootstrapResponse`: every SDK version is compatible, no notices."""
-        return {
-            "compatibility": {"status": SDK_VERSION_OK, "sdk_version": sdk_version},
-            "notices": [],
-        }
-
     def models(self, limit: int, offset: int) -> dict[str, Any]:
-        """`ModelListResponse`: the local backend's named models with their real limits."""
-        items = []
-        served = [(model.model_name, model) for model in self._capabilities.supported_models]
-        by_name = dict(served)
-        served += [(alias, by_name[name]) for alias, name in self.aliases.items()]
-        for model_name, model in served:
-
-            def runner(operation: Any) -> dict[str, Any]:
-                return {
-                    "max_batch_size": operation.max_batch_size,
-                    "max_tokens_per_request": operation.max_tokens_per_request,
-                    "max_seq_len": operation.max_seq_len,
-                }
-
-            items.append(
-                {
-                    "cuid": f"model-{model_name}",
-                    "alias": model_name,
-                    "model_id": model_name,
-                    "display_name": model_name,
-                    "description": f"{model.model_name}, served by grpo serve (local backend)",
-                    "context_length": model.max_context_length,
-                    "train_available": model.training.available,
-                    "sample_available": model.sampling.available,
-                    "trainer": runner(model.training),
-                    "sampler": runner(model.sampling),
-                    "created_at": now_iso(),
-                    "updated_at": now_iso(),
-                }
-            )
-        return {
-            "items": items[offset : offset + limit],
-            "total": len(items),
-            "limit": limit,
-            "offset": offset,
-        }
+        """`ModelListResponse`: the served models (and aliases) with their real limits."""
+        return model_list(self._capabilities.supported_models, self.aliases, limit, offset)
 
     def _limits(self, base_model: str) -> dict[str, Any]:
         for model in self._capabilities.supported_models:
@@ -305,7 +178,7 @@ class ServeState:
     def _session(self, cuid: str) -> dict[str, Any]:
         with self._lock:
             if cuid not in self._sessions:
-                raise _not_found("service session", cuid)
+                raise not_found("service session", cuid)
             return self._sessions[cuid]
 
     def get_session(self, cuid: str) -> dict[str, Any]:
@@ -345,10 +218,15 @@ class ServeState:
         }
 
     def close_session(self, cuid: str, status: str) -> None:
-        """Mark a session ENDED/CANCELLED; its runs stay readable."""
+        """Mark a session ENDED/CANCELLED and free its models' adapters; records stay readable."""
         session = self._session(cuid)
         with self._lock:
             session.update(status=status, updated_at=now_iso())
+            for run in self._training.values():
+                if run.session == cuid:
+                    run.client = None
+            for key in [key for key, run in self._sampling.items() if run.session == cuid]:
+                del self._sampling[key]
 
     # --- runs -------------------------------------------------------------------------
 
@@ -384,7 +262,7 @@ class ServeState:
             )
         name, model_id = self._resolve_model(base_model)
         created = now_iso()
-        run = _TrainingRun(
+        run = TrainingRun(
             cuid=f"train-{uuid.uuid4().hex[:12]}",
             session=session,
             base_model=name,
@@ -415,10 +293,10 @@ class ServeState:
             "created_at": created,
         }
 
-    def _training_run(self, cuid: str) -> _TrainingRun:
+    def _training_run(self, cuid: str) -> TrainingRun:
         with self._lock:
             if cuid not in self._training:
-                raise _not_found("training run", cuid)
+                raise not_found("training run", cuid)
             return self._training[cuid]
 
     def update_training_run(self, cuid: str, request: dict[str, Any]) -> dict[str, Any]:
@@ -453,44 +331,16 @@ class ServeState:
             **self._actor(),
         }
 
-    def _training_run_record(self, run: _TrainingRun) -> dict[str, Any]:
-        params = {
-            "restore_optimizer": run.restore_optimizer,
-            "lora_rank": run.rank,
-            "seed": run.seed,
-            "train_mlp": run.train_mlp,
-            "train_attn": run.train_attn,
-            "train_unembed": run.train_unembed,
-        }
-        return {
-            "training_run_cuid": run.cuid,
-            "base_model": run.base_model,
-            "service_session_cuid": run.session,
-            "workspace_cuid": "local-workspace",
-            "status": "ACTIVE",
-            "run_index": 1,
-            "model_spec_cuid": f"model-{run.base_model}",
-            "is_lora": True,
-            "source_checkpoint_uri": run.source_checkpoint_uri or None,
-            **params,
-            "corrupted": False,
-            "training_params": params,
-            "created_at": run.created_at,
-            "updated_at": run.updated_at,
-        }
-
     def get_training_run(self, cuid: str) -> dict[str, Any]:
         """`TrainingRunGetResponse`."""
-        return self._training_run_record(self._training_run(cuid))
+        return training_run_record(self._training_run(cuid))
 
     def list_training_runs(self, limit: int, offset: int) -> dict[str, Any]:
         """`TrainingRunListResponse`, oldest first."""
         with self._lock:
             runs = list(self._training.values())
         return {
-            "training_runs": [
-                self._training_run_record(run) for run in runs[offset : offset + limit]
-            ],
+            "training_runs": [training_run_record(run) for run in runs[offset : offset + limit]],
             "cursor": {"offset": offset, "limit": limit, "total": len(runs)},
         }
 
@@ -528,12 +378,12 @@ class ServeState:
         if source.startswith(MEMORY_SCHEME):
             with self._lock:
                 if source not in self._memory:
-                    raise _not_found("in-memory sampler weights", source)
+                    raise not_found("in-memory sampler weights", source)
                 client = self._memory[source]
         else:
-            client = _local_call(lambda: self.local.create_sampling_client(name, source or None))
+            client = local_call(lambda: self.local.create_sampling_client(name, source or None))
         created = now_iso()
-        run = _SamplingRun(
+        run = SamplingRun(
             cuid=f"sampler-{uuid.uuid4().hex[:12]}",
             session=session,
             base_model=name,
@@ -544,6 +394,8 @@ class ServeState:
         )
         with self._lock:
             self._sampling[run.cuid] = run
+            while len(self._sampling) > _SAMPLING_RUNS_KEPT:
+                self._sampling.popitem(last=False)
         return {
             "sampling_run_cuid": run.cuid,
             "service_session_cuid": session,
@@ -558,10 +410,17 @@ class ServeState:
             "created_at": created,
         }
 
-    def _sampling_run(self, cuid: str) -> _SamplingRun:
+    def _sampling_run(self, cuid: str) -> SamplingRun:
         with self._lock:
             if cuid not in self._sampling:
-                raise _not_found("sampling run", cuid)
+                raise ServeError(
+                    404,
+                    "not_found",
+                    f"sampling run {cuid!r} does not exist here, or was dropped (the server "
+                    f"keeps the {_SAMPLING_RUNS_KEPT} most recently used and frees a closed "
+                    "session's); create a new sampling client",
+                )
+            self._sampling.move_to_end(cuid)
             return self._sampling[cuid]
 
     def get_sampling_run(self, cuid: str) -> dict[str, Any]:
@@ -582,7 +441,7 @@ class ServeState:
 
     # --- events -----------------------------------------------------------------------
 
-    def submit_event(self, envelope: EventEnvelope) -> _Event:
+    def submit_event(self, envelope: EventEnvelope) -> Event:
         """Start one trainer event (in arrival order); a duplicate event id is a 409."""
         run = self._training_run(envelope.metadata.run_id)
         with self._lock:
@@ -590,7 +449,7 @@ class ServeState:
                 raise ServeError(
                     409, "event_exists", f"event {envelope.event_id} was already submitted"
                 )
-        event = _Event(event_id=envelope.event_id, type=envelope.type, future=Future())
+        event = Event(event_id=envelope.event_id, type=envelope.type, future=Future())
         try:
             self._start(run, envelope, event)
         except Exception as error:  # noqa: BLE001 - a refused event is a failed event
@@ -598,18 +457,20 @@ class ServeState:
                 event.future.set_exception(error)
         with self._lock:
             self._events[event.event_id] = event
+            while len(self._events) > _EVENTS_KEPT:
+                self._events.popitem(last=False)
             self.event_log.append((run.cuid, envelope.type.value))
             run.updated_at = now_iso()
         return event
 
-    def event(self, event_id: str) -> _Event:
+    def event(self, event_id: str) -> Event:
         """A submitted event."""
         with self._lock:
             if event_id not in self._events:
-                raise _not_found("event", event_id)
+                raise not_found("event", event_id)
             return self._events[event_id]
 
-    def _start(self, run: _TrainingRun, envelope: EventEnvelope, event: _Event) -> None:
+    def _start(self, run: TrainingRun, envelope: EventEnvelope, event: Event) -> None:
         kind = envelope.type
         if kind == EventType.TRAINER_INIT_RUN:
             event.future.set_result(
@@ -623,20 +484,20 @@ class ServeState:
             )
         if kind in (EventType.TRAINER_FORWARD, EventType.TRAINER_FORWARD_BACKWARD):
             payload = TrainerForwardBackwardPayload.model_validate(envelope.payload)
-            datums = [_datum(item) for item in payload.data]
+            datums = [datum_from_wire(item) for item in payload.data]
             event.input_tokens = sum(len(datum.model_input) for datum in datums)
             method = (
                 client.forward if kind == EventType.TRAINER_FORWARD else client.forward_backward
             )
             config = dict(payload.loss.config) or None
-            _chain(
+            chain(
                 method(datums, payload.loss.type, config, payload.auto_shift),
                 event.future,
-                _forward_result,
+                forward_result,
             )
         elif kind == EventType.TRAINER_OPTIMIZE_STEP:
             adam = TrainerOptimizeStepPayload.model_validate(envelope.payload).adam_params
-            _chain(
+            chain(
                 client.optim_step(AdamParams(**adam.model_dump())),
                 event.future,
                 lambda response: {"metrics": dict(response.metrics)},
@@ -644,7 +505,7 @@ class ServeState:
         elif kind == EventType.TRAINER_SAVE_STATE:
             save = TrainerSavePayload.model_validate(envelope.payload)
             future = client.save_state(save.name, save.ttl_seconds, save.overwrite)
-            _chain(
+            chain(
                 future, event.future, lambda response: self._saved(run, save, "TRAINING", response)
             )
         elif kind == EventType.TRAINER_SAVE_WEIGHTS:
@@ -653,7 +514,7 @@ class ServeState:
                 event.future.set_result(self._save_in_memory(run, client, save.name))
             else:
                 future = client.save_weights_for_sampler(save.name, save.ttl_seconds)
-                _chain(
+                chain(
                     future,
                     event.future,
                     lambda response: self._saved(run, save, "SAMPLER", response),
@@ -663,7 +524,7 @@ class ServeState:
                 400, "validation.unsupported_event", f"{kind.value} is not served here"
             )
 
-    def _init_run(self, run: _TrainingRun, payload: TrainerInitRunPayload) -> dict[str, Any]:
+    def _init_run(self, run: TrainingRun, payload: TrainerInitRunPayload) -> dict[str, Any]:
         if run.client is not None:
             raise ServeError(
                 409, "validation.already_initialized", f"run {run.cuid} is already initialized"
@@ -684,9 +545,9 @@ class ServeState:
         return {}
 
     def _saved(
-        self, run: _TrainingRun, save: TrainerSavePayload, kind: str, response: Any
+        self, run: TrainingRun, save: TrainerSavePayload, kind: str, response: Any
     ) -> dict[str, Any]:
-        checkpoint = _Checkpoint(
+        checkpoint = CheckpointRecord(
             cuid=f"ckpt-{uuid.uuid4().hex[:12]}",
             run=run.cuid,
             name=save.name,
@@ -711,7 +572,7 @@ class ServeState:
         }
 
     def _save_in_memory(
-        self, run: _TrainingRun, client: LocalTrainingClient, name: str
+        self, run: TrainingRun, client: LocalTrainingClient, name: str
     ) -> dict[str, Any]:
         sampler = client.save_weights_and_get_sampling_client()
         uri = f"{MEMORY_SCHEME}{run.cuid}/{name}"
@@ -733,7 +594,7 @@ class ServeState:
         tokens = [token for chunk in request.prompt.chunks for token in chunk.tokens]
         prompt = ModelInput.from_ints(tokens)
         if request.return_prompt_logprobs and not request.return_token_logprobs:
-            prompt_logprobs = _local_call(lambda: client.compute_logprobs(prompt)).result()
+            prompt_logprobs = local_call(lambda: client.compute_logprobs(prompt)).result()
             return {
                 "request_id": request.request_id,
                 "sampling_run": cuid,
@@ -741,8 +602,8 @@ class ServeState:
                 "prompt_logprobs": prompt_logprobs,
                 "usage": {"input_tokens": len(tokens), "output_tokens": 0},
             }
-        params = _sampling_params(request.sampling_params)
-        response = _local_call(
+        params = sampling_params(request.sampling_params)
+        response = local_call(
             lambda: client.sample(
                 prompt,
                 request.num_samples,
@@ -784,53 +645,25 @@ class ServeState:
 
     # --- checkpoints (RestClient) -----------------------------------------------------
 
-    def _checkpoint_record(self, checkpoint: _Checkpoint) -> dict[str, Any]:
-        run = self._training.get(checkpoint.run)
-        base_model = run.base_model if run is not None else ""
-        expires = None
-        if checkpoint.ttl_seconds:
-            created = datetime.fromisoformat(checkpoint.created_at)
-            expires = (created + timedelta(seconds=checkpoint.ttl_seconds)).isoformat()
-        return {
-            "cuid": checkpoint.cuid,
-            "checkpoint_cuid": checkpoint.cuid,
-            "training_run_cuid": checkpoint.run,
-            "workspace_cuid": "local-workspace",
-            "name": checkpoint.name,
-            "checkpoint_type": checkpoint.checkpoint_type,
-            "status": "READY",
-            "checkpoint_uri": checkpoint.uri,
-            "model": base_model,
-            "base_model": base_model,
-            "model_spec_cuid": f"model-{base_model}",
-            "task_id": checkpoint.run,
-            "task_created_at": run.created_at if run else checkpoint.created_at,
-            "task_status": "ACTIVE",
-            "path": checkpoint.uri,
-            "created_at": checkpoint.created_at,
-            "uploaded_at": checkpoint.created_at,
-            "size_bytes": checkpoint.size_bytes,
-            "lora_rank": run.rank if run else 0,
-            "is_uploaded": True,
-            "expired_at": expires,
-        }
-
     def list_checkpoints(self, run: str | None, limit: int, offset: int) -> dict[str, Any]:
         """`CheckpointListResponse` for one training run, or all of them, oldest first."""
         if run is not None:
             self._training_run(run)
         with self._lock:
             chosen = [ckpt for ckpt in self._checkpoints.values() if run is None or ckpt.run == run]
-            records = [self._checkpoint_record(ckpt) for ckpt in chosen[offset : offset + limit]]
+            records = [
+                checkpoint_record(ckpt, self._training.get(ckpt.run))
+                for ckpt in chosen[offset : offset + limit]
+            ]
         return {
             "checkpoints": records,
             "cursor": {"offset": offset, "limit": limit, "total": len(chosen)},
         }
 
-    def _checkpoint(self, cuid: str) -> _Checkpoint:
+    def _checkpoint(self, cuid: str) -> CheckpointRecord:
         with self._lock:
             if cuid not in self._checkpoints:
-                raise _not_found("checkpoint", cuid)
+                raise not_found("checkpoint", cuid)
             return self._checkpoints[cuid]
 
     def download_url(self, cuid: str) -> dict[str, Any]:
@@ -861,89 +694,3 @@ class ServeState:
         shutil.rmtree(checkpoints.resolve(checkpoint.uri), ignore_errors=True)
         with self._lock:
             self._checkpoints.pop(cuid, None)
-
-
-def _local_call(call: Callable[[], Any]) -> Any:
-    """Run a local-backend call; its validation errors become 400s naming the field."""
-    try:
-        return call()
-    except ServeError:
-        raise
-    except Exception as error:  # noqa: BLE001 - local validation errors of several types
-        if isinstance(error, (PyTrioError, ValueError, TypeError, KeyError)):
-            message = error.message if isinstance(error, PyTrioError) else str(error)
-            raise ServeError(400, error_code(error), message) from None
-        raise
-
-
-def _chain(source: Any, target: Future, convert: Callable[[Any], dict[str, Any]]) -> None:
-    """Resolve `target` with `convert(result)` (or the error) when APIFuture `source` is done."""
-
-    def resolve(done: Future) -> None:
-        try:
-            target.set_result(convert(done.result()))
-        except BaseException as error:  # noqa: BLE001 - the event carries any failure
-            target.set_exception(error)
-
-    source._future.add_done_callback(resolve)
-
-
-def _datum(item: Any) -> Datum:
-    """The local backend's Datum from one wire `TrainerForwardDatum` (text chunks only)."""
-    tokens: list[int] = []
-    for chunk in item.model_input.chunks:
-        if not isinstance(chunk, WireEncodedTextChunk):
-            raise ServeError(
-                400, "validation.image_unsupported", "the local backend trains on text only"
-            )
-        tokens.extend(chunk.tokens)
-    inputs: dict[str, TensorData] = {
-        "target_tokens": TensorData(
-            data=list(item.target_ids), dtype="int64", shape=[len(item.target_ids)]
-        )
-    }
-    for key in ("weights", "logprobs", "advantages"):
-        values = getattr(item, key)
-        if values is not None:
-            inputs[key] = TensorData(data=list(values), dtype="float32", shape=[len(values)])
-    return Datum(model_input=ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
-
-
-def _forward_result(output: Any) -> dict[str, Any]:
-    """`TrainerForwardResult` of a ForwardBackwardOutput: wire-tensor logprobs, pytrio's metrics."""
-    outputs = [
-        {
-            name: WireTensorData.from_numpy(
-                np.asarray(tensor.data, dtype=np.float32)
-            ).to_wire_value()
-            for name, tensor in sample.items()
-        }
-        for sample in output.loss_fn_outputs
-    ]
-    metrics = output.metrics
-    return {
-        "loss_fn_outputs": outputs,
-        "metrics": {
-            "loss_sum": float(metrics["loss_sum"]),
-            "loss_mean": float(metrics["loss_mean"]),
-            "token_count": int(metrics["token_count"]),
-        },
-    }
-
-
-def _sampling_params(raw: dict[str, object]) -> SamplingParams:
-    """pytrio's SamplingParams from the wire dict (stop strings and stop token ids merged back)."""
-    unknown = set(raw) - _SAMPLING_PARAM_KEYS
-    if unknown:
-        raise ServeError(
-            400,
-            "validation.invalid_sampling_request",
-            f"sampling_params has unknown keys {sorted(unknown)}; "
-            f"known: {sorted(_SAMPLING_PARAM_KEYS)}",
-        )
-    fields = {key: value for key, value in raw.items() if key not in ("stop", "stop_token_ids")}
-    stop = raw.get("stop_token_ids", raw.get("stop"))
-    try:
-        return SamplingParams(**fields, stop=stop)  # type: ignore[arg-type]
-    except ValueError as error:
-        raise ServeError(400, "validation.invalid_sampling_request", str(error)) from None
