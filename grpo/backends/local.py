@@ -15,7 +15,7 @@ How it differs from the service, on purpose:
   the kernel's keys, ``loss_fn_config`` may hold ``reduction`` (default ``"sum"``, the
   Tinker convention) and ``norm_length``.
 - ``metrics`` holds PyTRIO's keys only: ``loss_sum``, ``loss_mean`` and ``token_count``
-  (an int: the tokens the loss trains on, target ≠ −100 with a nonzero weight or
+  (a whole number: the tokens the loss trains on, target ≠ −100 with a nonzero weight or
   advantage, the first one dropped under ``auto_shift``; PyTRIO's active-token count).
   ``LocalServiceClient(kernel_metrics=True)`` adds the kernel's metrics prefixed with the
   loss name (``"ppo/clip_fraction"``). Other kernels (``gspo``) run through
@@ -28,6 +28,11 @@ How it differs from the service, on purpose:
   (before clipping), ``learning_rate``, ``optimizer_step``.
 - ``save_weights_and_get_sampling_client`` copies the adapter tensors in memory (no
   file): the sampler keeps sampling those weights while training goes on.
+- Beyond the loop's needs it has the rest of pytrio 0.2.9's surface:
+  ``get_server_capabilities`` (the models' real context length), ``create_rest_client``
+  (list and delete checkpoints, `_local_rest`), an ignored ``api_key``, and training
+  clients' ``close()``/``close_async()`` as no-ops (older pytrio releases had them, and
+  published scripts still call them).
 - Checkpoints are PEFT adapter directories under ``root`` (see ``_local_checkpoint``),
   addressed as ``local://<directory>``; ``ttl_seconds`` is recorded, never enforced.
 - Randomness: ``LocalServiceClient(seed=...)`` seeds a generator that supplies the LoRA

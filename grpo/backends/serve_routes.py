@@ -2,7 +2,8 @@
 operation, its fault-injection name and who may call it, plus the event and sample handlers.
 
 Auth kinds: ``control`` (the API key, when the server has one), ``actor`` (a token that a
-run's creation handed out), ``files`` (the download token in the URL), ``none``.
+run's creation handed out), ``files`` (the download token in the URL), ``none`` (only
+``/``, the reachability probe). Telemetry is accepted (with the key) and dropped.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def routes(stopping: threading.Event) -> list[Route]:
     table: list[tuple[str, str, str, str, Callable[..., Reply]]] = [
         ("GET", "/", "", "none", lambda s, r: _json({"service": "grpo serve"})),
         ("HEAD", "/", "", "none", lambda s, r: Reply(200)),
-        ("POST", "/api/telemetry/event", "", "none", lambda s, r: Reply(204)),
+        ("POST", "/api/telemetry/event", "", "control", lambda s, r: Reply(204)),
         (
             "GET",
             f"{api}/api-key/verify",
