@@ -188,7 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     repeats = 3 if args.quick else 10
-    command = "python -m benchmarks.serve" + (" --quick" if args.quick else "")
+    given = list(sys.argv[1:] if argv is None else argv)
+    command = " ".join(["python -m benchmarks.serve", *given])
     print_header("grpo serve vs in process (tiny model, LoRA rank 32, 1 torch thread)", command)
     where = "a thread of this process" if args.quick else "a separate process"
     print(f"timings: best of {repeats} calls after a warm-up; server on {where}\n")

@@ -295,9 +295,11 @@ def test_bad_requests_fail_at_once_and_leave_the_run_usable(served: Any) -> None
     with pytest.raises(pytrio.PyTrioError, match="loss_fn_config") as failed:
         training.forward_backward(batch, "ppo", {"no_such_option": 1.0}).result()
     assert failed.value.code.startswith("validation.") and not failed.value.retryable
+    limit = service.get_server_capabilities().supported_models[0].max_context_length
+    sampler = training.save_weights_and_get_sampling_client()
     with pytest.raises(pytrio.PyTrioError, match="positions") as too_long:
-        sampler = training.save_weights_and_get_sampling_client()
-        sampler.sample(ModelInput.from_ints([5] * 250), 1, SamplingParams(max_tokens=50)).result()
+        prompt = ModelInput.from_ints([5] * (limit - 10))
+        sampler.sample(prompt, 1, SamplingParams(max_tokens=50)).result()
     assert too_long.value.status_code == 400 and not too_long.value.retryable
     with pytest.raises(pytrio.PyTrioError, match="not served here") as unknown:
         service.create_lora_training_client("no/such-model", rank=4)
