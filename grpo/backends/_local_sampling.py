@@ -463,7 +463,10 @@ def _cat_bias(biases: Sequence[Tensor | None], weights: Sequence[Tensor]) -> Ten
     if all(bias is None for bias in biases):
         return None
     return torch.cat(
-        [bias if bias is not None else weight.new_zeros(len(weight)) for bias, weight in zip(biases, weights)]
+        [
+            bias if bias is not None else weight.new_zeros(len(weight))
+            for bias, weight in zip(biases, weights)
+        ]
     )
 
 
@@ -509,7 +512,8 @@ class _DecodeStep:
     def build(cls, model: torch.nn.Module) -> _DecodeStep | None:
         """The merged decode step of `model` (its active adapters), or None if unsupported."""
         config = model.config
-        if getattr(config, "model_type", None) not in FAST_DECODE_MODEL_TYPES or config.hidden_act != "silu":
+        model_type = getattr(config, "model_type", None)
+        if model_type not in FAST_DECODE_MODEL_TYPES or config.hidden_act != "silu":
             return None
         backbone = model.get_decoder()
         if not hasattr(backbone, "rotary_emb") or not hasattr(backbone, "norm"):
@@ -573,9 +577,8 @@ class _DecodeStep:
             if layer.k_norm is not None:
                 k = rms_norm(k, (dim,), layer.k_norm, self.eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            attended = cache.attend(
-                index, q.unsqueeze(2), k.unsqueeze(2), v.view(rows, self.kv_heads, 1, dim), self.scaling
-            )
+            v = v.view(rows, self.kv_heads, 1, dim)
+            attended = cache.attend(index, q.unsqueeze(2), k.unsqueeze(2), v, self.scaling)
             x = x + linear(attended.reshape(rows, -1), layer.o, layer.o_bias)
             h = rms_norm(x, x.shape[-1:], layer.post_norm, self.eps)
             gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)

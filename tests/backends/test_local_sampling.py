@@ -319,7 +319,11 @@ def test_threads_and_asyncio_get_the_same_results_as_sequential_calls(service):
         ([5, 6], {"topk_prompt_logprobs": -1}, "validation.invalid_sampling_request"),
         ([5, 10_000], {}, "validation.token_id_out_of_range"),
         ([5, -1], {}, "validation.token_id_out_of_range"),
-        ([5] * 2045, {"sampling_params": params(max_tokens=7)}, "validation.sampling_request_too_long"),
+        (
+            [5] * 2045,
+            {"sampling_params": params(max_tokens=7)},
+            "validation.sampling_request_too_long",
+        ),
     ],
 )
 def test_bad_sampling_requests_raise_before_any_work(service, prompt, kwargs, code):
