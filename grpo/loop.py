@@ -476,7 +476,7 @@ def default_run_name(config: TrainConfig) -> str:
 
 
 def wants_fewshot(config: TrainConfig) -> bool:
-    """Few-shot prompts for real models; the character-level tiny model was warm-started without."""
+    """Few-shot prompts for real models; the tiny model defaults to its own short prompt."""
     return config.fewshot if config.fewshot is not None else config.base_model != TINY_MODEL_NAME
 
 
