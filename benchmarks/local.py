@@ -2,13 +2,21 @@
 
 `python -m benchmarks.local [--quick]`
 
-On the built-in tiny model (`grpo/tiny-qwen3-arith`, LoRA rank 32): sampling 64
+On the built-in tiny model (`grpo/tiny-qwen3-bpe`, LoRA rank 32): sampling 64
 sequences of up to 32 new tokens (8 prompts x 8 samples, submitted together so the
 worker batches them; tokens/s counts the tokens actually generated: a sequence stops at
 its end-of-turn token) and forward_backward with `importance_sampling` on 64 datums of 121
 positions. --quick: 16 sequences each. Under 1 torch thread and torch's default count:
 the backend's worker thread keeps the thread count it started with, so every setting
 gets a fresh service created under that setting.
+
+Then, on one thread, the sampler against its compute limit: the model's FLOPs per
+generated token (2 per weight of every matmul a decode step runs, plus attention over the
+mean context), the machine's measured matmul throughput (the decode step's largest
+matmul, and a 1024 x 1024 x 1024 one), and three samplers on the same 64 sequences: the
+backend's merged decode step, the backend with the Hugging Face forward (the previous
+decode path, `_DecodeStep` off), and transformers' `generate` on the base model (KV
+cache, no LoRA, top-k off).
 """
 
 from __future__ import annotations
@@ -19,11 +27,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from pytrio.types import Datum, ModelInput, SamplingParams
 
 from benchmarks.common import Timing, argument_parser, markdown_table, measure, print_header, thread_settings, torch_threads
+from grpo.backends import _local_sampling
 from grpo.backends.local import LocalServiceClient
-from grpo.backends.tiny import TINY_MODEL_NAME
+from grpo.backends.tiny import TINY_MODEL_NAME, load_tiny_model
 from grpo.data import load_problems
 from grpo.prompts import build_prompt_tokens
 
@@ -59,8 +69,14 @@ def training_datums(count: int, vocab_size: int, seed: int = 0) -> list[Datum]:
     return datums
 
 
-def time_backend(num_sequences: int, *, repeats: int) -> tuple[Timing, int, Timing, int]:
-    """(sampling timing, tokens generated per call, forward_backward timing, positions per call) on a fresh service."""
+def time_backend(
+    num_sequences: int, *, repeats: int, train: bool = True
+) -> tuple[Timing, int, Timing | None, int]:
+    """(sampling timing, tokens per call, forward_backward timing, positions per call).
+
+    Each call gets a fresh service; without `train` only sampling is timed (forward_backward
+    timing None).
+    """
     with tempfile.TemporaryDirectory(prefix="grpo-bench-local-") as root, LocalServiceClient(root=root, seed=0) as service:
         training_client = service.create_lora_training_client(base_model=TINY_MODEL_NAME, rank=32, seed=0)
         tokenizer = training_client.get_tokenizer()
@@ -81,12 +97,103 @@ def time_backend(num_sequences: int, *, repeats: int) -> tuple[Timing, int, Timi
             generated.append(sum(len(sequence.tokens) for response in responses for sequence in response.sequences))
 
         sampling = measure(sample_all, repeats=repeats)
+        if not train:
+            return sampling, generated[-1], None, 0
         datums = training_datums(num_sequences, vocab_size=len(tokenizer))
         forward_backward = measure(
             lambda: training_client.forward_backward(datums, loss_fn="importance_sampling").result(), repeats=repeats
         )
     # Every call samples with the same seeds, so every call generates the same tokens.
     return sampling, generated[-1], forward_backward, num_sequences * DATUM_POSITIONS
+
+
+def flops_per_token(config: Any, context: float) -> float:
+    """2 x (decoder matmul weights + unembedding) + 4 x layers x heads x head_dim x context."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    attention_weights = hidden * head_dim * (2 * heads + 2 * config.num_key_value_heads)
+    layer_weights = attention_weights + 3 * hidden * config.intermediate_size
+    matmul_weights = config.num_hidden_layers * layer_weights + hidden * config.vocab_size
+    return 2 * matmul_weights + 4 * config.num_hidden_layers * heads * head_dim * context
+
+
+def matmul_gflops(rows: int, inner: int, columns: int, *, repeats: int) -> float:
+    """Measured GFLOP/s of one [rows, inner] x [inner, columns] float32 matmul (best call)."""
+    left, right = torch.randn(rows, inner), torch.randn(columns, inner)
+    timing = measure(lambda: torch.nn.functional.linear(left, right), repeats=repeats, warmup=3)
+    return 2 * rows * inner * columns / timing.best_s / 1e9
+
+
+def time_generate(prompts: Sequence[list[int]], *, repeats: int) -> tuple[Timing, int]:
+    """transformers' generate on the shipped base model: 8 samples per prompt, left padded."""
+    model, tokenizer = load_tiny_model()
+    rows = [prompt for prompt in prompts for _ in range(SAMPLES_PER_PROMPT)]
+    width = max(map(len, rows))
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(row)) + row for row in rows])
+    attention_mask = (input_ids != tokenizer.pad_token_id).long()
+    generated: list[int] = []
+
+    def generate() -> None:
+        with torch.no_grad():
+            output = model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS,
+                do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            )[:, width:].tolist()
+        end = tokenizer.eos_token_id
+        generated.append(sum(row.index(end) + 1 if end in row else len(row) for row in output))
+
+    return measure(generate, repeats=repeats), generated[-1]
+
+
+def limit_table(num_sequences: int, *, repeats: int) -> tuple[list[str], str]:
+    """(lines stating the limit, the samplers' table) at one thread."""
+    with torch_threads(1):
+        fast, generated_fast, _, _ = time_backend(num_sequences, repeats=repeats, train=False)
+        build = _local_sampling._DecodeStep.build
+        hugging_face_only = classmethod(lambda cls, model: None)
+        _local_sampling._DecodeStep.build = hugging_face_only  # type: ignore[method-assign]
+        try:
+            slow, generated_slow, _, _ = time_backend(num_sequences, repeats=repeats, train=False)
+        finally:
+            _local_sampling._DecodeStep.build = build  # type: ignore[method-assign]
+        model, tokenizer = load_tiny_model()
+        rows = load_problems("arithmetic", "train", limit=num_sequences // SAMPLES_PER_PROMPT)
+        prompts = [build_prompt_tokens(tokenizer, row["question"], fewshot=False) for row in rows]
+        generate, generated_by_generate = time_generate(prompts, repeats=repeats)
+        config = model.config
+        widest = 2 * config.intermediate_size
+        decode_gflops = matmul_gflops(num_sequences, config.hidden_size, widest, repeats=20)
+        peak_gflops = matmul_gflops(1024, 1024, 1024, repeats=3)
+    context = float(np.mean([len(prompt) for prompt in prompts])) + NEW_TOKENS / 2
+    flops = flops_per_token(config, context)
+    lines = [
+        f"FLOPs per generated token: {flops / 1e6:.2f} M (mean context {context:.0f} positions)",
+        f"matmul throughput, 1 thread: {decode_gflops:.1f} GFLOP/s at {num_sequences} x "
+        f"{config.hidden_size} x {2 * config.intermediate_size} (the decode step's largest), "
+        f"{peak_gflops:.1f} GFLOP/s at 1024^3",
+        f"limit at the decode-step matmul rate: {decode_gflops * 1e9 / flops:,.0f} tokens/s",
+    ]
+    rows = []
+    for label, timing, generated in (
+        ("local sampler, merged decode step", fast, generated_fast),
+        ("local sampler, Hugging Face forward", slow, generated_slow),
+        ("transformers generate (base model)", generate, generated_by_generate),
+    ):
+        tokens_per_s = generated / timing.best_s
+        rows.append(
+            [
+                label,
+                f"{generated}",
+                f"{tokens_per_s:,.0f}",
+                f"{tokens_per_s * flops / 1e9:.2f}",
+                f"{tokens_per_s * flops / (decode_gflops * 1e9):.1%}",
+            ]
+        )
+    table = markdown_table(
+        ["1 thread", "tokens generated", "tokens/s", "GFLOP/s", "fraction of the matmul rate"], rows
+    )
+    return lines, table
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for label, threads in thread_settings(args.quick):
         with torch_threads(threads):
             sampling, generated, forward_backward, positions = time_backend(num_sequences, repeats=repeats)
+        assert forward_backward is not None
         rows.append(
             [
                 label,
@@ -116,6 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows,
         )
     )
+    print()
+    lines, table = limit_table(num_sequences, repeats=repeats)
+    print("Sampler against its compute limit (1 thread, same sequences)\n")
+    print("\n".join(f"- {line}" for line in lines))
+    print()
+    print(table)
     print()
     sys.stdout.flush()
     return 0

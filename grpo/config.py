@@ -271,7 +271,7 @@ class TrainConfig:
     # Data
     dataset: str = _flag(
         "arithmetic",
-        "problems: 'arithmetic' (built-in), 'gsm8k' (hub) or a local JSONL/Parquet path",
+        "problems: 'arithmetic' or 'wordproblems' (built-in), 'gsm8k' (hub) or a local JSONL/Parquet path",
         _not_empty,
     )
     all_data: bool = _flag(
@@ -417,7 +417,7 @@ class TrainConfig:
 
     @property
     def use_fewshot(self) -> bool:
-        """Few-shot prompts for real models; the tiny model was warm-started without them."""
+        """Few-shot prompts for real models; the built-in model defaults to its own short prompt."""
         return self.fewshot if self.fewshot is not None else self.base_model != TINY_MODEL_NAME
 
 

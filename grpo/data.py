@@ -9,6 +9,11 @@ Sources accepted by ``load_problems``:
   while every arithmetic fact may be. Sizes:
   train 2,000 and test 300 distinct questions (fewer if the difficulty's problem space is
   smaller; difficulty 1 has 2,016 train and 1,344 test questions in all).
+- ``"wordproblems"``: built-in, seeded GSM8K-style stories of one or two steps (+ and −
+  over 0..20, never negative), answers in GSM8K's form: one equation per line, then
+  ``#### N`` (e.g. ``"9 + 4 = 13\\n13 - 6 = 7\\n#### 7"``). Train and test are disjoint by
+  construction: each split has its own story templates, names and objects, so no test
+  question can equal a train question. Sizes: train 2,000 and test 300.
 - ``"gsm8k"``: ``openai/gsm8k`` (config ``main``) from the Hugging Face hub or its cache.
 - a path: a ``.jsonl``/``.json``/``.parquet``/``.csv`` file (it serves whichever split is
   asked for), or a directory holding ``{split}.jsonl`` / ``.json`` / ``.parquet`` / ``.csv``.
@@ -28,6 +33,9 @@ from grpo.core.rewards import gsm8k_gold
 
 SPLITS = ("train", "test")
 ARITHMETIC_SPLIT_SIZES = {"train": 2000, "test": 300}
+WORD_PROBLEM_SPLIT_SIZES = {"train": 2000, "test": 300}
+WORD_PROBLEM_MAX_OPERAND = 20
+BUILTIN_SOURCES = ("arithmetic", "wordproblems")
 GSM8K_HUB_ID = "openai/gsm8k"
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 REQUIRED_COLUMNS = ("question", "answer")
@@ -60,6 +68,53 @@ ARITHMETIC_PHRASINGS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
+# GSM8K-style stories. Each template is (operations, text): `{a}` `{b}` `{c}` are the
+# operands in order, `{name}` a person, `{thing}` a plural noun. Every split has its own
+# templates, names and things (disjoint by construction).
+WORD_PROBLEM_TEMPLATES: dict[str, tuple[tuple[str, str], ...]] = {
+    "train": (
+        ("+", "{name} has {a} {thing}. {name} buys {b} more {thing}. "
+         "How many {thing} does {name} have now?"),
+        ("-", "{name} had {a} {thing} and gave {b} of them to a friend. "
+         "How many {thing} does {name} have left?"),
+        ("+", "There are {a} {thing} in a box and {b} {thing} on the table. "
+         "How many {thing} are there in all?"),
+        ("-", "A shop had {a} {thing}. It sold {b} of them in the morning. "
+         "How many {thing} are left?"),
+        ("++", "{name} picked {a} {thing} on Monday, {b} on Tuesday and {c} on Wednesday. "
+         "How many {thing} did {name} pick in total?"),
+        ("+-", "{name} has {a} {thing}. A friend gives {name} {b} more, then {name} loses {c}. "
+         "How many {thing} does {name} have now?"),
+        ("-+", "{name} had {a} {thing} and used {b} of them. Later {name} bought {c} more. "
+         "How many {thing} does {name} have now?"),
+        ("--", "A basket holds {a} {thing}. {name} takes out {b}, then takes out {c} more. "
+         "How many {thing} are still in the basket?"),
+    ),
+    "test": (
+        ("+", "{name} owns {a} {thing} and wins {b} more at a fair. "
+         "How many {thing} does {name} own now?"),
+        ("-", "{name} started with {a} {thing} and lost {b} on the way home. "
+         "How many {thing} are left?"),
+        ("++", "{name} collected {a} {thing} in the first week, {b} in the second and {c} in "
+         "the third. How many {thing} were collected altogether?"),
+        ("+-", "A jar has {a} {thing}. {name} adds {b} {thing} and then removes {c}. "
+         "How many {thing} are in the jar now?"),
+        ("-+", "{name} had {a} {thing}, sold {b} and then received {c} as a gift. "
+         "How many {thing} does {name} have now?"),
+        ("--", "{name} had {a} {thing}. {name} gave {b} to a neighbour and {c} to a cousin. "
+         "How many {thing} does {name} have left?"),
+    ),
+}
+WORD_PROBLEM_NAMES = {
+    "train": ("Ann", "Ben", "Cara", "Dev", "Eli", "Fay", "Gil", "Hugo", "Ida", "Jon"),
+    "test": ("Kim", "Leo", "Mia", "Ned", "Ola", "Pia"),
+}
+WORD_PROBLEM_THINGS = {
+    "train": ("apples", "pens", "stickers", "marbles", "eggs", "stamps", "shells", "cookies"),
+    "test": ("cards", "coins", "books", "beads", "plums"),
+}
+
+
 def load_problems(
     source: str,
     split: str,
@@ -70,8 +125,8 @@ def load_problems(
 ) -> datasets.Dataset:
     """Rows {question, answer} from `source` (see module doc); the first `limit` rows if given.
 
-    `seed` and `difficulty` shape the built-in arithmetic problems only; files and GSM8K
-    keep their own order.
+    `seed` shapes the built-in problems and `difficulty` the arithmetic ones only; files
+    and GSM8K keep their own order.
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not one of {SPLITS}; pass split='train' or 'test'")
@@ -81,6 +136,8 @@ def load_problems(
         problems = arithmetic_problems(
             split, size=ARITHMETIC_SPLIT_SIZES[split], seed=seed, difficulty=difficulty
         )
+    elif source == "wordproblems":
+        problems = word_problems(split, size=WORD_PROBLEM_SPLIT_SIZES[split], seed=seed)
     elif source == "gsm8k":
         problems = _validated(_load_gsm8k(split), f"{GSM8K_HUB_ID} ({split})")
     else:
@@ -135,6 +192,43 @@ def arithmetic_problems(split: str, *, size: int, seed: int, difficulty: int) ->
     return datasets.Dataset.from_dict({"question": questions, "answer": answers})
 
 
+def word_problems(split: str, *, size: int, seed: int) -> datasets.Dataset:
+    """`size` distinct seeded stories of this split: template, name, thing, then operands.
+
+    Operands are uniform in 0..WORD_PROBLEM_MAX_OPERAND; draws whose running total would go
+    negative are redrawn, as are repeated questions. Answers list one equation per step.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not one of {SPLITS}; pass split='train' or 'test'")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"size={size!r} must be a non-negative integer")
+    rng = random.Random(f"grpo.data.wordproblems/{split}/{seed}")
+    chosen: set[str] = set()
+    questions: list[str] = []
+    answers: list[str] = []
+    while len(questions) < size:
+        operations, template = rng.choice(WORD_PROBLEM_TEMPLATES[split])
+        name = rng.choice(WORD_PROBLEM_NAMES[split])
+        thing = rng.choice(WORD_PROBLEM_THINGS[split])
+        operands = [rng.randint(0, WORD_PROBLEM_MAX_OPERAND) for _ in range(len(operations) + 1)]
+        total, lines, went_negative = operands[0], [], False
+        for operation, operand in zip(operations, operands[1:]):
+            result = total + operand if operation == "+" else total - operand
+            lines.append(f"{total} {operation} {operand} = {result}")
+            went_negative |= result < 0
+            total = result
+        if went_negative:
+            continue
+        fields = dict(zip("abc", operands))
+        question = template.format(name=name, thing=thing, **fields)
+        if question in chosen:
+            continue
+        chosen.add(question)
+        questions.append(question)
+        answers.append("\n".join([*lines, f"#### {total}"]))
+    return datasets.Dataset.from_dict({"question": questions, "answer": answers})
+
+
 def _load_gsm8k(split: str) -> datasets.Dataset:
     try:
         return datasets.load_dataset(GSM8K_HUB_ID, "main", split=split)
@@ -161,7 +255,8 @@ def _local_file(path: Path, split: str) -> Path:
         )
     if not path.exists():
         raise FileNotFoundError(
-            f"data source {str(path)!r} is neither a built-in source ('arithmetic', 'gsm8k') "
+            f"data source {str(path)!r} is neither a built-in source ('arithmetic', "
+            "'wordproblems', 'gsm8k') "
             "nor an existing file or directory; check the path"
         )
     if path.suffix not in LOCAL_SUFFIXES:

@@ -3,8 +3,12 @@
     python scripts/make_tiny_model.py                 # train, save, measure, write MANIFEST.md
     python scripts/make_tiny_model.py --check         # retrain in a temp dir, compare with shipped
 
-Training is single-threaded and deterministic (see grpo/backends/warm_start.py), so the same
-torch and transformers versions reproduce the shipped `model.safetensors` byte for byte.
+    python scripts/make_tiny_model.py --steps 600 --snapshot-steps 200,300,400 --snapshot-dir D
+                                                      # also save the model at those steps
+
+Training is single-threaded and deterministic (see grpo/warm_start.py), so the same torch and
+transformers versions reproduce the shipped tokenizer and `model.safetensors` byte for byte.
+The tokenizer is trained first, on the warm start's own conversations (both prompt styles).
 """
 
 from __future__ import annotations
@@ -16,16 +20,20 @@ import tempfile
 import time
 from pathlib import Path
 
+import tokenizers
 import torch
 import transformers
 
-from grpo.backends import warm_start
-from grpo.backends.tiny import TINY_MODEL_DIR, build_tokenizer, init_tiny_model
+from grpo import warm_start
+from grpo.backends.tiny import MAX_POSITIONS, TINY_MODEL_DIR, init_tiny_model, train_tokenizer
 from grpo.data import ARITHMETIC_SPLIT_SIZES, load_problems
+from grpo.prompts import FEWSHOT_PREFIX
 
 WEIGHTS_FILE = "model.safetensors"
-SAVED_FILES = ("config.json", "generation_config.json", WEIGHTS_FILE)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+SAVED_FILES = ("config.json", "generation_config.json", WEIGHTS_FILE, *TOKENIZER_FILES)
 SAMPLING_SEED = 0
+PROMPT_STYLES = {"own prompt": (), "few-shot prompt": FEWSHOT_PREFIX}
 
 
 def sha256_of(path: Path) -> str:
@@ -33,49 +41,99 @@ def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def make_model(out: Path, *, steps: int, seed: int) -> transformers.PreTrainedModel:
-    """Warm-start init_tiny_model(seed) for `steps` steps on the arithmetic train split; save to out."""
-    model, tokenizer = init_tiny_model(seed)
-    examples = warm_start.encode_examples(tokenizer, load_problems("arithmetic", "train"))
+def save(model: transformers.PreTrainedModel, tokenizer: object, out: Path) -> None:
+    """Model, generation config (stopping at the end of the assistant turn) and tokenizer."""
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def make_model(
+    out: Path, *, steps: int, seed: int, snapshots: dict[int, Path] | None = None
+) -> tuple[transformers.PreTrainedModel, object]:
+    """Train the tokenizer, then warm-start init_tiny_model(seed) for `steps` steps; save to out.
+
+    `snapshots` maps a step (1-based) to a directory that receives the model at that step.
+    """
+    conversations = warm_start.warm_start_conversations(seed)
+    tokenizer = train_tokenizer(warm_start.tokenizer_corpus(conversations))
+    model, _ = init_tiny_model(seed, tokenizer)
+    examples = warm_start.encode_examples(tokenizer, conversations)
     started = time.perf_counter()
 
     def report(step: int, loss: float) -> None:
         if (step + 1) % 25 == 0 or step + 1 == steps:
             elapsed = time.perf_counter() - started
             print(f"step {step + 1:4d}/{steps}  loss {loss:.4f}  {elapsed:6.1f} s", flush=True)
+        if snapshots and step + 1 in snapshots:
+            save(model, tokenizer, snapshots[step + 1])
 
     warm_start.train_warm_start(
         model, examples, steps=steps, pad_token_id=tokenizer.pad_token_id, seed=seed, on_step=report
     )
-    # Shipped so that a plain `generate` stops at the end of the assistant turn.
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    return model
+    save(model, tokenizer, out)
+    return model, tokenizer
+
+
+def measure(model: transformers.PreTrainedModel, tokenizer: object, problems: int) -> dict:
+    """Greedy and temperature-1 accuracy on the first `problems` test problems of each dataset
+    in each prompt style."""
+    accuracy = {}
+    for source in warm_start.DATASETS:
+        test = load_problems(source, "test", limit=problems)
+        for style, prefix in PROMPT_STYLES.items():
+            for label, temperature in (("greedy", 0.0), ("temperature 1", 1.0)):
+                accuracy[(source, style, label)] = warm_start.solve_rate(
+                    model, tokenizer, test, temperature=temperature, prefix=prefix,
+                    seed=SAMPLING_SEED, max_new_tokens=warm_start.MAX_NEW_TOKENS * 2,
+                )
+    return accuracy
+
+
+def accuracy_lines(accuracy: dict, problems: int) -> list[str]:
+    """One markdown table row per dataset and prompt style: greedy and temperature-1 accuracy."""
+    lines = [
+        f"| test problems (first {problems}) | prompt | greedy | temperature 1 |",
+        "|---|---|---|---|",
+    ]
+    for source in warm_start.DATASETS:
+        for style in PROMPT_STYLES:
+            lines.append(
+                f"| {source} | {style} | {accuracy[(source, style, 'greedy')]:.3f} "
+                f"| {accuracy[(source, style, 'temperature 1')]:.3f} |"
+            )
+    return lines
 
 
 def write_manifest(out: Path, *, command: str, steps: int, seed: int, results: dict) -> None:
-    """MANIFEST.md: what produced the weights, their sha256, size and measured accuracy."""
+    """MANIFEST.md: what produced the files, their sha256, size and measured accuracy."""
     lines = [
         "# Built-in tiny model (warm start)",
         "",
-        "Produced by `grpo/backends/warm_start.py` through `scripts/make_tiny_model.py`;",
-        "`--check` retrains and compares the bytes with this directory. Byte equality holds for",
-        "the torch and transformers versions below on CPU; other versions, or CPUs whose kernels",
-        "pick different vector instructions, may round differently.",
+        "Produced by `grpo/warm_start.py` through `scripts/make_tiny_model.py`; `--check`",
+        "retrains and compares the bytes with this directory. Byte equality holds for the torch,",
+        "transformers and tokenizers versions below on CPU; other versions, or CPUs whose",
+        "kernels pick different vector instructions, may round differently.",
         "",
         f"- command: `{command}`",
         f"- steps: {steps}, seed: {seed}, batch {warm_start.BATCH_SIZE}, "
         f"Adam lr {warm_start.LEARNING_RATE} betas {warm_start.ADAM_BETAS}, "
         f"{warm_start.WARMUP_STEPS} warm-up steps, grad clip {warm_start.MAX_GRAD_NORM}",
-        f"- versions: torch {torch.__version__}, transformers {transformers.__version__}",
-        f"- parameters: {results['parameters']:,}",
+        f"- versions: torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"tokenizers {tokenizers.__version__}",
+        f"- parameters: {results['parameters']:,}; vocabulary {results['vocab']} ids "
+        f"(byte-level BPE); {MAX_POSITIONS} positions",
         f"- {WEIGHTS_FILE} sha256: `{sha256_of(out / WEIGHTS_FILE)}`",
-        f"- training wall time: {results['seconds']:.0f} s",
-        f"- accuracy on the first {results['problems']} arithmetic test problems "
-        f"(sampling seed {SAMPLING_SEED}): greedy {results['greedy']:.3f}, "
-        f"temperature 1 {results['temperature_1']:.3f}",
+        f"- tokenizer.json sha256: `{sha256_of(out / 'tokenizer.json')}`",
+        f"- training wall time: {results['seconds']:.0f} s (one thread)",
+        "",
+        f"Accuracy, one completion per problem (sampling seed {SAMPLING_SEED}, up to "
+        f"{warm_start.MAX_NEW_TOKENS * 2} new tokens); the few-shot prompt is "
+        "`grpo.prompts.FEWSHOT_PREFIX` before the question:",
+        "",
+        *accuracy_lines(results["accuracy"], results["problems"]),
         "",
     ]
     (out / "MANIFEST.md").write_text("\n".join(lines))
@@ -113,22 +171,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--check", action="store_true", help="retrain in a temp dir and compare with --out; exit 1 on mismatch"
     )
+    parser.add_argument(
+        "--snapshot-steps", default="", help="comma-separated steps at which to save the model too"
+    )
+    parser.add_argument("--snapshot-dir", type=Path, help="where snapshots go (step-N/ each)")
+    parser.add_argument(
+        "--measure", type=Path, help="only measure the model saved in this directory, then exit"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.check:
         return check(args.out, steps=args.steps, seed=args.seed)
+    if args.measure is not None:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.measure)
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.measure).eval()
+        accuracy = measure(model, tokenizer, args.eval_problems)
+        print("\n".join(accuracy_lines(accuracy, args.eval_problems)))
+        return 0
+    snapshot_steps = [int(step) for step in args.snapshot_steps.split(",") if step]
+    if snapshot_steps and args.snapshot_dir is None:
+        parser.error("--snapshot-steps needs --snapshot-dir")
+    snapshots = {step: args.snapshot_dir / f"step-{step}" for step in snapshot_steps}
 
     started = time.perf_counter()
-    model = make_model(args.out, steps=args.steps, seed=args.seed)
+    model, tokenizer = make_model(args.out, steps=args.steps, seed=args.seed, snapshots=snapshots)
     seconds = time.perf_counter() - started
-    tokenizer = build_tokenizer()
-    test = load_problems("arithmetic", "test", limit=args.eval_problems)
     results = {
         "parameters": sum(parameter.numel() for parameter in model.parameters()),
+        "vocab": len(tokenizer),
         "seconds": seconds,
-        "problems": len(test),
-        "greedy": warm_start.solve_rate(model, tokenizer, test, temperature=0.0),
-        "temperature_1": warm_start.solve_rate(model, tokenizer, test, temperature=1.0, seed=SAMPLING_SEED),
+        "problems": args.eval_problems,
+        "accuracy": measure(model, tokenizer, args.eval_problems),
     }
     command = " ".join(["python", "scripts/make_tiny_model.py", *(sys.argv[1:] if argv is None else argv)])
     write_manifest(args.out, command=command, steps=args.steps, seed=args.seed, results=results)
@@ -136,10 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         f"saved {args.out / WEIGHTS_FILE} (sha256 {sha256_of(args.out / WEIGHTS_FILE)}), "
         f"{results['parameters']:,} parameters, trained in {seconds:.0f} s"
     )
-    print(
-        f"accuracy on {len(test)} test problems: greedy {results['greedy']:.3f}, "
-        f"temperature 1 {results['temperature_1']:.3f}"
-    )
+    print("\n".join(accuracy_lines(results["accuracy"], args.eval_problems)))
     return 0
 
 

@@ -10,9 +10,15 @@ from grpo.core.rewards import gsm8k_gold
 from grpo.data import (
     ARITHMETIC_PHRASINGS,
     ARITHMETIC_SPLIT_SIZES,
+    WORD_PROBLEM_MAX_OPERAND,
+    WORD_PROBLEM_NAMES,
+    WORD_PROBLEM_SPLIT_SIZES,
+    WORD_PROBLEM_TEMPLATES,
+    WORD_PROBLEM_THINGS,
     arithmetic_problems,
     load_problems,
     max_operand,
+    word_problems,
 )
 
 ROWS = [
@@ -120,7 +126,75 @@ def test_invalid_limit_is_rejected(limit):
         load_problems("arithmetic", "train", limit=limit)
 
 
-@pytest.mark.parametrize("source", ["arithmetic", "gsm8k"])
+# --- built-in word problems ---------------------------------------------------------------
+
+STEP = re.compile(r"^(\d+) ([+-]) (\d+) = (-?\d+)$")
+
+
+@pytest.fixture(scope="module")
+def words():
+    return {split: load_problems("wordproblems", split) for split in ("train", "test")}
+
+
+def test_word_problems_have_the_documented_sizes_and_distinct_questions(words):
+    for split, problems in words.items():
+        assert problems.column_names == ["question", "answer"]
+        assert len(problems) == WORD_PROBLEM_SPLIT_SIZES[split]
+        assert len(set(problems["question"])) == len(problems)
+
+
+def test_word_problem_splits_are_disjoint_by_construction(words):
+    assert not set(words["train"]["question"]) & set(words["test"]["question"])
+    for vocabulary in (WORD_PROBLEM_TEMPLATES, WORD_PROBLEM_NAMES, WORD_PROBLEM_THINGS):
+        assert not set(vocabulary["train"]) & set(vocabulary["test"])
+    # Each question names a person or object of its own split only.
+    for split, other in (("train", "test"), ("test", "train")):
+        foreign = [*WORD_PROBLEM_NAMES[other], *WORD_PROBLEM_THINGS[other]]
+        for question in words[split]["question"]:
+            assert not any(re.search(rf"\b{word}\b", question) for word in foreign), question
+
+
+def test_word_problem_answers_chain_correct_nonnegative_steps_in_gsm8k_format(words):
+    steps_seen = set()
+    for problems in words.values():
+        for question, answer in zip(problems["question"], problems["answer"]):
+            *lines, gold_line = answer.split("\n")
+            total = None
+            operands = []
+            for line in lines:
+                a, operation, b, result = STEP.match(line).groups()
+                if total is None:
+                    operands.append(a)
+                else:
+                    assert a == str(total)  # each step starts from the previous result
+                total = int(a) + int(b) if operation == "+" else int(a) - int(b)
+                assert int(result) == total >= 0
+                operands.append(b)
+            assert gold_line == f"#### {total}" and gsm8k_gold(answer) == str(total)
+            assert sorted(re.findall(r"\d+", question)) == sorted(operands)
+            assert all(0 <= int(n) <= WORD_PROBLEM_MAX_OPERAND for n in operands)
+            steps_seen.add(len(lines))
+    assert steps_seen == {1, 2}
+
+
+def test_word_problems_use_every_template_of_their_split(words):
+    for split, problems in words.items():
+        for _, template in WORD_PROBLEM_TEMPLATES[split]:
+            pattern = re.escape(template)
+            for field in ("a", "b", "c"):
+                pattern = pattern.replace(rf"\{{{field}\}}", r"\d+")
+            pattern = pattern.replace(r"\{name\}", r"\w+").replace(r"\{thing\}", r"\w+")
+            assert any(re.fullmatch(pattern, q) for q in problems["question"]), template
+
+
+def test_word_problems_are_deterministic_for_a_seed_and_vary_with_it():
+    first, again = word_problems("test", size=50, seed=3), word_problems("test", size=50, seed=3)
+    assert first.to_list() == again.to_list()
+    assert first["question"] != word_problems("test", size=50, seed=4)["question"]
+    assert load_problems("wordproblems", "test", seed=3, limit=50).to_list() == first.to_list()
+
+
+@pytest.mark.parametrize("source", ["arithmetic", "wordproblems", "gsm8k"])
 def test_unknown_split_is_rejected_with_the_choices(source):
     with pytest.raises(ValueError, match=r"split='validation' is not one of \('train', 'test'\)"):
         load_problems(source, "validation")

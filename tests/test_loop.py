@@ -289,7 +289,7 @@ def test_missing_dataset_file_and_column_fail_before_any_compute(tmp_path: Path)
 
 def test_over_long_prompt_fails_before_sampling(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="positions"):
-        quiet_train(tiny_config(tmp_path, max_tokens=250))
+        quiet_train(tiny_config(tmp_path, max_tokens=2040))
     assert rundir.run_status(tmp_path / "run") == rundir.NEW
 
 

@@ -4,7 +4,7 @@
 clients mirror PyTRIO's): same method names, arguments, return types (PyTRIO's own
 ``Datum``, ``SampleResponse``, ``ForwardBackwardOutput``, ``APIFuture`` ...) and the same
 input validation, so the GRPO loop runs unchanged and offline on a CPU, with real
-gradients and real sampling. Base models: the built-in ``grpo/tiny-qwen3-arith``, or any
+gradients and real sampling. Base models: the built-in ``grpo/tiny-qwen3-bpe``, or any
 local Hugging Face directory (a downloaded Qwen), loaded with ``local_files_only=True``.
 
 How it differs from the service, on purpose:

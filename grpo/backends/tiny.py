@@ -1,17 +1,19 @@
-"""The built-in tiny model: a ~1M-parameter Qwen3 with a character-level tokenizer.
+"""The built-in tiny model: a ~1M-parameter Qwen3 with a small byte-level BPE tokenizer.
 
-It ships warm-started (weights in ``tiny_model/``) so that GRPO has something to improve
-on the built-in arithmetic problems, offline, on two CPU cores. ``scripts/make_tiny_model.py``
-regenerates the shipped files bit-for-bit.
+It ships warm-started (weights and tokenizer in ``tiny_model/``) so that GRPO has something
+to improve on the built-in problems, offline, on two CPU cores. ``scripts/make_tiny_model.py``
+regenerates the shipped files bit-for-bit. ``tiny_model/`` is an ordinary Hugging Face
+model directory, so ``base_model=<path to tiny_model>`` loads the same model.
 """
 
 from __future__ import annotations
 
-import string
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils import logging as hf_logging
 
@@ -22,13 +24,20 @@ TINY_MODEL_DIR = Path(__file__).parent / "tiny_model"
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-UNK_TOKEN = "<unk>"
-MAX_POSITIONS = 256
-SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END, UNK_TOKEN)
+THINK_START = "<think>"
+THINK_END = "</think>"
+# Special tokens take ids 0, 1, 2 (pad first); the think markers are plain added tokens
+# (the last two ids) that decoding keeps, as in Qwen3.
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
+ADDED_TOKENS = (THINK_START, THINK_END)
+VOCAB_SIZE = 512
+MAX_POSITIONS = 2048
 
-# Printable ASCII (space included) minus tab-like whitespace and `|~, plus newline: 93 characters.
-_CHARACTERS = "\n" + "".join(
-    c for c in string.printable if c not in "\t\r\x0b\x0c\n" and c not in "`|~"
+# Qwen2's pre-tokenizer split: words with their leading non-letter, single digits,
+# punctuation runs, newline runs, other whitespace. Bytes are then mapped to characters.
+PRETOKENIZE_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 # Qwen-style chat template; `enable_thinking` is accepted and ignored (no thinking mode).
@@ -40,29 +49,62 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level tokenizer: one token per character, specials first (pad id 0)."""
-    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
-    for character in _CHARACTERS:
-        vocab.setdefault(character, len(vocab))
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(list(SPECIAL_TOKENS))
+def train_tokenizer(corpus: Iterable[str], vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with `vocab_size` ids trained on `corpus`: all 256 bytes, then merges.
+
+    Every UTF-8 string round-trips exactly through encode/decode (no normalizer, no unknown
+    token, no clean-up of spaces). The corpus is cut at special and added tokens first, as
+    encoding cuts text. Training is deterministic for the same corpus.
+    """
+    markers = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS + ADDED_TOKENS))
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(ADDED_TOKENS),
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(
+        (piece for text in corpus for piece in markers.split(text) if piece), trainer
+    )
+    backend.add_tokens(list(ADDED_TOKENS))
+    return _wrap(backend)
+
+
+def _wrap(backend: Tokenizer) -> PreTrainedTokenizerFast:
+    """The transformers tokenizer: left padding, <|im_end|> as EOS, the chat template."""
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD_TOKEN,
         eos_token=IM_END,
-        unk_token=UNK_TOKEN,
         padding_side="left",
         model_max_length=MAX_POSITIONS,
+        clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The shipped tokenizer (``tiny_model/tokenizer.json``), as `train_tokenizer` made it."""
+    path = TINY_MODEL_DIR / "tokenizer.json"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"built-in tokenizer missing at {path}; regenerate it with "
+            "`python scripts/make_tiny_model.py`"
+        )
+    return _wrap(Tokenizer.from_file(str(path)))
+
+
 def tiny_config(vocab_size: int) -> Qwen3Config:
-    """The architecture of the built-in model (see LOCAL_MODEL_NOTES: ~1.0M parameters)."""
+    """The built-in architecture: hidden 128, 4 layers, ~1.05M parameters at 512 ids."""
     return Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=128,
@@ -81,9 +123,11 @@ def tiny_config(vocab_size: int) -> Qwen3Config:
     )
 
 
-def init_tiny_model(seed: int) -> tuple[Qwen3ForCausalLM, PreTrainedTokenizerFast]:
-    """A randomly initialised tiny model (the warm-start script's starting point)."""
-    tokenizer = build_tokenizer()
+def init_tiny_model(
+    seed: int, tokenizer: PreTrainedTokenizerFast | None = None
+) -> tuple[Qwen3ForCausalLM, PreTrainedTokenizerFast]:
+    """A randomly initialised tiny model (the warm start's start); shipped tokenizer by default."""
+    tokenizer = build_tokenizer() if tokenizer is None else tokenizer
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(tiny_config(len(tokenizer)))
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -319,7 +319,11 @@ def test_threads_and_asyncio_get_the_same_results_as_sequential_calls(service):
         ([5, 6], {"topk_prompt_logprobs": -1}, "validation.invalid_sampling_request"),
         ([5, 10_000], {}, "validation.token_id_out_of_range"),
         ([5, -1], {}, "validation.token_id_out_of_range"),
-        ([5] * 250, {"sampling_params": params(max_tokens=7)}, "validation.sampling_request_too_long"),
+        (
+            [5] * 2045,
+            {"sampling_params": params(max_tokens=7)},
+            "validation.sampling_request_too_long",
+        ),
     ],
 )
 def test_bad_sampling_requests_raise_before_any_work(service, prompt, kwargs, code):
@@ -357,3 +361,25 @@ def test_a_request_too_large_for_memory_is_refused_before_any_allocation(service
         sampler.sample(
             ModelInput.from_ints([1, 2]), num_samples=10**6, sampling_params=SamplingParams(max_tokens=8)
         )
+
+
+def test_merged_decode_step_agrees_with_the_hugging_face_forward(service, monkeypatch):
+    import grpo.backends._local_sampling as sampling
+
+    sampler = trained_client(service).save_weights_and_get_sampling_client()
+    prompt = ModelInput.from_ints(prompt_tokens(33, 11))
+    fast = sampler.sample(prompt, 4, params(3, 16)).result()
+    monkeypatch.setattr(sampling._DecodeStep, "build", classmethod(lambda cls, model: None))
+    slow = sampler.sample(prompt, 4, params(3, 16)).result()
+    for fast_sequence, slow_sequence in zip(fast.sequences, slow.sequences, strict=True):
+        assert fast_sequence.tokens == slow_sequence.tokens
+        np.testing.assert_allclose(fast_sequence.logprobs, slow_sequence.logprobs, atol=1e-5)
+
+
+def test_unknown_architectures_decode_through_the_hugging_face_forward():
+    from grpo.backends._local_sampling import _DecodeStep
+
+    model, _ = tiny.init_tiny_model(0)
+    assert _DecodeStep.build(model) is not None
+    model.config.hidden_act = "gelu"
+    assert _DecodeStep.build(model) is None
