@@ -138,7 +138,7 @@ def test_gsm8k_offline_raises_a_clear_error_pointing_to_local_files(monkeypatch)
         load_problems("gsm8k", "test")
 
 
-def test_gsm8k_is_loaded_from_the_hub_id_and_reduced_to_question_and_answer(monkeypatch):
+def test_gsm8k_is_loaded_from_the_hub_id_keeping_every_column_for_rewards(monkeypatch):
     calls = []
 
     def fake_hub(*args, **kwargs):
@@ -148,7 +148,7 @@ def test_gsm8k_is_loaded_from_the_hub_id_and_reduced_to_question_and_answer(monk
     monkeypatch.setattr(datasets, "load_dataset", fake_hub)
     problems = load_problems("gsm8k", "train", limit=1)
     assert calls == [(("openai/gsm8k", "main"), {"split": "train"})]
-    assert problems.column_names == ["question", "answer"] and len(problems) == 1
+    assert problems.column_names == ["question", "answer", "extra"] and len(problems) == 1
 
 
 # --- local files --------------------------------------------------------------------------
@@ -165,10 +165,11 @@ def test_json_array_file_is_loaded(tmp_path):
     assert load_problems(str(path), "train").to_list() == ROWS
 
 
-def test_parquet_file_is_loaded_and_extra_columns_dropped(tmp_path):
+def test_parquet_file_is_loaded_and_extra_columns_kept_for_rewards(tmp_path):
     path = tmp_path / "p.parquet"
-    datasets.Dataset.from_list([{**row, "id": i} for i, row in enumerate(ROWS)]).to_parquet(str(path))
-    assert load_problems(str(path), "train").to_list() == ROWS
+    rows = [{**row, "id": i} for i, row in enumerate(ROWS)]
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    assert load_problems(str(path), "train").to_list() == rows
 
 
 def test_csv_file_is_loaded(tmp_path):
