@@ -1,4 +1,4 @@
-"""The `grpo` command: train | eval | compare | sweep | plot | plot-losses.
+"""The `grpo` command: train | eval | compare | sweep | plot | show | plot-losses.
 
 `grpo train` flags come from `grpo.config.TrainConfig` through `grpo.flags`, so `--help` shows
 every flag with its default and TOML files (`--config`) use the same names. Precedence:
@@ -213,7 +213,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `grpo` argument parser with every subcommand."""
-    from grpo import plots
+    from grpo import plots, show
     from grpo.experiments import compare, sweep
 
     common = argparse.ArgumentParser(add_help=False)
@@ -257,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
             "PNG plots of metrics across run directories",
             plots.add_plot_arguments,
             plots.run_plot,
+        ),
+        (
+            "show",
+            "print a run's logged rollouts (prompts, completions, rewards), or write HTML",
+            show.add_show_arguments,
+            show.run_show,
         ),
         (
             "plot-losses",
