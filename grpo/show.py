@@ -139,6 +139,7 @@ pre{white-space:pre-wrap;word-break:break-word;margin:4px 0;font:12.5px/1.4 ui-m
 .prompt{background:#f7f7f7;padding:6px;border-radius:4px;color:#444}
 table{border-collapse:collapse;width:100%}
 td,th{border-top:1px solid #eee;padding:4px 6px;vertical-align:top;text-align:left}
+td:last-child{width:48%}
 th{font-size:12px;color:#666}.num{white-space:nowrap;font-variant-numeric:tabular-nums}
 .good{color:#11772d;font-weight:600}.bad{color:#b3261e}.tag{color:#888;font-weight:400}
 """
