@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,10 @@ def run_show(args: argparse.Namespace) -> int:
         )
     pick = "best" if args.best else "worst" if args.worst else None
     chosen = [group for group in groups if group["step"] == step]
-    print(render_text(step, chosen, metrics.get(step, {}), pick=pick, full=args.full))
+    try:
+        print(render_text(step, chosen, metrics.get(step, {}), pick=pick, full=args.full))
+    except BrokenPipeError:  # `grpo show RUN | head`: the reader has what it wanted
+        sys.stdout = None
     return 0
 
 
@@ -76,7 +80,7 @@ def _ranges(steps: Sequence[int]) -> str:
 
 
 def _components(completion: Mapping[str, Any]) -> str:
-    return ", ".join(f"{name}={value:g}" for name, value in completion["components"].items())
+    return ", ".join(f"{name}={value:.4g}" for name, value in completion["components"].items())
 
 
 def _picked(completions: list[dict[str, Any]], pick: str | None) -> list[tuple[int, dict]]:
@@ -116,7 +120,7 @@ def render_text(
         lines += ["prompt:", *("  " + line for line in prompt.rstrip("\n").split("\n"))]
         for member, completion in _picked(list(group["completions"]), pick):
             lines.append(
-                f"  [{member}] reward {completion['reward']:g} ({_components(completion)}) | "
+                f"  [{member}] reward {completion['reward']:.4g} ({_components(completion)}) | "
                 f"advantage {completion['advantage']:+.3f} | {completion['tokens']} tokens | "
                 f"stop: {completion['stop_reason']}"
             )
@@ -168,7 +172,7 @@ def _group_html(group: Mapping[str, Any]) -> str:
         rows.append(
             "<tr>"
             f"<td class='num'>{member}</td>"
-            f"<td class='num {reward_class}'>{completion['reward']:g}</td>"
+            f"<td class='num {reward_class}'>{completion['reward']:.4g}</td>"
             f"<td class='num'>{_cell(_components(completion))}</td>"
             f"<td class='num'>{completion['advantage']:+.3f}</td>"
             f"<td class='num'>{completion['tokens']} · {_cell(completion['stop_reason'])}</td>"

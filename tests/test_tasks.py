@@ -258,12 +258,12 @@ def test_grpo_show_prints_a_step_and_writes_html(tmp_path: Path, capsys) -> None
     assert out.startswith("step 1: reward ")
     assert f"== group 0 | row {group['row']} | gold {group['gold']!r}" in out
     for member, completion in enumerate(group["completions"]):
-        assert f"[{member}] reward {completion['reward']:g}" in out
+        assert f"[{member}] reward {completion['reward']:.4g}" in out
         assert completion["text"].split("\n")[0] in out
     assert main(["show", str(run_dir), "--step", "1", "--worst"]) == 0
     worst = capsys.readouterr().out
     assert worst.count("] reward ") == 1
-    assert f"reward {min(c['reward'] for c in group['completions']):g} (" in worst
+    assert f"reward {min(c['reward'] for c in group['completions']):.4g} (" in worst
     assert main(["show", str(run_dir), "--step", "7"]) == 2
     assert "--step 7" in capsys.readouterr().err
     html_path = tmp_path / "out.html"
@@ -282,3 +282,52 @@ def test_resume_truncates_rollouts_like_metrics(tmp_path: Path) -> None:
     assert read_rollouts(tmp_path) == lines[:3]
     assert rundir.prepare_rollouts_for_resume(tmp_path, None) == 3
     assert read_rollouts(tmp_path) == []
+
+
+def test_extra_rounds_draw_their_own_problems_and_seeds() -> None:
+    from grpo.rollouts import extra_batch, extra_sampling_seed, sampling_seed
+
+    seeds = {
+        (round_, index): extra_sampling_seed(3, 5, round_, index)
+        for round_ in (1, 2, 3) for index in range(8)
+    }
+    first_round = {sampling_seed(3, 5, index) for index in range(8)}
+    assert len(set(seeds.values())) == len(seeds) and not first_round & set(seeds.values())
+    assert seeds == {key: extra_sampling_seed(3, 5, *key) for key in seeds}  # pure
+    assert extra_sampling_seed(4, 5, 1, 0) != seeds[1, 0] != extra_sampling_seed(3, 6, 1, 0)
+    batches = [extra_batch(100, 8, 5, round_, 3).tolist() for round_ in (1, 2)]
+    assert batches[0] != batches[1] and batches[0] == extra_batch(100, 8, 5, 1, 3).tolist()
+    assert all(len(set(batch)) == 8 for batch in batches)
+    assert sorted(extra_batch(5, 8, 0, 1, 0).tolist()) == [0, 1, 2, 3, 4]
+
+
+def test_swanlab_receives_the_logged_groups_as_text(tmp_path: Path) -> None:
+    from grpo.logging import RunLogger, rollout_text
+
+    class FakeSwanlab:
+        def __init__(self) -> None:
+            self.logged: list[tuple[dict[str, Any], int]] = []
+
+        @staticmethod
+        def Text(content: str, caption: str | None = None) -> tuple[str, str | None]:  # noqa: N802
+            return content, caption
+
+        def log(self, payload: dict[str, Any], step: int) -> None:
+            self.logged.append((payload, step))
+
+    group = {
+        "group": 0, "row": 4, "prompt": "What is 1 plus 1?", "gold": "2", "degenerate": False,
+        "completions": [{"text": "\\boxed{2}", "reward": 1.0, "components": {"boxed_match": 1.0},
+                         "advantage": 0.5, "tokens": 6, "stop_reason": "stop"}],
+    }
+    logger = RunLogger(tmp_path, config={}, swanlab_mode="disabled", swanlab_project="p",
+                       run_name="r")
+    fake = FakeSwanlab()
+    logger._swanlab = fake
+    logger.log(1, {"reward": 1.0}, rollouts=[group])
+    logger.close()
+    ((payload, step),) = fake.logged
+    assert step == 1 and payload["reward"] == 1.0
+    assert payload["rollouts"] == [(rollout_text(group), "group 0")]
+    assert "completion 0: reward 1 (boxed_match=1), advantage +0.500" in rollout_text(group)
+    assert read_rollouts(tmp_path) == [{"step": 1, **group}]
