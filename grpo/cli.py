@@ -169,14 +169,12 @@ def run_eval(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from grpo.backends.pytrio import make_service_client
-    from grpo.data import load_problems
+    from grpo.data import columns_of, load_run_problems
     from grpo.rollouts import build_problems, evaluate, tokenizer_max_len
 
     config, model_path = _eval_config(args)
     local_root = str(Path(args.run_dir) / run_files.BACKEND_DIR) if args.run_dir else None
-    rows = load_problems(
-        config.dataset, args.split, seed=config.seed, difficulty=config.difficulty, limit=args.limit
-    )
+    rows = load_run_problems(config, args.split, limit=args.limit)
     service = make_service_client(config.backend, local_root=local_root, seed=args.seed)
     sampler = _sampling_client(service, config.base_model, model_path)
     tokenizer = sampler.get_tokenizer()
@@ -187,6 +185,8 @@ def run_eval(args: argparse.Namespace) -> int:
         max_tokens=config.max_tokens,
         max_len=tokenizer_max_len(tokenizer),
         split=args.split,
+        template=config.prompt_template,
+        columns=columns_of(config),
     )
     with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
         metrics = evaluate(

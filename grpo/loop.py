@@ -177,7 +177,10 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
     groups_P = score_groups(  # 6: group advantages
         rollouts.problems_P, rollouts.completions_P, rollouts.scores.totals_P, config.advantage
     )
-    metrics = {**rollout_metrics(groups_P), **rollouts.scores.metrics(), "off_policy_steps": float(staleness)}
+    metrics = {
+        **rollout_metrics(groups_P), **rollouts.scores.metrics(),
+        "off_policy_steps": float(staleness),
+    }
     limit = config.batch_size if config.dynamic_sampling else None
     trainable_P = trainable_groups(groups_P, limit)  # 7: drop degenerate groups
     if config.dynamic_sampling:
@@ -224,7 +227,9 @@ def submit_rollouts(run: Run, state: RunState, step: int) -> None:
         )
 
 
-def _sampling_params(config: TrainConfig, step: int, round_: int = 0) -> Callable[[int], SamplingParams]:
+def _sampling_params(
+    config: TrainConfig, step: int, round_: int = 0
+) -> Callable[[int], SamplingParams]:
     def params(index: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=config.max_tokens,
@@ -453,7 +458,9 @@ def _train_in(
 ) -> RunResult:
     # Data is checked before the service is asked for anything.
     train_rows = load_run_problems(config, "train")
-    test_rows = load_run_problems(config, "test", limit=config.eval_limit) if config.eval_every else []
+    test_rows = (
+        load_run_problems(config, "test", limit=config.eval_limit) if config.eval_every else []
+    )
     steps = math.ceil(len(train_rows) / config.batch_size) if config.all_data else config.steps
 
     def note(message: str) -> None:
@@ -473,8 +480,9 @@ def _train_in(
     max_len = tokenizer_max_len(tokenizer)
     problems = {
         split: build_problems(
-            tokenizer, rows, fewshot=config.use_fewshot, max_tokens=config.max_tokens, max_len=max_len, split=split,
-            template=config.prompt_template, columns=columns_of(config),
+            tokenizer, rows, fewshot=config.use_fewshot, max_tokens=config.max_tokens,
+            max_len=max_len, split=split, template=config.prompt_template,
+            columns=columns_of(config),
         )
         for split, rows in (("train", train_rows), ("test", test_rows))
     }

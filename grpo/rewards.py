@@ -307,4 +307,6 @@ def score_completions(
     components_P = [
         {name: split_columns[name][g] for name in weights} for g in range(len(group_sizes))
     ]
-    return RewardScores(totals_P=totals_P, components_P=components_P, weights=weights, errors=errors)
+    return RewardScores(
+        totals_P=totals_P, components_P=components_P, weights=weights, errors=errors
+    )

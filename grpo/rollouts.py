@@ -108,7 +108,9 @@ def sampling_seed(seed: int, step: int, index: int, purpose: int = TRAIN_PURPOSE
     return int(np.random.SeedSequence([seed, purpose, step, index]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
-def extra_batch(num_problems: int, batch_size: int, step: int, round_: int, seed: int) -> np.ndarray:
+def extra_batch(
+    num_problems: int, batch_size: int, step: int, round_: int, seed: int
+) -> np.ndarray:
     """Problems of extra sampling round ``round_`` >= 1 of ``step``: distinct, seeded by all four."""
     rng = np.random.default_rng([seed, EXTRA_PURPOSE, step, round_])
     return rng.choice(num_problems, size=min(batch_size, num_problems), replace=False)

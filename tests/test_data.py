@@ -269,7 +269,9 @@ def test_run_config_passes_hub_config_split_and_columns(monkeypatch):
     )
     assert load_run_problems(config, "train").to_list() == [{"q": "1 + 1?", "a": "2"}]
     load_run_problems(config, "test")
-    assert calls == [(("owner/set", "cfg"), {"split": "tr"}), (("owner/set", "cfg"), {"split": "te"})]
+    assert calls == [
+        (("owner/set", "cfg"), {"split": "tr"}), (("owner/set", "cfg"), {"split": "te"})
+    ]
 
 
 def test_builtin_datasets_ignore_the_column_flags():

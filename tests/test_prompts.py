@@ -116,7 +116,9 @@ def test_fewshot_file_replaces_the_example_and_turns_fewshot_on(tokenizer, tmp_p
     text = tokenizer.decode(build_prompt_tokens(
         tokenizer, "What is 3 plus 4?", fewshot=config.use_fewshot, template=config.prompt_template
     ))
-    assert text.startswith("<|im_start|>user\n2 plus 2?<|im_end|>\n<|im_start|>assistant\n\\boxed{4}")
+    assert text.startswith(
+        "<|im_start|>user\n2 plus 2?<|im_end|>\n<|im_start|>assistant\n\\boxed{4}"
+    )
     assert "strawberry" not in text and text.endswith("What is 3 plus 4?" + QUESTION_SUFFIX
                                                       + "<|im_end|>\n<|im_start|>assistant\n")
 

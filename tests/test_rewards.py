@@ -58,7 +58,7 @@ def test_spec_syntax(spec: str, target: str, function: str, weight: float) -> No
         ("grpo.rewards:not-a-name", "is not a Python function name"),
         ("no_such_module_xyz:f", "no module 'no_such_module_xyz'"),
         ("missing_file.py:f", "file 'missing_file.py' not found"),
-        ("grpo.rewards:no_such_fn", "grpo.rewards has no 'no_such_fn'; its callables: .*boxed_match"),
+        ("grpo.rewards:no_such_fn", "has no 'no_such_fn'; its callables: .*boxed_match"),
         ("grpo.rewards:DEFAULT_REWARD", "is a str, not callable"),
         ("math:pi", "is a float, not callable"),
         ("math:atan2", None),  # a builtin without a signature inspect can read: called with 2
@@ -186,7 +186,11 @@ def test_a_failing_reward_names_the_row_and_the_completion(
 )
 def test_worker_pool_results_equal_serial(texts: list[str], workers: int) -> None:
     rewards = load_rewards(
-        ["grpo.rewards:boxed_format", "grpo.rewards:overlong_penalty=0.5", "tests.test_rewards:slow"]
+        [
+            "grpo.rewards:boxed_format",
+            "grpo.rewards:overlong_penalty=0.5",
+            "tests.test_rewards:slow",
+        ]
     )
     sizes = [len(texts)]
     serial = score_completions(rewards, _items(texts), sizes)

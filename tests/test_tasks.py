@@ -214,7 +214,9 @@ def test_dynamic_sampling_resumes_exactly(tmp_path: Path) -> None:
 
 def test_mask_truncated_trains_only_the_completions_that_finished(tmp_path: Path) -> None:
     # A reward that tells cut-off from finished completions: every trained group mixes both.
-    path = reward_file(tmp_path, "def cut(completion, row, sample):\n    return float(sample.truncated)\n")
+    path = reward_file(
+        tmp_path, "def cut(completion, row, sample):\n    return float(sample.truncated)\n"
+    )
     config = config_for(
         tmp_path, "masked", steps=3, batch_size=4, max_tokens=19, mask_truncated=True,
         log_rollouts=4, reward=(f"{path}:cut",),
