@@ -363,24 +363,34 @@ def log_step(run: Run, state: RunState, step: int, metrics: dict[str, float], wr
     write(console_line(step, run.steps, metrics))
 
 
+def _weights_give_finite_logprobs(run: Run, probe_datums: Any) -> bool:
+    """One forward of ``probe_datums``: are the log-probs finite? (A backend that refuses
+    non-finite log-probs itself, as the local one does, answers with a ``non_finite`` error.)"""
+    try:
+        probe = _retry(
+            run, lambda: run.training_client.forward(probe_datums, loss_fn="cross_entropy").result(),
+            "forward (checkpoint check)",
+        )
+    except Exception as error:
+        if "non_finite" in str(getattr(error, "code", "")):
+            return False
+        raise
+    return bool(np.isfinite(output_logprobs(probe.loss_fn_outputs)).all())
+
+
 def save_checkpoint(run: Run, state: RunState, name: str) -> None:
     """A resumable checkpoint of the weights of step ``state.completed``, if they are sound.
 
     One forward of the last minibatch first: weights that give non-finite log-probs (a
     diverged update) are never saved as resumable (NonFiniteUpdate instead).
     """
-    if state.probe_datums is not None:
-        probe = _retry(
-            run, lambda: run.training_client.forward(state.probe_datums, loss_fn="cross_entropy").result(),
-            "forward (checkpoint check)",
+    if state.probe_datums is not None and not _weights_give_finite_logprobs(run, state.probe_datums):
+        state.weights_dirty = True
+        raise NonFiniteUpdate(
+            f"the weights after step {state.completed} give non-finite log-probs (a diverged "
+            f"update); they are not checkpointed, the last good checkpoint is step "
+            f"{state.last_saved_step}; lower --learning-rate"
         )
-        if not np.isfinite(output_logprobs(probe.loss_fn_outputs)).all():
-            state.weights_dirty = True
-            raise NonFiniteUpdate(
-                f"the weights after step {state.completed} give non-finite log-probs (a diverged "
-                f"update); they are not checkpointed, the last good checkpoint is step "
-                f"{state.last_saved_step}; lower --learning-rate"
-            )
     result = _retry(run, lambda: run.training_client.save_state(name).result(), "save_state")
     fault_point("save")
     rundir.write_checkpoint(
