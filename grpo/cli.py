@@ -1,4 +1,4 @@
-"""The `grpo` command: train | eval | compare | sweep | plot | plot-losses.
+"""The `grpo` command: train | eval | compare | sweep | plot | show | plot-losses.
 
 `grpo train` flags come from `grpo.config.TrainConfig` through `grpo.flags`, so `--help` shows
 every flag with its default and TOML files (`--config`) use the same names. Precedence:
@@ -170,14 +170,12 @@ def run_eval(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from grpo.backends.pytrio import make_service_client
-    from grpo.data import load_problems
+    from grpo.data import columns_of, load_run_problems
     from grpo.rollouts import build_problems, evaluate, tokenizer_max_len
 
     config, model_path = _eval_config(args)
     local_root = str(Path(args.run_dir) / run_files.BACKEND_DIR) if args.run_dir else None
-    rows = load_problems(
-        config.dataset, args.split, seed=config.seed, difficulty=config.difficulty, limit=args.limit
-    )
+    rows = load_run_problems(config, args.split, limit=args.limit)
     service = make_service_client(config.backend, local_root=local_root, seed=args.seed)
     sampler = _sampling_client(service, config.base_model, model_path)
     tokenizer = sampler.get_tokenizer()
@@ -188,6 +186,8 @@ def run_eval(args: argparse.Namespace) -> int:
         max_tokens=config.max_tokens,
         max_len=tokenizer_max_len(tokenizer),
         split=args.split,
+        template=config.prompt_template,
+        columns=columns_of(config),
     )
     with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
         metrics = evaluate(
@@ -226,6 +226,8 @@ COMMANDS: tuple[tuple[str, str, str, str], ...] = (
      "grpo.experiments.sweep:add_sweep_arguments", "grpo.experiments.sweep:run_sweep"),
     ("plot", "PNG plots of metrics across run directories",
      "grpo.plots:add_plot_arguments", "grpo.plots:run_plot"),
+    ("show", "print a run's logged rollouts (prompts, completions, rewards), or write HTML",
+     "grpo.show:add_show_arguments", "grpo.show:run_show"),
     ("plot-losses", "each loss's objective and gradient weight against the ratio",
      "grpo.plots:add_plot_losses_arguments", "grpo.plots:run_plot_losses"),
     ("serve", "the PyTRIO service on localhost, backed by the local backend",

@@ -21,8 +21,12 @@ import attrs
 
 from grpo.backends.names import TINY_MODEL_NAME
 
+from grpo.prompts import QUESTION_SUFFIX
+
 if TYPE_CHECKING:
     from grpo.core.loss_spec import LossSpec
+    from grpo.prompts import PromptTemplate
+    from grpo.rewards import RewardFn
 
 BACKENDS = ("local", "pytrio")
 SWANLAB_MODES = ("online", "offline", "disabled")
@@ -76,7 +80,7 @@ def _one_of(names: Callable[[], Iterable[str]]) -> Check:
 
 def _at_least(low: float, why: str = "") -> Check:
     def check(_instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-        if value < low:
+        if value is not None and value < low:
             raise ConfigError(f"{flag_name(attribute.name)} must be >= {low}{why}, got {value}")
 
     return check
@@ -131,6 +135,23 @@ def _plain_name(_instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -
             "'\\', '..' or control characters (choose the directory with --run-dir), "
             "e.g. --run-name ppo-seed0"
         )
+
+
+def _gold_rule(_instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """'####', 'whole' or 'regex:PATTERN' with a pattern that compiles."""
+    if value in ("####", "whole"):
+        return
+    if not value.startswith("regex:"):
+        raise ConfigError(
+            f"{flag_name(attribute.name)} {value!r} is not '####', 'whole' or 'regex:PATTERN', "
+            "e.g. --gold-rule 'regex:answer is (\\d+)'"
+        )
+    import re
+
+    try:
+        re.compile(value.removeprefix("regex:"))
+    except re.error as error:
+        raise ConfigError(f"{flag_name(attribute.name)} {value!r}: bad regex ({error})") from None
 
 
 def field_kind(field: "attrs.Attribute[Any]") -> tuple[Any, bool]:
@@ -271,7 +292,32 @@ class TrainConfig:
     # Data
     dataset: str = _flag(
         "arithmetic",
-        "problems: 'arithmetic' or 'wordproblems' (built-in), 'gsm8k' (hub) or a local JSONL/Parquet path",
+        "problems: a built-in name ('arithmetic', 'wordproblems', 'gsm8k'), a local "
+        "JSONL/Parquet/CSV file or "
+        "directory, or a hub dataset OWNER/NAME (with --dataset-config, --train-split)",
+        _not_empty,
+    )
+    dataset_config: str | None = _flag(
+        None, "configuration of a hub --dataset (e.g. 'main' for openai/gsm8k)", _not_empty
+    )
+    train_split: str = _flag("train", "split of a hub --dataset to train on", _not_empty)
+    test_split: str = _flag("test", "split of a hub --dataset to evaluate on", _not_empty)
+    prompt_column: str = _flag("question", "dataset column holding the question", _not_empty)
+    answer_column: str = _flag("answer", "dataset column holding the answer", _not_empty)
+    gold_rule: str = _flag(
+        "####",
+        "how the gold answer comes from the answer column: '####' (the text after the last "
+        "####), 'whole' (the whole field) or 'regex:PATTERN' (group 1 of the last match)",
+        _gold_rule,
+    )
+    system_prompt: str | None = _flag(None, "system message put before every prompt (default none)")
+    question_suffix: str = _flag(
+        QUESTION_SUFFIX, "text appended to every question (default: the article's instruction)"
+    )
+    fewshot_file: str | None = _flag(
+        None,
+        "JSON file of few-shot messages [{role, content}, ...] replacing the built-in example "
+        "(turns --fewshot on unless --no-fewshot)",
         _not_empty,
     )
     all_data: bool = _flag(
@@ -299,6 +345,38 @@ class TrainConfig:
     concurrency: int = _flag(32, "sampling requests in flight at once", _at_least(1))
     max_steps_off_policy: int = _flag(
         0, "how many steps stale a rollout may be (0 = strictly on-policy)", _at_least(0)
+    )
+    dynamic_sampling: bool = _flag(
+        False,
+        "DAPO dynamic sampling: sample further prompts until --batch-size groups are "
+        "non-degenerate (or --max-sampling-rounds)",
+    )
+    max_sampling_rounds: int = _flag(
+        3, "most sampling rounds of a step under --dynamic-sampling (1 = no extra)", _at_least(1)
+    )
+    # Rewards
+    reward: tuple[str, ...] = _flag(
+        (),
+        "reward MODULE:FUNCTION[=WEIGHT] or FILE.py:FUNCTION[=WEIGHT] (repeatable; "
+        "default grpo.rewards:boxed_match)",
+    )
+    reward_errors: str = _flag(
+        "stop",
+        "a reward that raises or returns a non-finite/non-number: stop the run (with a "
+        "checkpoint) or score it 0 and count it in reward/errors",
+        choices=lambda: ("stop", "zero"),
+    )
+    reward_workers: int = _flag(
+        0, "threads calling the rewards (0 = serial; results are identical)", _at_least(0)
+    )
+    overlong_buffer: int | None = _flag(
+        None,
+        "L of DAPO's overlong penalty (grpo.rewards:overlong_penalty): linear over the last L "
+        "tokens before --max-tokens (default: --max-tokens // 4)",
+        _at_least(1),
+    )
+    mask_truncated: bool = _flag(
+        False, "completions stopped by --max-tokens train no tokens (DAPO overlong filtering)"
     )
     # Advantages and loss
     advantage: str = _flag("center", "group advantage estimator", choices=_advantage_names)
@@ -364,6 +442,9 @@ class TrainConfig:
         "retries of a failed sampling/training call before the run stops with a checkpoint",
         _at_least(0),
     )
+    log_rollouts: int = _flag(
+        4, "groups per step written to rollouts.jsonl (0 = none; see `grpo show`)", _at_least(0)
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.num_substeps > self.batch_size:
@@ -372,6 +453,39 @@ class TrainConfig:
                 f"got {self.num_substeps}"
             )
         _ = self.loss_spec  # builds (and checks) the loss once, at construction
+        _ = self.reward_fns  # imports and checks every --reward once, at construction
+        _ = self.prompt_template  # reads and checks --fewshot-file
+
+    @cached_property
+    def reward_fns(self) -> tuple["RewardFn", ...]:
+        """The loaded --reward callables (grpo.rewards:boxed_match when none is given)."""
+        from grpo.rewards import load_rewards
+
+        try:
+            return load_rewards(self.reward)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+    @cached_property
+    def prompt_template(self) -> "PromptTemplate":
+        """--system-prompt, --question-suffix and the few-shot messages (--fewshot-file)."""
+        from grpo.prompts import PromptTemplate
+
+        try:
+            return PromptTemplate.build(
+                system_prompt=self.system_prompt,
+                question_suffix=self.question_suffix,
+                fewshot_file=self.fewshot_file,
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+    @property
+    def overlong_tokens(self) -> int:
+        """L of the overlong penalty: --overlong-buffer, else --max-tokens // 4 (at least 1)."""
+        if self.overlong_buffer is not None:
+            return self.overlong_buffer
+        return max(1, self.max_tokens // 4)
 
     @cached_property
     def loss_spec(self) -> "LossSpec":
@@ -417,8 +531,10 @@ class TrainConfig:
 
     @property
     def use_fewshot(self) -> bool:
-        """Few-shot prompts for real models; the built-in model defaults to its own short prompt."""
-        return self.fewshot if self.fewshot is not None else self.base_model != TINY_MODEL_NAME
+        """Few-shot prompts for real models or a --fewshot-file; the built-in model has its own."""
+        if self.fewshot is not None:
+            return self.fewshot
+        return self.fewshot_file is not None or self.base_model != TINY_MODEL_NAME
 
 
 FIELDS: Mapping[str, "attrs.Attribute[Any]"] = attrs.fields_dict(TrainConfig)

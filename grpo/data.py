@@ -1,4 +1,4 @@
-"""Problem datasets: every source yields rows with a `question` and a GSM8K-format `answer`.
+"""Problem datasets: every source yields rows with a question column and an answer column.
 
 Sources accepted by ``load_problems``:
 
@@ -17,28 +17,40 @@ Sources accepted by ``load_problems``:
 - ``"gsm8k"``: ``openai/gsm8k`` (config ``main``) from the Hugging Face hub or its cache.
 - a path: a ``.jsonl``/``.json``/``.parquet``/``.csv`` file (it serves whichever split is
   asked for), or a directory holding ``{split}.jsonl`` / ``.json`` / ``.parquet`` / ``.csv``.
+- ``OWNER/NAME`` that is no local path: a Hugging Face hub dataset (``hub_config``,
+  ``hub_split``), from the hub or its cache; offline it fails at once saying how to use a
+  local file instead.
 
-The gold answer is the text after the last ``####`` (e.g. ``"3 + 4 = 7\\n#### 7"``).
+The question is column ``prompt_column`` (default ``question``), the answer column
+``answer_column`` (default ``answer``); the gold answer comes from the answer by
+``gold_rule`` (``grpo.core.rewards.extract_gold``; default the text after the last
+``####``, e.g. ``"3 + 4 = 7\\n#### 7"``). Every other column is kept: rewards see the row.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 from pathlib import Path
+from typing import Any
 
 import datasets
 
-from grpo.core.rewards import gsm8k_gold
+from grpo.core.rewards import extract_gold
 
 SPLITS = ("train", "test")
 ARITHMETIC_SPLIT_SIZES = {"train": 2000, "test": 300}
 WORD_PROBLEM_SPLIT_SIZES = {"train": 2000, "test": 300}
 WORD_PROBLEM_MAX_OPERAND = 20
-BUILTIN_SOURCES = ("arithmetic", "wordproblems")
+BUILTIN_SOURCES = ("arithmetic", "wordproblems", "gsm8k")
+"""Datasets with their own columns and gold rule (the column flags do not apply)."""
 GSM8K_HUB_ID = "openai/gsm8k"
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 REQUIRED_COLUMNS = ("question", "answer")
+_HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")
+_OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
 # Train and test never share a phrasing; the operation words (plus/more, minus/away) recur
 # across splits so a model that learned the train phrasings can read the test ones.
@@ -122,11 +134,17 @@ def load_problems(
     limit: int | None = None,
     seed: int = 0,
     difficulty: int = 1,
+    prompt_column: str = "question",
+    answer_column: str = "answer",
+    gold_rule: str = "####",
+    hub_config: str | None = None,
+    hub_split: str | None = None,
 ) -> datasets.Dataset:
-    """Rows {question, answer} from `source` (see module doc); the first `limit` rows if given.
+    """Rows from `source` (see module doc), columns checked; the first `limit` rows if given.
 
     `seed` shapes the built-in problems and `difficulty` the arithmetic ones only; files
-    and GSM8K keep their own order.
+    and hub datasets keep their own order. A hub dataset serves split `hub_split` (default
+    `split`).
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not one of {SPLITS}; pass split='train' or 'test'")
@@ -139,13 +157,45 @@ def load_problems(
     elif source == "wordproblems":
         problems = word_problems(split, size=WORD_PROBLEM_SPLIT_SIZES[split], seed=seed)
     elif source == "gsm8k":
-        problems = _validated(_load_gsm8k(split), f"{GSM8K_HUB_ID} ({split})")
+        problems = _validated(_load_hub(GSM8K_HUB_ID, "main", split), f"{GSM8K_HUB_ID} ({split})")
+    elif _is_hub_name(source):
+        hub_split = hub_split or split
+        problems = _load_hub(source, hub_config, hub_split)
+        problems = _validated(
+            problems, f"{source} ({hub_split})", prompt_column, answer_column, gold_rule
+        )
     else:
         path = _local_file(Path(source).expanduser(), split)
-        problems = _validated(_load_local_file(path), str(path))
+        problems = _validated(
+            _load_local_file(path), str(path), prompt_column, answer_column, gold_rule
+        )
     if limit is not None and limit < len(problems):
         problems = problems.select(range(limit))
     return problems
+
+
+def columns_of(config: Any) -> tuple[str, str, str]:
+    """(question column, answer column, gold rule) of a run's --dataset (built-ins: their own)."""
+    if config.dataset in BUILTIN_SOURCES:
+        return "question", "answer", "####"
+    return config.prompt_column, config.answer_column, config.gold_rule
+
+
+def load_run_problems(config: Any, split: str, *, limit: int | None = None) -> datasets.Dataset:
+    """`load_problems` of a run's TrainConfig: its --dataset, columns, gold rule and splits."""
+    prompt_column, answer_column, gold_rule = columns_of(config)
+    return load_problems(
+        config.dataset,
+        split,
+        limit=limit,
+        seed=config.seed,
+        difficulty=config.difficulty,
+        prompt_column=prompt_column,
+        answer_column=answer_column,
+        gold_rule=gold_rule,
+        hub_config=config.dataset_config,
+        hub_split=config.train_split if split == "train" else config.test_split,
+    )
 
 
 def max_operand(difficulty: int) -> int:
@@ -229,16 +279,33 @@ def word_problems(split: str, *, size: int, seed: int) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"question": questions, "answer": answers})
 
 
-def _load_gsm8k(split: str) -> datasets.Dataset:
+def _is_hub_name(source: str) -> bool:
+    """OWNER/NAME that is not a local path."""
+    return _HUB_NAME.fullmatch(source) is not None and not Path(source).expanduser().exists()
+
+
+def _offline_message(name: str, split: str, why: str) -> str:
+    return (
+        f"could not load {name} from the Hugging Face hub ({why}); the hub is unreachable "
+        "and the dataset is not cached. Pass a local file instead: --dataset "
+        f"path/to/{split}.jsonl (or .parquet / .csv), or a directory with {split}.jsonl, "
+        "with --prompt-column / --answer-column naming its columns"
+    )
+
+
+def _load_hub(name: str, config: str | None, split: str) -> datasets.Dataset:
+    """A hub dataset's split, from the cache when offline (HF_HUB_OFFLINE=1 fails at once)."""
+    offline = any(os.environ.get(variable, "") not in ("", "0") for variable in _OFFLINE_ENV)
     try:
-        return datasets.load_dataset(GSM8K_HUB_ID, "main", split=split)
+        return datasets.load_dataset(name, config, split=split)
     except OSError as error:
         # ConnectionError (offline mode, no DNS) and DatasetNotFoundError are both OSErrors.
-        raise ConnectionError(
-            f"could not load {GSM8K_HUB_ID} from the Hugging Face hub ({error}); the hub is "
-            "unreachable and the dataset is not cached. Pass a local file instead, e.g. "
-            f"source='path/to/gsm8k_{split}.jsonl' or a directory with {split}.jsonl / "
-            f"{split}.parquet holding `question` and `answer` columns"
+        why = "offline mode" if offline else str(error)
+        raise ConnectionError(_offline_message(name, split, why)) from error
+    except ValueError as error:
+        raise ValueError(
+            f"hub dataset {name} (config {config!r}, split {split!r}): {error}; check "
+            "--dataset-config and --train-split / --test-split"
         ) from error
 
 
@@ -304,29 +371,44 @@ def _bad_json_line(path: Path) -> str | None:
     return None
 
 
-def _validated(problems: datasets.Dataset, origin: str) -> datasets.Dataset:
-    """Only the question and answer columns, each row a non-empty question and a `####` answer."""
-    missing = [column for column in REQUIRED_COLUMNS if column not in problems.column_names]
+def _validated(
+    problems: datasets.Dataset,
+    origin: str,
+    prompt_column: str = "question",
+    answer_column: str = "answer",
+    gold_rule: str = "####",
+) -> datasets.Dataset:
+    """Each row a non-empty question and an answer with a gold answer under `gold_rule`."""
+    columns = (prompt_column, answer_column)
+    missing = [column for column in columns if column not in problems.column_names]
     if missing:
         raise ValueError(
             f"{origin} lacks column(s) {missing}; found columns {problems.column_names}. "
-            "Rename the columns to `question` and `answer`"
+            "Name the question and answer columns with --prompt-column and --answer-column"
         )
-    problems = problems.select_columns(list(REQUIRED_COLUMNS))
-    for row, (question, answer) in enumerate(zip(problems["question"], problems["answer"])):
+    for row, (question, answer) in enumerate(zip(problems[prompt_column], problems[answer_column])):
         if not isinstance(question, str) or not question.strip():
-            raise ValueError(f"question in row {row} of {origin} is {question!r}; expected text")
-        if not isinstance(answer, str) or not _has_gold(answer):
             raise ValueError(
-                f"answer in row {row} of {origin} is {answer!r}; expected GSM8K-format text "
-                "ending in '#### <final answer>', e.g. '3 + 4 = 7\\n#### 7'"
+                f"{prompt_column} in row {row} of {origin} is {question!r}; expected text"
+            )
+        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+            answer = str(answer)
+        if not isinstance(answer, str) or not _has_gold(answer, gold_rule):
+            expected = (
+                "GSM8K-format text ending in '#### <final answer>', e.g. '3 + 4 = 7\\n#### 7' "
+                "(or choose --gold-rule whole / regex:PATTERN)"
+                if gold_rule == "####"
+                else f"text from which --gold-rule {gold_rule!r} extracts an answer"
+            )
+            raise ValueError(
+                f"{answer_column} in row {row} of {origin} is {answer!r}; expected {expected}"
             )
     return problems
 
 
-def _has_gold(answer: str) -> bool:
+def _has_gold(answer: str, gold_rule: str) -> bool:
     try:
-        gsm8k_gold(answer)
+        extract_gold(answer, gold_rule)
     except ValueError:
         return False
     return True

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from grpo.run_dir import MetricsWriter
+from grpo.run_dir import MetricsWriter, RolloutsWriter
 
 # Config values whose key looks like a credential are never written anywhere.
 _SECRET_KEY = re.compile(r"(api[_-]?key|secret|passw(or)?d|(auth|access|bearer|api)[_-]?token)", re.IGNORECASE)
@@ -47,6 +47,20 @@ def console_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> s
     return " | ".join(parts)
 
 
+def rollout_text(group: Mapping[str, Any]) -> str:
+    """One logged group as plain text: the prompt, then each completion with its scores."""
+    lines = [f"prompt (row {group['row']}, gold {group['gold']!r}):", group["prompt"], ""]
+    for member, completion in enumerate(group["completions"]):
+        components = ", ".join(f"{k}={v:g}" for k, v in completion["components"].items())
+        lines.append(
+            f"--- completion {member}: reward {completion['reward']:g} ({components}), "
+            f"advantage {completion['advantage']:+.3f}, {completion['tokens']} tokens, "
+            f"stop {completion['stop_reason']}"
+        )
+        lines.append(completion["text"])
+    return "\n".join(lines)
+
+
 class RunLogger:
     """Writes each step's metrics to metrics.jsonl, SwanLab (if enabled) and a console line."""
 
@@ -60,6 +74,7 @@ class RunLogger:
         run_name: str,
     ) -> None:
         self._metrics = MetricsWriter(run_dir)
+        self._rollouts = RolloutsWriter(run_dir)
         self._swanlab: Any = None
         if swanlab_mode != "disabled":
             self._swanlab = self._start_swanlab(swanlab_mode, swanlab_project, run_name, run_dir, scrub_secrets(config))
@@ -89,12 +104,23 @@ class RunLogger:
         warnings.warn("SwanLab disabled for this run; metrics.jsonl still has everything", stacklevel=2)
         return None
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Append one step's metrics everywhere (metrics.jsonl first, durable on return)."""
+    def log(
+        self, step: int, metrics: Mapping[str, float], *, rollouts: Sequence[Mapping[str, Any]] = ()
+    ) -> None:
+        """Append one step's rollouts and metrics everywhere (metrics.jsonl durable on return)."""
+        self._rollouts.append(step, rollouts)
         self._metrics.append(step, metrics)
         if self._swanlab is not None:
             try:
-                self._swanlab.log({key: value for key, value in metrics.items() if value is not None}, step=step)
+                payload: dict[str, Any] = {
+                    key: value for key, value in metrics.items() if value is not None
+                }
+                if rollouts:
+                    payload["rollouts"] = [
+                        self._swanlab.Text(rollout_text(group), caption=f"group {group['group']}")
+                        for group in rollouts
+                    ]
+                self._swanlab.log(payload, step=step)
             except Exception as error:  # noqa: BLE001 - never stop training for a mirror
                 warnings.warn(f"SwanLab log failed ({error}); continuing with metrics.jsonl only", stacklevel=2)
                 self._swanlab = None
@@ -102,6 +128,7 @@ class RunLogger:
     def close(self) -> None:
         """Close every sink."""
         self._metrics.close()
+        self._rollouts.close()
         if self._swanlab is not None:
             try:
                 self._swanlab.finish()

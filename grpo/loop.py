@@ -45,24 +45,30 @@ from grpo.backends.pytrio import (
 )
 from grpo.config import ConfigError, TrainConfig, resolve_run, to_dict
 from grpo.core.advantages import kl_shaped_advantages
-from grpo.core.alignment import minibatches, pack_groups
+from grpo.core.alignment import mask_sequences, minibatches, pack_groups, truncated_sequences
 from grpo.core.metrics import batch_metrics, rollout_metrics, update_metrics
 from grpo.core.records import TokenBatch
 from grpo.custom_loss import as_custom_loss
-from grpo.data import load_problems
+from grpo.data import columns_of, load_run_problems
 from grpo.datums import batch_to_datums, forward_only, output_logprobs
 from grpo.logging import RunLogger, console_line, scrub_secrets
 from grpo.rollouts import (
     Problem,
     RolloutJob,
+    StepRollouts,
     build_problems,
     evaluate,
-    grade_groups,
+    extra_batch,
+    extra_sampling_seed,
+    grade_rollouts,
     pick_batch,
     reference_logprobs,
+    refill,
+    rollout_records,
     sampling_seed,
     score_groups,
     tokenizer_max_len,
+    trainable_groups,
 )
 
 __all__ = ["ConfigError", "NonFiniteUpdate", "RunResult", "RunStopped", "train"]
@@ -124,6 +130,8 @@ class RunState:
     sampler: Any = None
     sampler_version: int = -1
     jobs: dict[int, RolloutJob] = attrs.Factory(dict)
+    rollout_log: list[dict[str, Any]] = attrs.Factory(list)
+    """The groups of the step being trained, for rollouts.jsonl (written with its row)."""
     last_metrics: dict[str, float] = attrs.Factory(dict)
 
 
@@ -165,13 +173,29 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
     completions_P = job.result()  # 4: a group per prompt
     fault_point("sampled")
     sample_time = time.perf_counter() - step_start
-    rewards_P = grade_groups(job.problems, completions_P)  # 5: grade
-    groups_P = score_groups(job.problems, completions_P, rewards_P, config.advantage)  # 6
-    metrics = {**rollout_metrics(groups_P), "off_policy_steps": float(staleness)}
-    trainable_P = [group for group in groups_P if not group.is_degenerate]  # 7: drop degenerate
+    rollouts = grade_rollouts(job.problems, completions_P, config)  # 5: grade (--reward)
+    if config.dynamic_sampling:  # DAPO: sample more prompts until batch_size groups can train
+        rollouts = refill(
+            rollouts, needed=config.batch_size, max_rounds=config.max_sampling_rounds,
+            sample_round=lambda round_: sample_extra_round(run, state, step, round_),
+        )
+    groups_P = score_groups(  # 6: group advantages
+        rollouts.problems_P, rollouts.completions_P, rollouts.scores.totals_P, config.advantage
+    )
+    metrics = {
+        **rollout_metrics(groups_P), **rollouts.scores.metrics(),
+        "off_policy_steps": float(staleness),
+    }
+    limit = config.batch_size if config.dynamic_sampling else None
+    trainable_P = trainable_groups(groups_P, limit)  # 7: drop degenerate groups
+    if config.dynamic_sampling:
+        metrics.update(sampling_metrics(rollouts, trainable_P))
+    state.rollout_log = rollout_records(rollouts, groups_P, run.tokenizer, config.log_rollouts)
     train_start = time.perf_counter()
-    if trainable_P:
-        batch = pack_groups(trainable_P, drop_degenerate=False)  # 8: the token batch
+    batch = pack_groups(trainable_P, drop_degenerate=False)  # 8: the token batch
+    if config.mask_truncated:  # DAPO: truncated completions train no tokens
+        batch = mask_sequences(batch, truncated_sequences(trainable_P))
+    if batch.num_train_tokens:
         if run.ref_sampler is not None:
             ref_logprobs_N = reference_logprobs(
                 run.pool, run.ref_sampler, trainable_P, config.max_retries, run.note
@@ -181,7 +205,7 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
         metrics.update(update(run, state, batch))  # 9: minibatches x epochs of updates
         state.version += 1
     else:
-        metrics.update({"datums": 0.0, "tokens": 0.0, "train_tokens": 0.0})
+        metrics.update(batch_metrics(batch))
     metrics["time/sample"] = sample_time
     metrics["time/train"] = time.perf_counter() - train_start
     return metrics
@@ -208,16 +232,45 @@ def submit_rollouts(run: Run, state: RunState, step: int) -> None:
         )
 
 
-def _sampling_params(config: TrainConfig, step: int) -> Callable[[int], SamplingParams]:
+def _sampling_params(
+    config: TrainConfig, step: int, round_: int = 0
+) -> Callable[[int], SamplingParams]:
     def params(index: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=config.max_tokens,
             temperature=config.temperature,
             top_p=config.top_p,
-            seed=sampling_seed(config.seed, step, index),
+            seed=(
+                sampling_seed(config.seed, step, index)
+                if round_ == 0
+                else extra_sampling_seed(config.seed, step, round_, index)
+            ),
         )
 
     return params
+
+
+def sample_extra_round(run: Run, state: RunState, step: int, round_: int) -> StepRollouts:
+    """Dynamic sampling's round ``round_`` of ``step``: new problems and seeds, current weights."""
+    config = run.config
+    indices = extra_batch(len(run.train_problems), config.batch_size, step, round_, config.seed)
+    problems = [run.train_problems[index] for index in indices]
+    job = RolloutJob(
+        run.pool, current_sampler(run, state), problems,
+        params_for=_sampling_params(config, step, round_), num_samples=config.group_size,
+        tokenizer=run.tokenizer, max_retries=config.max_retries, log=run.note,
+        sampler_version=state.version,
+    )
+    return grade_rollouts(problems, job.result(), config)
+
+
+def sampling_metrics(rollouts: StepRollouts, trainable_P: list[Any]) -> dict[str, float]:
+    """Dynamic sampling's cost and result: rounds, extra completion tokens, groups that train."""
+    return {
+        "sampling/rounds": float(rollouts.rounds),
+        "sampling/extra_tokens": float(rollouts.extra_tokens),
+        "sampling/groups": float(len(trainable_P)),
+    }
 
 
 def current_sampler(run: Run, state: RunState) -> Any:
@@ -309,7 +362,8 @@ def evaluate_now(run: Run, state: RunState) -> dict[str, float]:
 def log_step(run: Run, state: RunState, step: int, metrics: dict[str, float], write: Callable[[str], None]) -> None:
     """Step 10: the row to disk (durable), then the console; the weights are now those of ``step``."""
     fault_point("log")
-    run.logger.log(step, metrics)
+    run.logger.log(step, metrics, rollouts=state.rollout_log)
+    state.rollout_log = []
     state.completed, state.weights_dirty, state.last_metrics = step, False, metrics
     write(console_line(step, run.steps, metrics))
 
@@ -418,11 +472,9 @@ def _train_in(
     progress: bool,
 ) -> RunResult:
     # Data is checked before the service is asked for anything.
-    train_rows = load_problems(config.dataset, "train", seed=config.seed, difficulty=config.difficulty)
+    train_rows = load_run_problems(config, "train")
     test_rows = (
-        load_problems(config.dataset, "test", seed=config.seed, difficulty=config.difficulty, limit=config.eval_limit)
-        if config.eval_every
-        else []
+        load_run_problems(config, "test", limit=config.eval_limit) if config.eval_every else []
     )
     steps = math.ceil(len(train_rows) / config.batch_size) if config.all_data else config.steps
 
@@ -447,7 +499,9 @@ def _train_in(
     max_len = tokenizer_max_len(tokenizer)
     problems = {
         split: build_problems(
-            tokenizer, rows, fewshot=config.use_fewshot, max_tokens=config.max_tokens, max_len=max_len, split=split
+            tokenizer, rows, fewshot=config.use_fewshot, max_tokens=config.max_tokens,
+            max_len=max_len, split=split, template=config.prompt_template,
+            columns=columns_of(config),
         )
         for split, rows in (("train", train_rows), ("test", test_rows))
     }
@@ -461,6 +515,7 @@ def _train_in(
             raise ConfigError(str(error)) from None
     # Every check has passed: only now does the directory become (or continue as) a run.
     dropped = rundir.prepare_metrics_for_resume(run_dir, checkpoint.step if checkpoint else None)
+    rundir.prepare_rollouts_for_resume(run_dir, checkpoint.step if checkpoint else None)
     if dropped:
         note(f"resuming at step {start_step}: {dropped} logged row(s) after it will be redone")
     (run_dir / rundir.SUMMARY_FILE).unlink(missing_ok=True)

@@ -9,7 +9,7 @@ completion.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -22,21 +22,29 @@ from grpo.config import ConfigError
 from grpo.core.advantages import group_advantages
 from grpo.core.metrics import pass_at_k
 from grpo.core.records import Completion, ScoredGroup
-from grpo.core.rewards import grade, gsm8k_gold
-from grpo.prompts import build_prompt_tokens
+from grpo.core.rewards import RewardInput, extract_gold, grade
+from grpo.prompts import DEFAULT_TEMPLATE, PromptTemplate, build_prompt_tokens
+from grpo.rewards import RewardFn, RewardScores, score_completions
 
 Log = Callable[[str], None]
 
-TRAIN_PURPOSE, EVAL_PURPOSE = 0, 1
+TRAIN_PURPOSE, EVAL_PURPOSE, EXTRA_PURPOSE = 0, 1, 2
+ROLLOUT_TEXT_LIMIT = 2000
+"""Characters kept of each prompt and completion in rollouts.jsonl (the rest is elided)."""
 
 
 @attrs.frozen
 class Problem:
-    """One training or test problem, ready to sample: its prompt tokens and gold answer."""
+    """One training or test problem, ready to sample: its prompt tokens and gold answer.
+
+    `index` is the row's index in its split and `row` its columns (what rewards read).
+    """
 
     question: str
     gold: str
     prompt_tokens: tuple[int, ...]
+    index: int = 0
+    row: Mapping[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
 
 
 def tokenizer_max_len(tokenizer: Any) -> int | None:
@@ -46,12 +54,25 @@ def tokenizer_max_len(tokenizer: Any) -> int | None:
 
 
 def build_problems(
-    tokenizer: Any, rows: Any, *, fewshot: bool, max_tokens: int, max_len: int | None, split: str
+    tokenizer: Any,
+    rows: Any,
+    *,
+    fewshot: bool,
+    max_tokens: int,
+    max_len: int | None,
+    split: str,
+    template: PromptTemplate = DEFAULT_TEMPLATE,
+    columns: tuple[str, str, str] = ("question", "answer", "####"),
 ) -> list[Problem]:
-    """Prompt tokens and gold answers for dataset rows; an over-long prompt is a ConfigError."""
+    """Prompt tokens and gold answers for dataset rows; an over-long prompt is a ConfigError.
+
+    `columns` = (question column, answer column, gold rule), see `grpo.data.problem_columns`.
+    """
+    prompt_column, answer_column, gold_rule = columns
     problems = []
     for index, row in enumerate(rows):
-        tokens = build_prompt_tokens(tokenizer, row["question"], fewshot=fewshot)
+        question = row[prompt_column]
+        tokens = build_prompt_tokens(tokenizer, question, fewshot=fewshot, template=template)
         if max_len is not None and len(tokens) + max_tokens > max_len:
             raise ConfigError(
                 f"{split} problem {index}: prompt has {len(tokens)} tokens + --max-tokens "
@@ -59,7 +80,13 @@ def build_problems(
                 "drop long problems"
             )
         problems.append(
-            Problem(question=row["question"], gold=gsm8k_gold(row["answer"]), prompt_tokens=tuple(tokens))
+            Problem(
+                question=question,
+                gold=extract_gold(str(row[answer_column]), gold_rule),
+                prompt_tokens=tuple(tokens),
+                index=index,
+                row=dict(row),
+            )
         )
     return problems
 
@@ -79,6 +106,20 @@ def pick_batch(num_problems: int, batch_size: int, step: int, seed: int) -> np.n
 def sampling_seed(seed: int, step: int, index: int, purpose: int = TRAIN_PURPOSE) -> int:
     """The sampler seed of request ``index`` at ``step``: a pure function, so runs are reproducible."""
     return int(np.random.SeedSequence([seed, purpose, step, index]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def extra_batch(
+    num_problems: int, batch_size: int, step: int, round_: int, seed: int
+) -> np.ndarray:
+    """Problems of extra sampling round ``round_`` >= 1 of ``step``: distinct, seeded by all four."""
+    rng = np.random.default_rng([seed, EXTRA_PURPOSE, step, round_])
+    return rng.choice(num_problems, size=min(batch_size, num_problems), replace=False)
+
+
+def extra_sampling_seed(seed: int, step: int, round_: int, index: int) -> int:
+    """The sampler seed of request ``index`` of extra round ``round_`` of ``step`` (pure)."""
+    state = np.random.SeedSequence([seed, EXTRA_PURPOSE, step, round_, index]).generate_state(1)
+    return int(state[0] & 0x7FFFFFFF)
 
 
 def _completion_from(sequence: Any, tokenizer: Any) -> Completion:
@@ -142,6 +183,42 @@ def grade_groups(
         np.array([grade(completion.text, problem.gold) for completion in completions], dtype=np.float64)
         for problem, completions in zip(problems_P, completions_P, strict=True)
     ]
+
+
+def reward_groups(
+    problems_P: Sequence[Problem],
+    completions_P: Sequence[Sequence[Completion]],
+    rewards: Sequence[RewardFn],
+    *,
+    max_tokens: int,
+    overlong_buffer: int,
+    on_error: str,
+    workers: int,
+) -> RewardScores:
+    """Every --reward of every completion (see `grpo.rewards.score_completions`)."""
+    items = [
+        (
+            completion.text,
+            problem.row,
+            RewardInput(
+                index=problem.index,
+                gold=problem.gold,
+                num_tokens=int(completion.tokens.size),
+                max_tokens=max_tokens,
+                stop_reason=completion.stop_reason,
+                overlong_buffer=overlong_buffer,
+            ),
+        )
+        for problem, completions in zip(problems_P, completions_P, strict=True)
+        for completion in completions
+    ]
+    return score_completions(
+        rewards,
+        items,
+        [len(completions) for completions in completions_P],
+        on_error=on_error,
+        workers=workers,
+    )
 
 
 def score_groups(
@@ -228,3 +305,120 @@ def evaluate(
         metrics[f"test/pass@{k}"] = float(np.mean([pass_at_k(num_samples, c, k) for c in correct_P]))
         k *= 2
     return metrics
+
+
+@attrs.frozen
+class StepRollouts:
+    """What one step sampled and how it scored: problems, groups of completions, rewards.
+
+    Under dynamic sampling it holds every round, in order (``rounds``; ``extra_tokens`` are
+    the completion tokens the extra rounds sampled).
+    """
+
+    problems_P: tuple[Problem, ...]
+    completions_P: tuple[tuple[Completion, ...], ...]
+    scores: RewardScores
+    rounds: int = 1
+    extra_tokens: int = 0
+
+    def extended(self, more: StepRollouts) -> StepRollouts:
+        """This step's rollouts followed by one more round's."""
+        sampled = sum(c.tokens.size for group in more.completions_P for c in group)
+        return StepRollouts(
+            problems_P=self.problems_P + more.problems_P,
+            completions_P=self.completions_P + more.completions_P,
+            scores=self.scores.extended(more.scores),
+            rounds=self.rounds + 1,
+            extra_tokens=self.extra_tokens + int(sampled),
+        )
+
+    def num_nondegenerate(self) -> int:
+        """Groups whose rewards are not all equal (the ones that train)."""
+        return sum(bool(np.any(rewards != rewards[0])) for rewards in self.scores.totals_P)
+
+
+def grade_rollouts(
+    problems_P: Sequence[Problem],
+    completions_P: Sequence[Sequence[Completion]],
+    config: Any,
+) -> StepRollouts:
+    """Step 5: every completion scored by the run's --reward callables."""
+    scores = reward_groups(
+        problems_P,
+        completions_P,
+        config.reward_fns,
+        max_tokens=config.max_tokens,
+        overlong_buffer=config.overlong_tokens,
+        on_error=config.reward_errors,
+        workers=config.reward_workers,
+    )
+    return StepRollouts(
+        problems_P=tuple(problems_P),
+        completions_P=tuple(tuple(group) for group in completions_P),
+        scores=scores,
+    )
+
+
+def refill(
+    first: StepRollouts,
+    *,
+    needed: int,
+    max_rounds: int,
+    sample_round: Callable[[int], StepRollouts],
+) -> StepRollouts:
+    """DAPO's dynamic sampling: rounds 1, 2, ... until ``needed`` non-degenerate groups.
+
+    At most ``max_rounds`` rounds in all (the first included); ``sample_round(r)`` samples
+    and grades round r (its problems and seeds are pure functions of (seed, step, r, index)).
+    """
+    rollouts = first
+    while rollouts.num_nondegenerate() < needed and rollouts.rounds < max_rounds:
+        rollouts = rollouts.extended(sample_round(rollouts.rounds))
+    return rollouts
+
+
+def trainable_groups(groups_P: Sequence[ScoredGroup], limit: int | None) -> list[ScoredGroup]:
+    """Step 7: the non-degenerate groups, the first ``limit`` of them when a limit is given."""
+    kept = [group for group in groups_P if not group.is_degenerate]
+    return kept if limit is None else kept[:limit]
+
+
+def _clip(text: str) -> str:
+    if len(text) <= ROLLOUT_TEXT_LIMIT:
+        return text
+    half = ROLLOUT_TEXT_LIMIT // 2
+    return f"{text[:half]} [... {len(text) - 2 * half} characters ...] {text[-half:]}"
+
+
+def rollout_records(
+    rollouts: StepRollouts, groups_P: Sequence[ScoredGroup], tokenizer: Any, limit: int
+) -> list[dict[str, Any]]:
+    """The first ``limit`` groups as JSON-ready records for rollouts.jsonl (texts clipped)."""
+    records = []
+    for index, (problem, group) in enumerate(zip(rollouts.problems_P, groups_P)):
+        if index >= limit:
+            break
+        components = rollouts.scores.components_P[index]
+        records.append(
+            {
+                "group": index,
+                "row": problem.index,
+                "prompt": _clip(tokenizer.decode(list(problem.prompt_tokens))),
+                "gold": problem.gold,
+                "degenerate": group.is_degenerate,
+                "completions": [
+                    {
+                        "text": _clip(completion.text),
+                        "reward": float(group.rewards[member]),
+                        "components": {
+                            name: float(values[member]) for name, values in components.items()
+                        },
+                        "advantage": float(group.advantages[member]),
+                        "tokens": int(completion.tokens.size),
+                        "stop_reason": completion.stop_reason,
+                    }
+                    for member, completion in enumerate(group.completions)
+                ],
+            }
+        )
+    return records

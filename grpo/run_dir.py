@@ -7,6 +7,9 @@ time and holds:
 - ``metrics.jsonl``: one JSON row per logged step, the record of truth; every row is
   flushed and fsynced before the checkpoint that covers it is written, so a checkpoint
   never points past the last complete row;
+- ``rollouts.jsonl``: up to --log-rollouts groups per step (prompt, completions, reward
+  components, advantages, lengths, stop reasons), each line one group tagged with the step
+  of its metrics row; written just before that row, truncated like it on resume;
 - ``checkpoint.json``: the latest resumable checkpoint (step and state path; a path inside
   the run directory is stored relative to it, so a moved run directory still resumes);
 - ``summary.json``: written when the run finished;
@@ -35,6 +38,7 @@ import filelock
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
+ROLLOUTS_FILE = "rollouts.jsonl"
 CHECKPOINT_FILE = "checkpoint.json"
 SUMMARY_FILE = "summary.json"
 LOG_FILE = "train.log"
@@ -103,6 +107,30 @@ class MetricsWriter:
     def close(self) -> None:
         """Close the file (rows are already durable)."""
         self._file.close()
+
+
+class RolloutsWriter:
+    """Appends one line per logged group to ``rollouts.jsonl`` (flushed, not fsynced)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / ROLLOUTS_FILE
+        self._file: IO[str] | None = None
+
+    def append(self, step: int, groups: Iterable[Mapping[str, Any]]) -> None:
+        """Write ``{"step": step, **group}`` for every group."""
+        lines = [json.dumps({STEP_KEY: step, **group}) + "\n" for group in groups]
+        if not lines:
+            return
+        if self._file is None:
+            self._file = self.path.open("a", encoding="utf-8")
+        self._file.writelines(lines)
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 # --- reading -------------------------------------------------------------------------------
@@ -323,6 +351,39 @@ def prepare_metrics_for_resume(run_dir: Path, checkpoint_step: int | None) -> in
         )
     rewrite_metrics(run_dir, kept)
     return len(scanned.rows) - len(kept)
+
+
+def read_rollouts(run_dir: Path) -> list[dict[str, Any]]:
+    """The groups of a run's rollouts.jsonl ([] when absent); a cut-off last line is skipped."""
+    path = run_dir / ROLLOUTS_FILE
+    scanned = scan_metrics(path)
+    damaged = scanned.bad_lines[:-1] if scanned.truncated_tail else scanned.bad_lines
+    if damaged:
+        raise RunDirError(
+            f"{path} line {damaged[0]} is not a rollout record (JSON with an integer 'step'); "
+            "repair or delete that line"
+        )
+    return scanned.rows
+
+
+def prepare_rollouts_for_resume(run_dir: Path, checkpoint_step: int | None) -> int:
+    """Keep the groups of steps <= ``checkpoint_step`` (none without one); return lines dropped.
+
+    Rollouts are a readable log, not a record of truth: damaged lines are dropped too.
+    """
+    path = run_dir / ROLLOUTS_FILE
+    if not path.exists():
+        return 0
+    scanned = scan_metrics(path)
+    limit = -1 if checkpoint_step is None else checkpoint_step
+    kept = [row for row in scanned.rows if row[STEP_KEY] <= limit]
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in kept)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    return len(scanned.rows) + len(scanned.bad_lines) - len(kept)
 
 
 # --- ownership -----------------------------------------------------------------------------

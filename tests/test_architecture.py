@@ -17,7 +17,6 @@ import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pytest
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "grpo"
 
@@ -120,12 +119,6 @@ def test_the_core_imports_neither_the_shell_nor_pytrio():
     assert found == [], "the core must not import the shell or pytrio:\n" + "\n".join(found)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="today backends/local.py imports grpo.custom_loss (datum_mask) and "
-    "backends/warm_start.py imports grpo.prompts (build_prompt_tokens)",
-)
 def test_backends_import_only_the_core_datums_and_other_backends():
     found = violations("backends", backend_may_import)
     assert found == [], (

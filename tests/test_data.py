@@ -212,7 +212,7 @@ def test_gsm8k_offline_raises_a_clear_error_pointing_to_local_files(monkeypatch)
         load_problems("gsm8k", "test")
 
 
-def test_gsm8k_is_loaded_from_the_hub_id_and_reduced_to_question_and_answer(monkeypatch):
+def test_gsm8k_is_loaded_from_the_hub_id_keeping_every_column_for_rewards(monkeypatch):
     calls = []
 
     def fake_hub(*args, **kwargs):
@@ -222,7 +222,7 @@ def test_gsm8k_is_loaded_from_the_hub_id_and_reduced_to_question_and_answer(monk
     monkeypatch.setattr(datasets, "load_dataset", fake_hub)
     problems = load_problems("gsm8k", "train", limit=1)
     assert calls == [(("openai/gsm8k", "main"), {"split": "train"})]
-    assert problems.column_names == ["question", "answer"] and len(problems) == 1
+    assert problems.column_names == ["question", "answer", "extra"] and len(problems) == 1
 
 
 # --- local files --------------------------------------------------------------------------
@@ -239,10 +239,11 @@ def test_json_array_file_is_loaded(tmp_path):
     assert load_problems(str(path), "train").to_list() == ROWS
 
 
-def test_parquet_file_is_loaded_and_extra_columns_dropped(tmp_path):
+def test_parquet_file_is_loaded_and_extra_columns_kept_for_rewards(tmp_path):
     path = tmp_path / "p.parquet"
-    datasets.Dataset.from_list([{**row, "id": i} for i, row in enumerate(ROWS)]).to_parquet(str(path))
-    assert load_problems(str(path), "train").to_list() == ROWS
+    rows = [{**row, "id": i} for i, row in enumerate(ROWS)]
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    assert load_problems(str(path), "train").to_list() == rows
 
 
 def test_csv_file_is_loaded(tmp_path):
@@ -293,3 +294,64 @@ def test_empty_question_is_rejected_with_its_row(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"question": " ", "answer": "#### 2"}])
     with pytest.raises(ValueError, match="question in row 0"):
         load_problems(str(path), "train")
+
+
+# --- columns, gold rules, hub names -----------------------------------------------------------
+
+
+def test_columns_and_gold_rule_of_a_local_file(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"problem": "1 + 2?", "solution": "3", "id": 9}])
+    problems = load_problems(
+        str(path), "train", prompt_column="problem", answer_column="solution", gold_rule="whole"
+    )
+    assert problems.to_list() == [{"problem": "1 + 2?", "solution": "3", "id": 9}]
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['question'\].*--prompt-column"):
+        load_problems(str(path), "train", answer_column="solution", gold_rule="whole")
+    with pytest.raises(ValueError, match="solution in row 0 .* ending in '####"):
+        load_problems(str(path), "train", prompt_column="problem", answer_column="solution")
+
+
+def test_a_hub_name_offline_fails_at_once_saying_how_to_use_a_local_file(monkeypatch):
+    calls = []
+
+    def unreachable(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise ConnectionError("Couldn't reach the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConnectionError, match=r"owner/set from the Hugging Face hub \(offline "
+                       r"mode\).*--dataset path/to/validation.jsonl"):
+        load_problems("owner/set", "test", hub_config="main", hub_split="validation")
+    assert calls == [(("owner/set", "main"), {"split": "validation"})]
+
+
+def test_run_config_passes_hub_config_split_and_columns(monkeypatch):
+    from grpo.config import TrainConfig
+    from grpo.data import load_run_problems
+
+    calls = []
+
+    def fake_hub(*args, **kwargs):
+        calls.append((args, kwargs))
+        return datasets.Dataset.from_list([{"q": "1 + 1?", "a": "2"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_hub)
+    config = TrainConfig(
+        dataset="owner/set", dataset_config="cfg", train_split="tr", test_split="te",
+        prompt_column="q", answer_column="a", gold_rule="whole",
+    )
+    assert load_run_problems(config, "train").to_list() == [{"q": "1 + 1?", "a": "2"}]
+    load_run_problems(config, "test")
+    assert calls == [
+        (("owner/set", "cfg"), {"split": "tr"}), (("owner/set", "cfg"), {"split": "te"})
+    ]
+
+
+def test_builtin_datasets_ignore_the_column_flags():
+    from grpo.config import TrainConfig
+    from grpo.data import columns_of
+
+    config = TrainConfig(prompt_column="problem", answer_column="solution", gold_rule="whole")
+    assert columns_of(config) == ("question", "answer", "####")
+    assert columns_of(TrainConfig(dataset="x.jsonl", prompt_column="p")) == ("p", "answer", "####")

@@ -78,6 +78,30 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "swanlab_project": TEXT,
     "max_retries": st.integers(0, 10),
     "connect_timeout": _floats(0.1, 300.0),
+    "dataset_config": st.none() | TEXT,
+    "train_split": TEXT,
+    "test_split": TEXT,
+    "prompt_column": TEXT,
+    "answer_column": TEXT,
+    "gold_rule": st.sampled_from(["####", "whole", "regex:answer (\\d+)"]),
+    "system_prompt": st.none() | TEXT,
+    "question_suffix": TEXT,
+    "fewshot_file": st.none(),
+    "dynamic_sampling": st.booleans(),
+    "max_sampling_rounds": st.integers(1, 8),
+    "reward": st.lists(
+        st.sampled_from(
+            ["grpo.rewards:boxed_match", "grpo.rewards:boxed_format=0.5",
+             "grpo.rewards:overlong_penalty=-1e-3"]
+        ),
+        unique_by=lambda spec: spec.split("=")[0],
+        max_size=3,
+    ).map(tuple),
+    "reward_errors": st.sampled_from(["stop", "zero"]),
+    "reward_workers": st.integers(0, 8),
+    "overlong_buffer": st.none() | st.integers(1, 64),
+    "mask_truncated": st.booleans(),
+    "log_rollouts": st.integers(0, 16),
 }
 
 

@@ -13,6 +13,8 @@ Position k of the input predicts target k: the last prompt token predicts C[0].
 - `pack`: aligned sequences -> one `TokenBatch` (one concatenate per array).
 - `pack_groups`: scored groups -> `TokenBatch` directly, equal to `pack` of `align` of every
   completion, without building per-completion records (the datum builder's fast path).
+- `truncated_sequences`, `mask_sequences`: DAPO's overlong filtering (--mask-truncated):
+  the sequences of completions cut at the token limit get mask 0 and advantage 0.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ import numpy.typing as npt
 
 from grpo.core.records import AlignedSequence, ScoredGroup, TokenBatch
 
-__all__ = ["PAD_TOKEN_ID", "align", "minibatches", "pack", "pack_groups"]
+__all__ = [
+    "PAD_TOKEN_ID",
+    "align",
+    "mask_sequences",
+    "minibatches",
+    "pack",
+    "pack_groups",
+    "truncated_sequences",
+]
 
 # The target at prompt positions is never trained (mask 0); PyTRIO's article pads with 0.
 PAD_TOKEN_ID = 0
@@ -183,3 +193,33 @@ def minibatches(batch: TokenBatch, num_minibatches: int) -> list[TokenBatch]:
         for start, stop in zip(bounds[:-1], bounds[1:], strict=True)
         if stop > start
     ]
+
+
+def truncated_sequences(groups: Sequence[ScoredGroup]) -> npt.NDArray[np.bool_]:
+    """One flag per completion, in packing order: True when it stopped at the token limit."""
+    return np.array(
+        [completion.is_truncated for group in groups for completion in group.completions],
+        dtype=bool,
+    )
+
+
+def mask_sequences(batch: TokenBatch, masked_S: npt.ArrayLike) -> TokenBatch:
+    """The batch with m = 0 and A = 0 at every position of the sequences flagged in masked_S.
+
+    Tokens, log-probs and sequence lengths are unchanged, and so is every unflagged sequence.
+    """
+    masked = np.asarray(masked_S, dtype=bool)
+    if masked.shape != (batch.num_sequences,):
+        raise ValueError(
+            f"masked_S has shape {masked.shape} but the batch has {batch.num_sequences} "
+            "sequences; pass one flag per packed sequence"
+        )
+    keep_N = np.repeat(~masked, batch.seq_lens)
+    return TokenBatch(
+        input_tokens=batch.input_tokens,
+        target_tokens=batch.target_tokens,
+        sampling_logprobs=batch.sampling_logprobs,
+        advantages=_frozen(np.where(keep_N, batch.advantages, 0.0)),
+        mask=_frozen(np.where(keep_N, batch.mask, 0.0)),
+        seq_lens=batch.seq_lens,
+    )

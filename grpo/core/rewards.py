@@ -4,6 +4,10 @@
 - `normalize_answer`: the canonical form answers are compared in.
 - `gsm8k_gold`: the gold answer of a GSM8K `answer` field (the text after `####`).
 - `grade`: 1.0 when the response's boxed answer equals the gold answer, else 0.0.
+- `extract_gold`: the gold answer of an answer field under a rule (`####`, whole, regex).
+- `RewardInput`: what a reward callable may read besides the completion text and the row.
+- `boxed_match`, `boxed_format`, `overlong_penalty`: the built-in reward callables.
+- `weighted_total`: the weighted sum of reward components (docs/FORMULAS.md "Reward").
 
 Normalization (docs/FORMULAS.md "Reward"): drop whitespace and LaTeX spacing (`\\,` `\\!` `\\;`
 `\\:`), `$` and `\\$`, thousands separators (a comma or LaTeX `{,}` between digits followed
@@ -16,9 +20,28 @@ as the normalized text.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from decimal import Decimal
+from typing import Any
 
-__all__ = ["extract_boxed", "grade", "gsm8k_gold", "normalize_answer"]
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "GOLD_RULES",
+    "RewardInput",
+    "boxed_format",
+    "boxed_match",
+    "extract_boxed",
+    "extract_gold",
+    "grade",
+    "gsm8k_gold",
+    "normalize_answer",
+    "overlong_penalty",
+    "soft_overlong_penalty",
+    "weighted_total",
+]
 
 _BOXED_OPEN = "\\boxed{"
 _MINUS_SIGNS = str.maketrans(
@@ -116,3 +139,109 @@ def grade(response: str, gold: str) -> float:
     if answer_number is not None and gold_number is not None:
         return float(answer_number == gold_number)
     return float(answer_stripped == gold_stripped)
+
+
+# --- gold answers -----------------------------------------------------------------------
+
+GOLD_RULES = ("####", "whole")
+"""Named gold-answer rules; any other rule is `regex:PATTERN` (group 1, else the whole match)."""
+
+
+def extract_gold(answer_text: str, rule: str = "####") -> str:
+    """The gold answer of an answer field: after the last `####`, the whole field, or a regex.
+
+    `regex:PATTERN` takes the last match's group 1 (the whole match if the pattern has no
+    group); ValueError names the rule when nothing is found.
+    """
+    if rule == "####":
+        return gsm8k_gold(answer_text)
+    if rule == "whole":
+        gold = answer_text.strip()
+        if not gold:
+            raise ValueError("answer is empty; --gold-rule whole needs a non-empty answer field")
+        return gold
+    if not rule.startswith("regex:"):
+        raise ValueError(
+            f"gold rule {rule!r} is not one of '####', 'whole' or 'regex:PATTERN'"
+        )
+    pattern = re.compile(rule.removeprefix("regex:"))
+    matches = list(pattern.finditer(answer_text))
+    if not matches:
+        raise ValueError(
+            f"--gold-rule {rule!r} finds nothing in the answer (ends with {answer_text[-80:]!r})"
+        )
+    last = matches[-1]
+    gold = (last.group(1) if pattern.groups else last.group(0)).strip()
+    if not gold:
+        raise ValueError(f"--gold-rule {rule!r} matches an empty answer in {answer_text[-80:]!r}")
+    return gold
+
+
+# --- reward callables ---------------------------------------------------------------------
+
+
+@attrs.frozen
+class RewardInput:
+    """What a reward may read besides the completion text and the dataset row.
+
+    A reward callable takes `(completion, row)` or `(completion, row, sample)`; `sample` is
+    this record. `index` is the row's index in its split, `gold` the answer extracted by
+    --gold-rule, `num_tokens` the completion's length in tokens, `stop_reason` the
+    sampler's ("length" when cut at `max_tokens`), `overlong_buffer` the L of DAPO's penalty.
+    """
+
+    index: int
+    gold: str
+    num_tokens: int
+    max_tokens: int
+    stop_reason: str
+    overlong_buffer: int
+
+    @property
+    def truncated(self) -> bool:
+        """True when the sampler stopped at `max_tokens`."""
+        return self.stop_reason == "length"
+
+
+def boxed_match(completion: str, row: Mapping[str, Any], sample: RewardInput) -> float:
+    """1.0 when the last `\\boxed{}` answer equals the gold answer (`grade`), else 0.0."""
+    return grade(completion, sample.gold)
+
+
+def boxed_format(completion: str, row: Mapping[str, Any]) -> float:
+    """1.0 when the completion ends its answer in a complete, non-empty `\\boxed{}`, else 0.0."""
+    answer = extract_boxed(completion)
+    return float(answer is not None and bool(_strip_surface(answer)))
+
+
+def soft_overlong_penalty(num_tokens: int, max_tokens: int, buffer: int) -> float:
+    """DAPO's soft overlong penalty: 0 up to max_tokens − buffer, then −(len − (max − L)) / L.
+
+    Linear from 0 at `max_tokens − buffer` tokens to −1 at `max_tokens` (and −1 beyond).
+    """
+    if buffer < 1 or max_tokens < 1:
+        raise ValueError(f"overlong buffer {buffer} and max_tokens {max_tokens} must be >= 1")
+    buffer = min(buffer, max_tokens)
+    excess = num_tokens - (max_tokens - buffer)
+    return -min(1.0, max(0.0, excess / buffer))
+
+
+def overlong_penalty(completion: str, row: Mapping[str, Any], sample: RewardInput) -> float:
+    """`soft_overlong_penalty` of the completion's length (--overlong-buffer tokens)."""
+    return soft_overlong_penalty(sample.num_tokens, sample.max_tokens, sample.overlong_buffer)
+
+
+def weighted_total(
+    components: Mapping[str, npt.NDArray[np.float64]], weights: Mapping[str, float]
+) -> npt.NDArray[np.float64]:
+    """R = Σ_k w_k · r_k over the named components (one weight per component name).
+
+    A lone component of weight 1 is returned unchanged (bit for bit).
+    """
+    if not components:
+        raise ValueError("weighted_total needs at least one reward component")
+    names = list(components)
+    total = weights[names[0]] * np.asarray(components[names[0]], dtype=np.float64)
+    for name in names[1:]:
+        total = total + weights[name] * np.asarray(components[name], dtype=np.float64)
+    return total

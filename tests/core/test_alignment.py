@@ -172,3 +172,36 @@ def test_packing_nothing_gives_an_empty_batch():
     assert pack([]).num_sequences == 0
     assert pack_groups([]).num_tokens == 0
     assert pack_groups([]) == pack([])
+
+
+# --- --mask-truncated ---------------------------------------------------------------------
+
+
+@given(groups=st.lists(scored_groups(), min_size=1, max_size=5))
+def test_mask_truncated_changes_only_the_truncated_completions_tokens(groups):
+    from grpo.core.alignment import mask_sequences, truncated_sequences
+
+    batch = pack_groups(groups, drop_degenerate=False)
+    truncated_S = truncated_sequences(groups)
+    masked = mask_sequences(batch, truncated_S)
+    flags = [c.is_truncated for group in groups for c in group.completions]
+    assert truncated_S.tolist() == flags
+    for before, after, truncated in zip(batch.sequences(), masked.sequences(), flags):
+        if truncated:
+            assert not after.mask.any() and not after.advantages.any()
+            assert np.array_equal(after.input_tokens, before.input_tokens)
+            assert np.array_equal(after.sampling_logprobs, before.sampling_logprobs)
+        else:
+            assert after == before
+    assert np.array_equal(masked.seq_lens, batch.seq_lens)
+    assert masked.num_train_tokens == batch.num_train_tokens - sum(
+        c.tokens.size for group in groups for c in group.completions if c.is_truncated
+    )
+
+
+def test_mask_sequences_needs_one_flag_per_sequence():
+    from grpo.core.alignment import mask_sequences
+
+    batch = pack([align([1, 2], [3, 4], [-0.1, -0.2], 1.0)])
+    with pytest.raises(ValueError, match="one flag per packed sequence"):
+        mask_sequences(batch, [True, False])

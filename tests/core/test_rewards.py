@@ -6,6 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import numpy as np
+
+from grpo.core import rewards as core_rewards
 from grpo.core.rewards import extract_boxed, grade, gsm8k_gold, normalize_answer
 from tests.strategies import answer_numbers, boxed_responses, number_surface_forms
 
@@ -132,3 +135,77 @@ def test_gsm8k_gold_without_marker_names_the_marker_and_the_fix():
 def test_gsm8k_gold_with_nothing_after_the_marker_is_an_error():
     with pytest.raises(ValueError, match="nothing after its '####' marker"):
         gsm8k_gold("work\n####  ")
+
+
+# --- gold rules, built-in reward callables, weighted totals -----------------------------------
+
+
+
+
+@pytest.mark.parametrize(
+    "answer, rule, gold",
+    [
+        ("3 + 4 = 7\n#### 7", "####", "7"),
+        ("  42 \n", "whole", "42"),
+        ("so the answer is 12, not 13", r"regex:answer is (\d+)", "12"),
+        ("a 1 b 2 c 3", r"regex:\d", "3"),
+    ],
+)
+def test_extract_gold_follows_its_rule(answer, rule, gold):
+    assert core_rewards.extract_gold(answer, rule) == gold
+
+
+@pytest.mark.parametrize(
+    "answer, rule, message",
+    [("no marker", "####", "no '####' marker"), ("  ", "whole", "empty"),
+     ("abc", r"regex:(\d+)", "finds nothing"), ("x", "bogus", "not one of")],
+)
+def test_extract_gold_errors_name_the_rule(answer, rule, message):
+    with pytest.raises(ValueError, match=message):
+        core_rewards.extract_gold(answer, rule)
+
+
+@given(
+    max_tokens=st.integers(1, 200), buffer=st.integers(1, 200), data=st.data()
+)
+def test_soft_overlong_penalty_is_zero_then_linear_down_to_minus_one(max_tokens, buffer, data):
+    length = data.draw(st.integers(1, max_tokens))
+    penalty = core_rewards.soft_overlong_penalty(length, max_tokens, buffer)
+    start = max_tokens - min(buffer, max_tokens)
+    assert -1.0 <= penalty <= 0.0
+    if length <= start:
+        assert penalty == 0.0
+    else:
+        assert penalty == pytest.approx(-(length - start) / min(buffer, max_tokens))
+    assert core_rewards.soft_overlong_penalty(max_tokens, max_tokens, buffer) == -1.0
+
+
+def test_soft_overlong_penalty_of_dapo_numbers():
+    # DAPO: L_max 20480 with a 4096 buffer: 0 up to 16384 tokens, -0.5 at 18432, -1 at 20480.
+    assert core_rewards.soft_overlong_penalty(16384, 20480, 4096) == 0.0
+    assert core_rewards.soft_overlong_penalty(18432, 20480, 4096) == -0.5
+    assert core_rewards.soft_overlong_penalty(20480, 20480, 4096) == -1.0
+
+
+def _sample(**overrides):
+    values = dict(index=0, gold="7", num_tokens=5, max_tokens=24, stop_reason="stop",
+                  overlong_buffer=6)
+    return core_rewards.RewardInput(**{**values, **overrides})
+
+
+def test_builtin_reward_callables():
+    assert core_rewards.boxed_match("so \\boxed{7}", {}, _sample()) == 1.0
+    assert core_rewards.boxed_match("so \\boxed{8}", {}, _sample()) == 0.0
+    assert core_rewards.boxed_format("so \\boxed{8}", {}) == 1.0
+    assert core_rewards.boxed_format("so \\boxed{ }", {}) == 0.0
+    assert core_rewards.boxed_format("so 8", {}) == 0.0
+    assert core_rewards.overlong_penalty("", {}, _sample(num_tokens=21)) == -0.5
+    assert _sample(stop_reason="length").truncated and not _sample().truncated
+
+
+def test_weighted_total_is_the_weighted_sum_and_a_lone_unit_weight_is_exact():
+    components = {"a": np.array([1.0, 0.0, 1.0]), "b": np.array([0.5, 0.25, 0.0])}
+    total = core_rewards.weighted_total(components, {"a": 1.0, "b": -2.0})
+    assert total.tolist() == [0.0, -0.5, 1.0]
+    lone = np.array([0.1, 0.7])
+    assert core_rewards.weighted_total({"a": lone}, {"a": 1.0}).tobytes() == lone.tobytes()

@@ -1,0 +1,312 @@
+"""Reward functions named on the command line: loading, checking and scoring completions.
+
+A reward is a Python callable of the completion text and the dataset row (a dict of the
+row's columns), returning a float or a dict of named floats:
+
+    def short_answer(completion: str, row: dict) -> float: ...
+    def graded(completion: str, row: dict, sample: RewardInput) -> dict[str, float]: ...
+
+An optional third positional parameter receives a `grpo.core.rewards.RewardInput` (row
+index, gold answer, token length, stop reason, max tokens, overlong buffer). `--reward`
+names one as `module:function` or `path/to/file.py:function`, optionally `=WEIGHT`
+(default 1); it repeats, and the step's reward is the weighted sum of the components. A
+float reward is component `<function>`, a dict's entries are `<function>/<key>`; each is
+logged as `reward/<component>`. Built-ins live in this module: `boxed_match` (the default,
+today's grading), `boxed_format` and `overlong_penalty` (DAPO's, with --overlong-buffer).
+
+A reward that raises or returns NaN, infinity or a non-number raises `RewardError` naming
+the row index and the completion (`--reward-errors stop`, the run then stops with a
+checkpoint), or scores 0 for that component and is counted in `reward/errors`
+(`--reward-errors zero`). `--reward-workers N` calls rewards from N threads; results are
+collected in completion order, so they equal the serial ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from grpo.core.rewards import (
+    RewardInput,
+    boxed_format,
+    boxed_match,
+    overlong_penalty,
+    weighted_total,
+)
+
+__all__ = [
+    "DEFAULT_REWARD",
+    "RewardError",
+    "RewardFn",
+    "RewardScores",
+    "boxed_format",
+    "boxed_match",
+    "load_rewards",
+    "overlong_penalty",
+    "parse_reward_spec",
+    "score_completions",
+]
+
+DEFAULT_REWARD = "grpo.rewards:boxed_match"
+ERROR_MODES = ("stop", "zero")
+_TEXT_PREVIEW = 300
+
+
+class RewardError(ValueError):
+    """A reward callable that raised or returned something that is not a finite number."""
+
+
+@attrs.frozen
+class RewardFn:
+    """One loaded reward: its spec, name, weight, the callable and whether it takes `sample`."""
+
+    spec: str
+    name: str
+    weight: float
+    fn: Callable[..., Any] = attrs.field(eq=False)
+    takes_sample: bool
+
+    def __call__(self, completion: str, row: Mapping[str, Any], sample: RewardInput) -> Any:
+        """The callable's raw value for one completion."""
+        if self.takes_sample:
+            return self.fn(completion, row, sample)
+        return self.fn(completion, row)
+
+
+def parse_reward_spec(spec: str) -> tuple[str, str, float]:
+    """`target:function[=weight]` -> (target, function, weight); ValueError naming the fix."""
+    example = "e.g. --reward grpo.rewards:boxed_match or --reward my_rewards.py:short=0.2"
+    body, sep, raw_weight = spec.rpartition("=")
+    if not sep:
+        body, raw_weight = spec, "1"
+    try:
+        weight = float(raw_weight)
+    except ValueError:
+        raise ValueError(
+            f"--reward {spec!r}: weight {raw_weight!r} is not a number; {example}"
+        ) from None
+    if not math.isfinite(weight):
+        raise ValueError(f"--reward {spec!r}: weight must be finite, got {raw_weight!r}")
+    target, colon, function = body.rpartition(":")
+    if not colon or not target.strip() or not function.strip():
+        raise ValueError(f"--reward {spec!r} must look like MODULE:FUNCTION[=WEIGHT]; {example}")
+    if not function.isidentifier():
+        raise ValueError(f"--reward {spec!r}: {function!r} is not a Python function name")
+    return target.strip(), function.strip(), weight
+
+
+def _load_target(spec: str, target: str) -> Any:
+    """The module named by `target`: a `.py` file path or an importable module path."""
+    if target.endswith(".py"):
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise ValueError(
+                f"--reward {spec!r}: file {str(path)!r} not found (relative paths start at "
+                f"{Path.cwd()})"
+            )
+        module_name = f"grpo_user_reward_{abs(hash(str(path.resolve())))}"
+        if module_name in sys.modules:
+            return sys.modules[module_name]
+        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise ValueError(f"--reward {spec!r}: cannot load {path} as a Python file")
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[module_name] = module
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as error:
+            del sys.modules[module_name]
+            raise ValueError(
+                f"--reward {spec!r}: importing {path} failed: {type(error).__name__}: {error}"
+            ) from error
+        return module
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as error:
+        raise ValueError(
+            f"--reward {spec!r}: no module {error.name!r}; give an importable module path or "
+            "a file path ending in .py"
+        ) from None
+    except Exception as error:
+        raise ValueError(
+            f"--reward {spec!r}: importing {target} failed: {type(error).__name__}: {error}"
+        ) from error
+
+
+def _takes_sample(spec: str, fn: Callable[..., Any]) -> bool:
+    """Whether `fn` is called as fn(completion, row, sample) (else fn(completion, row))."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    for arguments in (("", {}, None), ("", {})):
+        try:
+            signature.bind(*arguments)
+        except TypeError:
+            continue
+        return len(arguments) == 3
+    raise ValueError(
+        f"--reward {spec!r}: {getattr(fn, '__name__', fn)}{signature} must accept "
+        "(completion, row) or (completion, row, sample)"
+    )
+
+
+def load_rewards(specs: Sequence[str]) -> tuple[RewardFn, ...]:
+    """Every `--reward` loaded and checked (the default reward when none is given)."""
+    loaded = []
+    for spec in specs or (DEFAULT_REWARD,):
+        target, function, weight = parse_reward_spec(spec)
+        module = _load_target(spec, target)
+        if not hasattr(module, function):
+            public = sorted(
+                name for name, value in vars(module).items()
+                if callable(value) and not name.startswith("_")
+            )
+            raise ValueError(
+                f"--reward {spec!r}: {target} has no {function!r}; its callables: "
+                f"{', '.join(public) or 'none'}"
+            )
+        fn = getattr(module, function)
+        if not callable(fn):
+            raise ValueError(
+                f"--reward {spec!r}: {target}:{function} is a {type(fn).__name__}, not callable"
+            )
+        loaded.append(
+            RewardFn(
+                spec=spec, name=function, weight=weight, fn=fn, takes_sample=_takes_sample(spec, fn)
+            )
+        )
+    names = [reward.name for reward in loaded]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(
+            f"--reward names {duplicates[0]!r} twice; give each reward once (one weight each)"
+        )
+    return tuple(loaded)
+
+
+@attrs.frozen
+class RewardScores:
+    """Rewards of one step's groups: the weighted totals and every component, per group."""
+
+    totals_P: list[np.ndarray]
+    components_P: list[dict[str, np.ndarray]]
+    weights: dict[str, float]
+    errors: int
+
+    def extended(self, more: RewardScores) -> RewardScores:
+        """These groups followed by those of `more` (another sampling round of the step)."""
+        return RewardScores(
+            totals_P=[*self.totals_P, *more.totals_P],
+            components_P=[*self.components_P, *more.components_P],
+            weights={**self.weights, **more.weights},
+            errors=self.errors + more.errors,
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """`reward/<component>`: the mean of each (unweighted) component over all completions.
+
+        A completion without a value for a component (a failed call) counts as 0, as it does
+        in the total; `reward/errors` counts the failed calls.
+        """
+        metrics = {}
+        for name in self.weights:
+            values = [
+                group.get(name, np.zeros(total.size))
+                for group, total in zip(self.components_P, self.totals_P, strict=True)
+            ]
+            metrics[f"reward/{name}"] = float(np.mean(np.concatenate(values)))
+        metrics["reward/errors"] = float(self.errors)
+        return metrics
+
+
+def _preview(text: str) -> str:
+    return text if len(text) <= _TEXT_PREVIEW else text[:_TEXT_PREVIEW] + "..."
+
+
+def _checked_values(reward: RewardFn, value: Any) -> dict[str, float] | str:
+    """The named values of one call, or why the value is not a finite number (or dict of them)."""
+    items = value.items() if isinstance(value, Mapping) else [(None, value)]
+    checked: dict[str, float] = {}
+    for key, item in items:
+        name = reward.name if key is None else f"{reward.name}/{key}"
+        if isinstance(item, bool) or not isinstance(item, numbers.Real):
+            return f"returned {item!r} ({type(item).__name__}) for {name}, not a number"
+        if not math.isfinite(float(item)):
+            return f"returned {float(item)!r} for {name}, not a finite number"
+        checked[name] = float(item)
+    if not checked:
+        return "returned an empty dict"
+    return checked
+
+
+def _call(
+    reward: RewardFn, completion: str, row: Mapping[str, Any], sample: RewardInput
+) -> dict[str, float] | str:
+    try:
+        value = reward(completion, row, sample)
+    except Exception as error:  # noqa: BLE001 - the user's reward; reported with its input
+        return f"raised {type(error).__name__}: {error}"
+    return _checked_values(reward, value)
+
+
+def score_completions(
+    rewards: Sequence[RewardFn],
+    items: Sequence[tuple[str, Mapping[str, Any], RewardInput]],
+    group_sizes: Sequence[int],
+    *,
+    on_error: str = "stop",
+    workers: int = 0,
+) -> RewardScores:
+    """Every reward of every (completion, row, sample), grouped, with the weighted totals.
+
+    The components are the union of the names returned, in order of first appearance; a
+    completion that lacks one (a failed call under on_error="zero", a dict without that key)
+    scores 0 for it.
+    """
+    calls = [(reward, item) for item in items for reward in rewards]
+    if workers > 0:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward") as pool:
+            results = list(pool.map(lambda call: _call(call[0], *call[1]), calls))
+    else:
+        results = [_call(reward, *item) for reward, item in calls]
+    weights: dict[str, float] = {}
+    values: list[dict[str, float]] = [{} for _ in items]
+    errors = 0
+    for position, ((reward, (completion, _row, sample)), result) in enumerate(
+        zip(calls, results, strict=True)
+    ):
+        if isinstance(result, str):
+            if on_error == "stop":
+                raise RewardError(
+                    f"reward {reward.spec!r} {result} on row {sample.index} for the completion "
+                    f"{_preview(completion)!r}; fix the reward, or pass --reward-errors zero "
+                    "to score such cases 0"
+                )
+            errors += 1
+            continue
+        for name, value in result.items():
+            weights.setdefault(name, reward.weight)
+            values[position // len(rewards)][name] = value
+    columns = {name: np.array([v.get(name, 0.0) for v in values]) for name in weights}
+    totals = weighted_total(columns, weights) if columns else np.zeros(len(items))
+    cuts = np.cumsum(group_sizes)[:-1]
+    totals_P = np.split(totals, cuts)
+    split_columns = {name: np.split(column, cuts) for name, column in columns.items()}
+    components_P = [
+        {name: split_columns[name][g] for name in weights} for g in range(len(group_sizes))
+    ]
+    return RewardScores(
+        totals_P=totals_P, components_P=components_P, weights=weights, errors=errors
+    )
