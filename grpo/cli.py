@@ -55,6 +55,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue a run directory from its last checkpoint "
         "(same data order and random stream)",
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run every check a real run does first, print the planned tokens (and cost, "
+        "with prices) and exit; no training run is created, nothing is written",
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -62,6 +68,12 @@ def run_train(args: argparse.Namespace) -> int:
     from grpo.loop import RunStopped, train
 
     config, resume = flags.config_from_args(args)
+    if args.dry_run:
+        from grpo.loop import dry_run
+
+        for line in dry_run(resolve_run(config), resume=resume):
+            print(line)
+        return 0
     try:
         train(resolve_run(config), resume=resume)
     except RunStopped as stopped:

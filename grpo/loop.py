@@ -43,21 +43,28 @@ from grpo.core.advantages import kl_shaped_advantages
 from grpo.core.alignment import minibatches, pack_groups
 from grpo.core.metrics import batch_metrics, rollout_metrics, update_metrics
 from grpo.core.records import TokenBatch
+from grpo.core.usage import (
+    Prices,
+    TokenUsage,
+    cost,
+    reference_usage,
+    training_usage,
+    usage_from_row,
+    usage_metrics,
+)
 from grpo.custom_loss import as_custom_loss
-from grpo.data import load_problems
 from grpo.datums import batch_to_datums, forward_only, output_logprobs
 from grpo.logging import RunLogger, console_line, scrub_secrets
+from grpo.plan import describe, plan_usage, preflight
 from grpo.rollouts import (
     Problem,
     RolloutJob,
-    build_problems,
-    evaluate,
+    evaluate_with_usage,
     grade_groups,
     pick_batch,
     reference_logprobs,
     sampling_seed,
     score_groups,
-    tokenizer_max_len,
 )
 
 __all__ = ["ConfigError", "NonFiniteUpdate", "RunResult", "RunStopped", "train"]
@@ -101,6 +108,7 @@ class Run:
     ref_sampler: Any
     logger: RunLogger
     note: Callable[[str], None]
+    prices: Prices | None = None
 
 
 @attrs.define
@@ -120,6 +128,10 @@ class RunState:
     sampler_version: int = -1
     jobs: dict[int, RolloutJob] = attrs.Factory(dict)
     last_metrics: dict[str, float] = attrs.Factory(dict)
+    usage: TokenUsage = TokenUsage()
+    """Tokens used since the last logged row (they go into the next one)."""
+    usage_logged: TokenUsage = TokenUsage()
+    """Tokens of every logged row, cumulative (``usage/cum_*`` of the last row)."""
 
 
 FAULT_ENV = "GRPO_FAULT_POINT"
@@ -158,6 +170,7 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
             f"rollouts {staleness} steps stale > --max-steps-off-policy {config.max_steps_off_policy}"
         )
     completions_P = job.result()  # 4: a group per prompt
+    state.usage += job.usage()
     fault_point("sampled")
     sample_time = time.perf_counter() - step_start
     rewards_P = grade_groups(job.problems, completions_P)  # 5: grade
@@ -172,6 +185,7 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
                 run.pool, run.ref_sampler, trainable_P, config.max_retries, run.note
             )
             batch, metrics["kl"] = shape_with_kl(batch, ref_logprobs_N, config)
+            state.usage += reference_usage(trainable_P)
         metrics.update(batch_metrics(batch))
         metrics.update(update(run, state, batch))  # 9: minibatches x epochs of updates
         state.version += 1
@@ -279,11 +293,17 @@ def update(run: Run, state: RunState, batch: TokenBatch) -> dict[str, float]:
             _retry(run, lambda: client.optim_step(run.adam).result(), "optim_step")
             fault_point("optim")
             collected.append(metrics)
+    state.usage += training_usage(parts, passes=config.epochs, extra_forward=_extra_forward(config))
     state.probe_datums = forward_only(datums)
     averaged = {key: float(np.mean([m[key] for m in collected])) for key in collected[0]}
     averaged["ratio/max_abs_log"] = max(m["ratio/max_abs_log"] for m in collected)
     averaged["optim_steps"] = float(len(collected))
     return averaged
+
+
+def _extra_forward(config: TrainConfig) -> bool:
+    """PyTRIO's SDK runs a custom loss as a forward, then a forward_backward (one pass locally)."""
+    return config.runs_custom_loss and config.backend == "pytrio"
 
 
 def _retry(run: Run, call: Callable[[], Any], what: str) -> Any:
@@ -294,17 +314,22 @@ def evaluate_now(run: Run, state: RunState) -> dict[str, float]:
     """Test accuracy of the current weights (one sample per problem at the run's temperature)."""
     config = run.config
     fault_point("eval")
-    return evaluate(
+    metrics, usage = evaluate_with_usage(
         run.pool, current_sampler(run, state), run.test_problems, run.tokenizer, num_samples=1,
         temperature=config.temperature, max_tokens=config.max_tokens, seed=config.seed,
         max_retries=config.max_retries, log=run.note,
     )
+    state.usage += usage
+    return metrics
 
 
 def log_step(run: Run, state: RunState, step: int, metrics: dict[str, float], write: Callable[[str], None]) -> None:
     """Step 10: the row to disk (durable), then the console; the weights are now those of ``step``."""
     fault_point("log")
+    logged = state.usage_logged + state.usage
+    metrics.update(usage_metrics(state.usage, logged, run.prices))
     run.logger.log(step, metrics)
+    state.usage, state.usage_logged = TokenUsage(), logged
     state.completed, state.weights_dirty, state.last_metrics = step, False, metrics
     write(console_line(step, run.steps, metrics))
 
@@ -320,6 +345,7 @@ def save_checkpoint(run: Run, state: RunState, name: str) -> None:
             run, lambda: run.training_client.forward(state.probe_datums, loss_fn="cross_entropy").result(),
             "forward (checkpoint check)",
         )
+        state.usage += TokenUsage(forward_tokens=sum(len(d.model_input) for d in state.probe_datums))
         if not np.isfinite(output_logprobs(probe.loss_fn_outputs)).all():
             state.weights_dirty = True
             raise NonFiniteUpdate(
@@ -362,6 +388,28 @@ def train(
         return _train_in(run_dir, config, checkpoint, service_client, echo, progress)
 
 
+def dry_run(config: TrainConfig, *, resume: bool = False, service_client: Any = None) -> list[str]:
+    """`grpo train --dry-run`: the checks a run does before its first call, then its plan.
+
+    No training client is created and nothing is written (no run directory, no lock).
+    """
+    config = resolve_run(config)
+    run_dir = Path(str(config.run_dir))
+    checkpoint = _check_run_dir(run_dir, config, resume)
+    if checkpoint is False:
+        return [f"{run_dir} already finished its steps; nothing to plan"]
+    start_step = checkpoint.step if checkpoint is not None else 0
+    service = service_client or make_service_client(
+        config.backend, local_root=str(run_dir / rundir.BACKEND_DIR), seed=config.seed
+    )
+    try:
+        pre = preflight(config, lambda: service)
+        return describe(pre, plan_usage(pre, start_step), start_step)
+    finally:
+        if service_client is None and hasattr(service, "close"):
+            service.close()
+
+
 def _check_run_dir(run_dir: Path, config: TrainConfig, resume: bool) -> rundir.Checkpoint | None | bool:
     """The checkpoint to resume from (None: from scratch), or False when there is nothing to do."""
     status = rundir.run_status(run_dir)
@@ -402,36 +450,24 @@ def _train_in(
     echo: Callable[[str], None],
     progress: bool,
 ) -> RunResult:
-    # Data is checked before the service is asked for anything.
-    train_rows = load_problems(config.dataset, "train", seed=config.seed, difficulty=config.difficulty)
-    test_rows = (
-        load_problems(config.dataset, "test", seed=config.seed, difficulty=config.difficulty, limit=config.eval_limit)
-        if config.eval_every
-        else []
+    start_step = checkpoint.step if checkpoint is not None else 0
+    pre = preflight(
+        config,
+        lambda: service_client or make_service_client(
+            config.backend, local_root=str(run_dir / rundir.BACKEND_DIR), seed=config.seed
+        ),
     )
-    steps = math.ceil(len(train_rows) / config.batch_size) if config.all_data else config.steps
+    service, steps = pre.service, pre.steps
 
     def note(message: str) -> None:
         echo(f"[grpo] {message}")
 
-    start_step = checkpoint.step if checkpoint is not None else 0
-    service = service_client or make_service_client(
-        config.backend, local_root=str(run_dir / rundir.BACKEND_DIR), seed=config.seed
-    )
     if checkpoint is not None:
         training_client = service.create_training_client_from_state_with_optimizer(checkpoint.state_path)
     else:
         training_client = service.create_lora_training_client(
             base_model=config.base_model, rank=config.lora_rank, seed=config.seed
         )
-    tokenizer = training_client.get_tokenizer()
-    max_len = tokenizer_max_len(tokenizer)
-    problems = {
-        split: build_problems(
-            tokenizer, rows, fewshot=config.use_fewshot, max_tokens=config.max_tokens, max_len=max_len, split=split
-        )
-        for split, rows in (("train", train_rows), ("test", test_rows))
-    }
     # Every check has passed: only now does the directory become (or continue as) a run.
     dropped = rundir.prepare_metrics_for_resume(run_dir, checkpoint.step if checkpoint else None)
     if dropped:
@@ -443,22 +479,26 @@ def _train_in(
         run_dir=run_dir,
         steps=steps,
         training_client=training_client,
-        tokenizer=tokenizer,
-        train_problems=problems["train"],
-        test_problems=problems["test"],
+        tokenizer=pre.tokenizer,
+        train_problems=pre.train_problems,
+        test_problems=pre.test_problems,
         adam=AdamParams(
             learning_rate=config.learning_rate, beta1=config.beta1, beta2=config.beta2, eps=config.eps,
             weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm,
         ),
         pool=ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="rollout"),
-        ref_sampler=service.create_sampling_client(base_model=config.base_model) if config.kl_coef > 0 else None,
+        ref_sampler=pre.base_sampler if config.kl_coef > 0 else None,
         logger=RunLogger(
             run_dir, config=to_dict(config), swanlab_mode=config.swanlab_mode,
             swanlab_project=config.swanlab_project, run_name=str(config.run_name),
         ),
         note=note,
+        prices=pre.prices,
     )
-    state = RunState(completed=start_step, last_saved_step=start_step, version=start_step)
+    state = RunState(
+        completed=start_step, last_saved_step=start_step, version=start_step,
+        usage_logged=logged_usage(run_dir, start_step),
+    )
     return _run_steps(run, state, echo, progress)
 
 
@@ -518,10 +558,28 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
             "finished": True, "steps": run.steps, "wall_time_s": wall_time, "final": state.last_metrics,
             "test/reward": state.last_metrics.get("test/reward"), "sampler_path": sampler_path,
             "run_name": config.run_name,
+            **usage_summary(state.usage_logged + state.usage, run.prices),
         },
     )
     echo(f"[grpo] done: {run.steps} steps in {wall_time:.1f}s; final sampler weights: {sampler_path}")
     return RunResult(run_dir=run.run_dir, steps=run.steps, final_metrics=state.last_metrics, sampler_path=sampler_path)
+
+
+def logged_usage(run_dir: Path, step: int) -> TokenUsage:
+    """The cumulative usage of the logged row of ``step`` (a resumed run continues from it)."""
+    rows = [row for row in rundir.read_metrics(run_dir) if row[rundir.STEP_KEY] == step]
+    return usage_from_row(rows[-1]) if rows else TokenUsage()
+
+
+def usage_summary(usage: TokenUsage, prices: Prices | None) -> dict[str, Any]:
+    """summary.json's ``usage`` (every token, the final checkpoint's check included) and ``cost``."""
+    summary: dict[str, Any] = {"usage": attrs.asdict(usage)}
+    if prices is not None:
+        summary["cost"] = {
+            "total": cost(usage, prices), "currency": prices.currency, "source": prices.source,
+            "per_million": prices.per_kind(),
+        }
+    return summary
 
 
 def _stop_with_checkpoint(run: Run, state: RunState) -> None:
