@@ -223,9 +223,33 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `grpo export RUN_DIR|CHECKPOINT --out DIR [--merge]`."""
+    parser.add_argument(
+        "source",
+        help="a run directory (its final weights), a checkpoint path (local://...), a "
+        "checkpoint directory, or an archive from `grpo checkpoints download`",
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="write the base model with the LoRA merged in (a Hugging Face model directory)",
+    )
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """`grpo export`: a PEFT adapter directory, or a merged model with --merge."""
+    from grpo.export import export
+
+    written = export(args.source, Path(args.out), merge=args.merge)
+    print(f"{'merged model' if args.merge else 'PEFT adapter'}: {written}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `grpo` argument parser with every subcommand."""
-    from grpo import plots
+    from grpo import manage, plots
     from grpo.experiments import compare, sweep
 
     common = argparse.ArgumentParser(add_help=False)
@@ -265,6 +289,24 @@ def build_parser() -> argparse.ArgumentParser:
             sweep.run_sweep,
         ),
         (
+            "runs",
+            "training runs of the local store(s) or PyTRIO and their last checkpoints",
+            manage.add_runs_arguments,
+            manage.run_runs,
+        ),
+        (
+            "checkpoints",
+            "list (size, expiry) | download | delete | cleanup checkpoints",
+            manage.add_checkpoints_arguments,
+            None,
+        ),
+        (
+            "export",
+            "a run's or checkpoint's LoRA as a PEFT adapter directory (--merge: a merged model)",
+            add_export_arguments,
+            run_export,
+        ),
+        (
             "plot",
             "PNG plots of metrics across run directories",
             plots.add_plot_arguments,
@@ -280,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text, add_arguments, handler in commands:
         command = sub.add_parser(name, help=help_text, description=help_text, parents=[common])
         add_arguments(command)
-        command.set_defaults(handler=handler)
+        if handler is not None:
+            command.set_defaults(handler=handler)
     return parser
 
 

@@ -334,6 +334,16 @@ def log_step(run: Run, state: RunState, step: int, metrics: dict[str, float], wr
     write(console_line(step, run.steps, metrics))
 
 
+def checkpoint_check_usage(state: RunState) -> TokenUsage:
+    """The forward-only positions of the check `save_checkpoint` runs (none before any update).
+
+    Counted into the row of the step it checks, before the call, so a resumed run logs what
+    an uninterrupted one does (a checkpoint taken on a stop signal is not counted).
+    """
+    probe = state.probe_datums or []
+    return TokenUsage(forward_tokens=sum(len(datum.model_input) for datum in probe))
+
+
 def save_checkpoint(run: Run, state: RunState, name: str) -> None:
     """A resumable checkpoint of the weights of step ``state.completed``, if they are sound.
 
@@ -345,7 +355,6 @@ def save_checkpoint(run: Run, state: RunState, name: str) -> None:
             run, lambda: run.training_client.forward(state.probe_datums, loss_fn="cross_entropy").result(),
             "forward (checkpoint check)",
         )
-        state.usage += TokenUsage(forward_tokens=sum(len(d.model_input) for d in state.probe_datums))
         if not np.isfinite(output_logprobs(probe.loss_fn_outputs)).all():
             state.weights_dirty = True
             raise NonFiniteUpdate(
@@ -522,6 +531,8 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
                 if config.eval_every and (done % config.eval_every == 0 or done == run.steps):
                     metrics.update(evaluate_now(run, state))
                 metrics["time/step"] = time.perf_counter() - step_start
+                if done == run.steps or (config.save_every and done % config.save_every == 0):
+                    state.usage += checkpoint_check_usage(state)  # logged with this row
                 log_step(run, state, done, metrics, write)
                 bar.update(1)
                 if config.save_every and done % config.save_every == 0 and done < run.steps:

@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from grpo import run_dir as rundir
 from grpo.config import ConfigError, TrainConfig
 from grpo.core.usage import Prices, TokenUsage, cost, planned_usage
 from grpo.data import load_problems
@@ -201,11 +202,15 @@ def plan_experiment(
     for config in configs:
         pre = preflight(config, lambda config=config: make_service(config))
         planned.append((config, plan_usage(pre), pre.prices))
-    lines = [f"dry run of {len(planned)} run(s): every check passed; nothing was started"]
+    lines = [
+        f"dry run of {len(planned)} run(s): every check passed; nothing was started "
+        "(each run planned from step 0; finished runs are skipped by the real command)"
+    ]
     for config, usage, prices in planned:
         priced = f", cost <= {cost(usage, prices):.4f} {prices.currency}" if prices else ""
+        status = rundir.run_status(Path(str(config.run_dir)))
         lines.append(
-            f"  {Path(str(config.run_dir)).name}: {usage.total:,} tokens "
+            f"  {Path(str(config.run_dir)).name} ({status}): {usage.total:,} tokens "
             f"({usage.prompt_tokens:,} prompt, <= {usage.completion_tokens:,} completion, "
             f"<= {usage.trained_tokens:,} trained){priced}"
         )
