@@ -272,3 +272,23 @@ def test_dry_run_refuses_what_the_run_refuses(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="exceeds the model's 256 positions"):
         dry_run(TrainConfig(**{**TINY, "max_tokens": 200, "run_dir": str(tmp_path / "long")}))
     assert not (tmp_path / "long").exists()
+
+
+def test_reports_take_tokens_and_cost_from_the_summary_else_the_last_row(tmp_path: Path) -> None:
+    from grpo.experiments.report import runs_table
+    from grpo.experiments.stats import RunData, run_stats, run_usage
+
+    row = {"step": 2, "reward": 0.5, "usage/cum_tokens": 900.0, "cost/cum": 0.25}
+    running = RunData(tmp_path / "a", {"price_currency": "CNY"}, [row], None)
+    assert run_usage(running) == {"tokens": 900.0, "cost": 0.25, "currency": "CNY"}
+    usage = {"prompt_tokens": 500, "completion_tokens": 300, "trained_tokens": 150,
+             "forward_tokens": 50}
+    summary = {"usage": usage, "cost": {"total": 0.5, "currency": "USD"}}
+    finished = RunData(tmp_path / "b", {}, [row], summary)
+    assert run_usage(finished) == {"tokens": 1000, "cost": 0.5, "currency": "USD"}
+    unpriced = RunData(tmp_path / "c", {}, [{"step": 1, "reward": 0.0}], None)
+    assert run_usage(unpriced) == {"tokens": None, "cost": None, "currency": None}
+    table = "\n".join(
+        runs_table([run_stats(run, label="x", seed=0, last_steps=1) for run in (finished,)])
+    )
+    assert "| 1,000 | 0.5000 USD |" in table
