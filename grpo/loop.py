@@ -472,7 +472,7 @@ def _train_in(
         echo(f"[grpo] {message}")
 
     if checkpoint is not None:
-        training_client = service.create_training_client_from_state_with_optimizer(checkpoint.state_path)
+        training_client = _load_checkpoint(service, run_dir, checkpoint)
     else:
         training_client = service.create_lora_training_client(
             base_model=config.base_model, rank=config.lora_rank, seed=config.seed
@@ -509,6 +509,19 @@ def _train_in(
         usage_logged=logged_usage(run_dir, start_step),
     )
     return _run_steps(run, state, echo, progress)
+
+
+def _load_checkpoint(service: Any, run_dir: Path, checkpoint: rundir.Checkpoint) -> Any:
+    """The training client of the run's checkpoint; a ConfigError saying what to do if it is gone."""
+    try:
+        return service.create_training_client_from_state_with_optimizer(checkpoint.state_path)
+    except Exception as error:  # noqa: BLE001 - every backend has its own not-found error
+        raise ConfigError(
+            f"--resume {run_dir}: the checkpoint of step {checkpoint.step} ({checkpoint.state_path}) "
+            f"cannot be loaded: {error}. Restore it (the local backend keeps it under "
+            f"{run_dir / rundir.BACKEND_DIR}), or delete {run_dir / rundir.CHECKPOINT_FILE} and "
+            f"{run_dir / rundir.METRICS_FILE} to rerun from the start"
+        ) from error
 
 
 def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress: bool) -> RunResult:

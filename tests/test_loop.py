@@ -406,3 +406,20 @@ def test_diverged_weights_stop_the_run_and_are_never_checkpointed(tmp_path: Path
     assert stopped.value.exit_code == 1
     assert rundir.read_checkpoint(tmp_path / "run") is None
     assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1]
+
+
+def test_resume_after_the_weights_were_deleted_says_what_to_do(tmp_path: Path) -> None:
+    import shutil
+
+    config = tiny_config(tmp_path, steps=2, save_every=1)
+
+    def stop_after_first_step(line: str) -> None:
+        if line.startswith("step 1/"):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(RunStopped):
+        train(config, echo=stop_after_first_step, progress=False)
+    shutil.rmtree(tmp_path / "run" / "backend")
+    with pytest.raises(ConfigError, match=r"the checkpoint of step 1 .* cannot be loaded.*Restore it"):
+        quiet_train(config, resume=True)
+    assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1]

@@ -27,10 +27,11 @@ How it differs from the service, on purpose:
   file): the sampler keeps sampling those weights while training goes on.
 - Numbers never poison the adapter (each refusal is a ``ValidationError`` whose code
   starts ``validation.non_finite_``, raised before anything changes): log-probs of the
-  model that are NaN or ±inf (diverged weights), a non-finite custom loss or custom-loss
-  gradient, a non-finite gradient norm in ``optim_step`` (its gradients are dropped; the
-  weights, optimizer state and step count stay), and ``save_state`` of weights that are
-  not finite or give non-finite log-probs (one forward over 8 probe tokens per save).
+  model that are NaN or ±inf (diverged weights), a built-in loss that overflows on finite
+  inputs (``forward_backward``), a non-finite custom loss or custom-loss gradient, a
+  non-finite gradient norm in ``optim_step`` (its gradients are dropped; the weights,
+  optimizer state and step count stay), and ``save_state`` of weights that are not
+  finite or give non-finite log-probs (one forward over 8 probe tokens per save).
 - Checkpoints are PEFT adapter directories under ``root`` (see ``_local_checkpoint``),
   addressed as ``local://<directory>``; ``ttl_seconds`` is recorded, never enforced.
 - Randomness: ``LocalServiceClient(seed=...)`` seeds a generator that supplies the LoRA
@@ -409,6 +410,8 @@ class LocalTrainingClient:
             _require_finite_logprobs(logprobs, arrays.seq_lens_B)
             loss, kernel_metrics = evaluate(logprobs, spec)
             if backward:
+                if not bool(torch.isfinite(loss.detach())):
+                    raise _non_finite_loss(batch, logprobs.detach(), float(loss.detach()))
                 loss.backward()
         if spec.reduction == "sum":
             loss_sum = float(loss.detach())
@@ -710,6 +713,13 @@ def _outputs(logprobs_list: Sequence[Tensor]) -> list[dict[str, TensorData]]:
     return [{"logprobs": TensorData.from_torch(logprobs.detach())} for logprobs in logprobs_list]
 
 
+def _datum_position(flat: int, seq_lens: Sequence[int] | np.ndarray) -> tuple[int, int]:
+    """(datum, position within it) of an index into the concatenated per-datum values."""
+    ends = np.cumsum(seq_lens)
+    index = int(np.searchsorted(ends, flat, side="right"))
+    return index, flat - (int(ends[index - 1]) if index else 0)
+
+
 def _require_finite_logprobs(logprobs: Tensor, seq_lens: Sequence[int] | np.ndarray) -> None:
     """ValidationError at the first non-finite model log-prob (its datum and position)."""
     values = logprobs.detach()
@@ -717,14 +727,60 @@ def _require_finite_logprobs(logprobs: Tensor, seq_lens: Sequence[int] | np.ndar
     if not bool(bad.any()):
         return
     flat = int(bad.nonzero()[0, 0])
-    ends = np.cumsum(seq_lens)
-    index = int(np.searchsorted(ends, flat, side="right"))
-    position = flat - (int(ends[index - 1]) if index else 0)
+    index, position = _datum_position(flat, seq_lens)
     raise ValidationError(
         f"the model's log-prob of datum {index}, position {position} is "
         f"{float(values[flat])}: the LoRA weights have diverged (a learning rate too high?). "
         "Nothing was trained; resume from the last good checkpoint with a lower learning rate",
         code="validation.non_finite_logprobs",
+    )
+
+
+SAMPLE_MEMORY_LIMIT_BYTES = int(os.environ.get("GRPO_LOCAL_SAMPLE_MEMORY_GB", "8")) * 2**30
+"""The most memory one local sample request may need (KV cache + logits), refused above it;
+``GRPO_LOCAL_SAMPLE_MEMORY_GB`` changes it (default 8)."""
+
+
+def sample_memory_bytes(host: ModelHost, num_samples: int, prompt_len: int, max_tokens: int) -> int:
+    """Float32 bytes of a request's KV cache (2 x layers x KV heads x head dim per position of
+    every sequence) plus one step's logits (vocab per sequence), an estimate within ~2x."""
+    config = host.model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_position = 2 * config.num_hidden_layers * heads * head_dim
+    positions = prompt_len + max_tokens
+    return 4 * num_samples * (per_position * positions + host.vocab_size)
+
+
+def _check_sample_memory(host: ModelHost, num_samples: int, prompt_len: int, max_tokens: int) -> None:
+    needed = sample_memory_bytes(host, num_samples, prompt_len, max_tokens)
+    if needed > SAMPLE_MEMORY_LIMIT_BYTES:
+        raise ValidationError(
+            f"sampling {num_samples} x {prompt_len + max_tokens} positions needs about "
+            f"{needed / 2**30:.1f} GiB, over the local backend's limit of "
+            f"{SAMPLE_MEMORY_LIMIT_BYTES / 2**30:.0f} GiB; lower num_samples or max_tokens "
+            "(or raise GRPO_LOCAL_SAMPLE_MEMORY_GB)",
+            code="validation.sample_too_large",
+        )
+
+
+def _non_finite_loss(batch: _LossBatch, logprobs: Tensor, value: float) -> ValidationError:
+    """The error for a built-in loss that overflowed on finite inputs: the largest log-ratio."""
+    culprit = ""
+    arrays = batch.arrays
+    if arrays.sampling_logprobs_N is not None and arrays.mask_N.any():
+        gaps = np.where(arrays.mask_N, logprobs.numpy() - arrays.sampling_logprobs_N, 0.0)
+        flat = int(np.argmax(np.abs(gaps)))
+        index, position = _datum_position(flat, arrays.seq_lens_B)
+        culprit = (
+            f"; its largest log-ratio lp − lp_old is {gaps[flat]:.4g} (datum {index}, position "
+            f"{position}), and exp(lp − lp_old) overflows float32 above 88"
+        )
+    return ValidationError(
+        f"the {batch.spec.name} loss is {value} on finite inputs{culprit}; no gradient was "
+        "applied: use a clipped loss (ppo, cispo) or check that the sampling log-probs come "
+        "from the model being trained",
+        code="validation.non_finite_loss",
     )
 
 
@@ -793,6 +849,7 @@ class LocalSamplingClient:
             max_positions=self._host.max_positions,
             draw_seed=self._engine.draw_seed,
         )
+        _check_sample_memory(self._host, num_samples, len(prompt.to_ints()), sampling_params.max_tokens)
         return self._submit(spec)
 
     async def sample_async(
