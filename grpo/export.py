@@ -93,7 +93,7 @@ def base_model_of(adapter: Path) -> str:
 
 
 def load_base(base_model: str) -> tuple[Any, Any]:
-    """The base model (fp32) and tokenizer: the built-in model by name, else a local HF directory."""
+    """The base model (fp32) and tokenizer: the built-in model by name, else a local HF dir."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -140,7 +140,7 @@ def merged_model(adapter: Path) -> tuple[Any, Any]:
 
 
 def export(source: str, out: Path, *, merge: bool = False) -> Path:
-    """Write `source`'s adapter (or, with `merge`, the merged model) into the new directory `out`."""
+    """Write `source`'s adapter (with `merge`, the merged model) into the new directory `out`."""
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} exists and is not empty; choose a new directory")
     with adapter_source(source) as adapter:

@@ -596,7 +596,7 @@ def logged_usage(run_dir: Path, step: int) -> TokenUsage:
 
 
 def usage_summary(usage: TokenUsage, prices: Prices | None) -> dict[str, Any]:
-    """summary.json's ``usage`` (every token, the final checkpoint's check included) and ``cost``."""
+    """summary.json's ``usage`` (the last row's cumulative usage) and, with prices, ``cost``."""
     summary: dict[str, Any] = {"usage": attrs.asdict(usage)}
     if prices is not None:
         summary["cost"] = {

@@ -70,7 +70,9 @@ def _paged(call: Any, items: str) -> list[Any]:
 def list_runs(found: Iterable[Store]) -> list[tuple[Store, Any]]:
     """Every training run of every store, with its store."""
     return [
-        (store, run) for store in found for run in _paged(store.rest.list_training_runs, "training_runs")
+        (store, run)
+        for store in found
+        for run in _paged(store.rest.list_training_runs, "training_runs")
     ]
 
 

@@ -116,7 +116,8 @@ def test_exported_adapter_and_merged_model_give_the_local_samplers_logprobs(
     service = LocalServiceClient(root=tmp_path / "unused")
     sampler = service.create_sampling_client(TINY_MODEL_NAME, model_path=summary["sampler_path"])
     tokenizer = sampler.get_tokenizer()
-    tokens = tokenizer.encode("<|im_start|>user\nWhat is 12+30?<|im_end|>\n<|im_start|>assistant\n42")
+    text = "<|im_start|>user\nWhat is 12+30?<|im_end|>\n<|im_start|>assistant\n42"
+    tokens = tokenizer.encode(text)
     prompt = ModelInput.from_ints(tokens)
     # On a fresh service the first sampled batch once built the unembedding before the LoRA
     # was attached (fixed where the sampler builds its model inside sampling_weights); one

@@ -137,9 +137,12 @@ class LocalRestClient:
         """A page of the training runs under the root, least recently saved first."""
         runs = self._runs()
         cursor = Cursor(offset=offset, limit=limit, total_count=len(runs))
-        return _done(TrainingRunsResponse(training_runs=runs[offset : offset + limit], cursor=cursor))
+        page = runs[offset : offset + limit]
+        return _done(TrainingRunsResponse(training_runs=page, cursor=cursor))
 
-    def get_training_run(self, training_run_id: str, access_scope: str = "owned") -> Future[TrainingRun]:
+    def get_training_run(
+        self, training_run_id: str, access_scope: str = "owned"
+    ) -> Future[TrainingRun]:
         """One training run's metadata (ValidationError if the root holds none of that id)."""
         for run in self._runs():
             if run.training_run_id == training_run_id:

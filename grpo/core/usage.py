@@ -125,7 +125,7 @@ def reference_usage(groups: Sequence[ScoredGroup]) -> TokenUsage:
 def training_usage(
     parts: Sequence[TokenBatch], *, passes: int, extra_forward: bool
 ) -> TokenUsage:
-    """``passes`` × Σ positions of the minibatches (and as many forward-only with extra_forward)."""
+    """``passes`` × Σ positions of the minibatches (as many forward-only with extra_forward)."""
     positions = passes * sum(part.num_tokens for part in parts)
     return TokenUsage(trained_tokens=positions, forward_tokens=positions if extra_forward else 0)
 
