@@ -344,24 +344,34 @@ def checkpoint_check_usage(state: RunState) -> TokenUsage:
     return TokenUsage(forward_tokens=sum(len(datum.model_input) for datum in probe))
 
 
+def _weights_give_finite_logprobs(run: Run, probe_datums: Any) -> bool:
+    """One forward of ``probe_datums``: are the log-probs finite? (A backend that refuses
+    non-finite log-probs itself, as the local one does, answers with a ``non_finite`` error.)"""
+    try:
+        probe = _retry(
+            run, lambda: run.training_client.forward(probe_datums, loss_fn="cross_entropy").result(),
+            "forward (checkpoint check)",
+        )
+    except Exception as error:
+        if "non_finite" in str(getattr(error, "code", "")):
+            return False
+        raise
+    return bool(np.isfinite(output_logprobs(probe.loss_fn_outputs)).all())
+
+
 def save_checkpoint(run: Run, state: RunState, name: str) -> None:
     """A resumable checkpoint of the weights of step ``state.completed``, if they are sound.
 
     One forward of the last minibatch first: weights that give non-finite log-probs (a
     diverged update) are never saved as resumable (NonFiniteUpdate instead).
     """
-    if state.probe_datums is not None:
-        probe = _retry(
-            run, lambda: run.training_client.forward(state.probe_datums, loss_fn="cross_entropy").result(),
-            "forward (checkpoint check)",
+    if state.probe_datums is not None and not _weights_give_finite_logprobs(run, state.probe_datums):
+        state.weights_dirty = True
+        raise NonFiniteUpdate(
+            f"the weights after step {state.completed} give non-finite log-probs (a diverged "
+            f"update); they are not checkpointed, the last good checkpoint is step "
+            f"{state.last_saved_step}; lower --learning-rate"
         )
-        if not np.isfinite(output_logprobs(probe.loss_fn_outputs)).all():
-            state.weights_dirty = True
-            raise NonFiniteUpdate(
-                f"the weights after step {state.completed} give non-finite log-probs (a diverged "
-                f"update); they are not checkpointed, the last good checkpoint is step "
-                f"{state.last_saved_step}; lower --learning-rate"
-            )
     result = _retry(run, lambda: run.training_client.save_state(name).result(), "save_state")
     fault_point("save")
     rundir.write_checkpoint(
@@ -408,15 +418,23 @@ def dry_run(config: TrainConfig, *, resume: bool = False, service_client: Any = 
     if checkpoint is False:
         return [f"{run_dir} already finished its steps; nothing to plan"]
     start_step = checkpoint.step if checkpoint is not None else 0
-    service = service_client or make_service_client(
-        config.backend, local_root=str(run_dir / rundir.BACKEND_DIR), seed=config.seed
-    )
+    service = service_client or _make_service(config, run_dir)
     try:
         pre = preflight(config, lambda: service)
         return describe(pre, plan_usage(pre, start_step), start_step)
     finally:
         if service_client is None and hasattr(service, "close"):
             service.close()
+
+
+def _make_service(config: TrainConfig, run_dir: Path) -> Any:
+    return make_service_client(
+        config.backend,
+        local_root=str(run_dir / rundir.BACKEND_DIR),
+        seed=config.seed,
+        connect_timeout_s=config.connect_timeout,
+        concurrency=config.concurrency,
+    )
 
 
 def _check_run_dir(run_dir: Path, config: TrainConfig, resume: bool) -> rundir.Checkpoint | None | bool:
@@ -460,12 +478,7 @@ def _train_in(
     progress: bool,
 ) -> RunResult:
     start_step = checkpoint.step if checkpoint is not None else 0
-    pre = preflight(
-        config,
-        lambda: service_client or make_service_client(
-            config.backend, local_root=str(run_dir / rundir.BACKEND_DIR), seed=config.seed
-        ),
-    )
+    pre = preflight(config, lambda: service_client or _make_service(config, run_dir))
     service, steps = pre.service, pre.steps
 
     def note(message: str) -> None:

@@ -229,14 +229,14 @@ def add_checkpoints_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True)
     listing = actions.add_parser("list", help="checkpoints with size and expiry")
     listing.add_argument("run_id", nargs="?", default=None, help="one training run's only")
-    listing.set_defaults(handler=_list)
+    listing.set_defaults(action_handler=_list)
     download = actions.add_parser("download", help="a checkpoint as an archive file")
     download.add_argument("checkpoint", help="path or id from `grpo checkpoints list`")
     download.add_argument("--out", required=True, metavar="FILE", help="the archive to write")
-    download.set_defaults(handler=_download)
+    download.set_defaults(action_handler=_download)
     remove = actions.add_parser("delete", help="delete checkpoints")
     remove.add_argument("checkpoints", nargs="+", help="paths or ids")
-    remove.set_defaults(handler=_delete)
+    remove.set_defaults(action_handler=_delete)
     cleanup = actions.add_parser(
         "cleanup", help="delete a training run's temporary (expiring) sampler weights"
     )
@@ -244,9 +244,14 @@ def add_checkpoints_arguments(parser: argparse.ArgumentParser) -> None:
     cleanup.add_argument(
         "--all-samplers", action="store_true", help="every sampler weights of the run, too"
     )
-    cleanup.set_defaults(handler=_cleanup)
+    cleanup.set_defaults(action_handler=_cleanup)
     for action in (listing, download, remove, cleanup):
         _add_store_arguments(action)
+
+
+def run_checkpoints(args: argparse.Namespace) -> int:
+    """`grpo checkpoints ACTION`: run the action's handler."""
+    return int(args.action_handler(args))
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@
 `preflight` is what `grpo train` does before it creates a training client: the config
 (checked when built), the prices, the dataset, the base model's tokenizer (from a sampler
 on the base model: no training run is created), and every prompt + --max-tokens against
-the model's context and the service's limits. The real run and `grpo train --dry-run`
+the tokenizer's context and the service's limits (`check_capabilities`). The real run and `grpo train --dry-run`
 share it; the dry run then prints `planned_usage` (docs/FORMULAS.md, "Usage and cost")
 and, with prices, its cost, and writes nothing. `grpo compare`/`sweep --dry-run` add the
 plans of every run of the experiment.
@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from grpo import run_dir as rundir
+from grpo.backends.pytrio import CapabilityError, check_capabilities
 from grpo.config import ConfigError, TrainConfig
 from grpo.core.usage import Prices, TokenUsage, cost, planned_usage
 from grpo.data import load_problems
@@ -42,38 +43,6 @@ class Preflight:
     prices: Prices | None
 
 
-def service_limit(service: Any, base_model: str) -> int | None:
-    """The smallest of the model's context and sampling/training max_seq_len the service reports.
-
-    None when the service reports no capabilities (the local backend before `grpo serve`'s
-    additions) or does not list a local model directory; ConfigError for an unknown model.
-    """
-    capabilities = getattr(service, "get_server_capabilities", None)
-    if capabilities is None:
-        return None
-    models = {model.model_name: model for model in capabilities().supported_models}
-    model = models.get(base_model)
-    if model is None:
-        if Path(base_model).expanduser().is_dir():
-            return None
-        raise ConfigError(
-            f"--base-model {base_model!r} is not served here; the service serves {sorted(models)}"
-        )
-    if not model.training.available or not model.sampling.available:
-        raise ConfigError(
-            f"--base-model {base_model!r}: training or sampling is not available for it now "
-            "(get_server_capabilities); choose another model"
-        )
-    limits = [
-        value
-        for value in (
-            model.max_context_length, model.sampling.max_seq_len, model.training.max_seq_len
-        )
-        if value is not None
-    ]
-    return min(limits) if limits else None
-
-
 def preflight(config: TrainConfig, make_service: Callable[[], Any]) -> Preflight:
     """Check prices and data (before the service is asked anything), then prompts vs the model."""
     prices = prices_for(config)
@@ -92,12 +61,7 @@ def preflight(config: TrainConfig, make_service: Callable[[], Any]) -> Preflight
     service = make_service()
     base_sampler = service.create_sampling_client(base_model=config.base_model)
     tokenizer = base_sampler.get_tokenizer()
-    limits = [
-        limit
-        for limit in (tokenizer_max_len(tokenizer), service_limit(service, config.base_model))
-        if limit is not None
-    ]
-    max_len = min(limits) if limits else None
+    max_len = tokenizer_max_len(tokenizer)
     problems = {
         split: build_problems(
             tokenizer, rows, fewshot=config.use_fewshot, max_tokens=config.max_tokens,
@@ -105,6 +69,15 @@ def preflight(config: TrainConfig, make_service: Callable[[], Any]) -> Preflight
         )
         for split, rows in (("train", train_rows), ("test", test_rows))
     }
+    if hasattr(service, "get_server_capabilities"):  # test doubles may not have it
+        longest_prompt = max(
+            (len(problem.prompt_tokens) for split in problems.values() for problem in split),
+            default=0,
+        )
+        try:
+            check_capabilities(service, config.base_model, longest_prompt, config.max_tokens)
+        except CapabilityError as error:
+            raise ConfigError(str(error)) from None
     return Preflight(
         config=config, steps=steps, service=service, base_sampler=base_sampler,
         tokenizer=tokenizer, max_len=max_len, train_problems=problems["train"],
@@ -179,8 +152,9 @@ def describe(pre: Preflight, usage: TokenUsage, start_step: int = 0) -> list[str
     )
     return [
         f"dry run of {config.run_dir}: every check passed; no training run was created",
-        f"  backend {config.backend}, model {config.base_model}, context limit "
-        f"{pre.max_len if pre.max_len is not None else 'not reported'}",
+        f"  backend {config.backend}, model {config.base_model}, context "
+        f"{pre.max_len if pre.max_len is not None else 'not stated by the tokenizer'} "
+        "(and the service's limits, where it reports them)",
         f"  data: {len(pre.train_problems)} train / {len(pre.test_problems)} test problems "
         f"({config.dataset}), prompts {min(prompt_lens)}..{max(prompt_lens)} tokens "
         f"+ --max-tokens {config.max_tokens}",

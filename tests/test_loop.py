@@ -250,34 +250,6 @@ def test_swanlab_failure_never_stops_training(tmp_path: Path, monkeypatch: pytes
     assert len(read_metrics(result.run_dir)) == 2
 
 
-def test_pytrio_backend_module_drives_the_same_loop_including_custom_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pytrio
-
-    from grpo.backends.local import LocalServiceClient
-
-    created: list[Any] = []
-
-    def fake_service_client() -> Any:
-        created.append(LocalServiceClient(root=tmp_path / "remote", seed=0))
-        return created[-1]
-
-    monkeypatch.setattr(pytrio, "ServiceClient", fake_service_client)
-    builtin = quiet_train(tiny_config(tmp_path, "pytrio-builtin", backend="pytrio", loss_fn="ppo"))
-    custom = quiet_train(tiny_config(tmp_path, "pytrio-custom", backend="pytrio", loss_fn="ppo", custom_loss=True))
-    local = quiet_train(tiny_config(tmp_path, "local", backend="local", loss_fn="ppo"))
-    assert len(created) == 2
-    rows = [comparable(read_metrics(r.run_dir)) for r in (builtin, custom, local)]
-    assert rows[0] == rows[2]
-    forward_keys = ("usage/forward_tokens", "usage/cum_forward_tokens", "usage/cum_tokens")
-    for built_in_row, custom_row in zip(rows[0], rows[1], strict=True):
-        assert built_in_row.keys() == custom_row.keys()
-        for key in set(built_in_row) - set(forward_keys):
-            assert custom_row[key] == pytest.approx(built_in_row[key], rel=1e-4, abs=1e-6), key
-        # PyTRIO's SDK runs a custom loss as a forward, then a forward_backward: counted.
-        extra = custom_row["usage/forward_tokens"] - built_in_row["usage/forward_tokens"]
-        assert extra == custom_row["usage/trained_tokens"]
-
-
 def test_kl_penalty_is_logged_and_zero_at_the_start(tmp_path: Path) -> None:
     rows = read_metrics(quiet_train(tiny_config(tmp_path, kl_coef=0.1, steps=2, learning_rate=1e-3)).run_dir)
     trained = [row for row in rows if row["datums"] > 0]

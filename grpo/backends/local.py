@@ -14,9 +14,12 @@ How it differs from the service, on purpose:
   kernel through ``forward_backward_custom`` give the same loss and gradients. Besides
   the kernel's keys, ``loss_fn_config`` may hold ``reduction`` (default ``"sum"``, the
   Tinker convention) and ``norm_length``.
-- ``metrics`` holds ``loss_sum``, ``loss_mean``, ``token_count`` (masked-in tokens) and
-  the kernel's metrics prefixed with the loss name (``"ppo/clip_fraction"``). Other
-  kernels (``gspo``) run through ``forward_backward_custom`` only, as on the service.
+- ``metrics`` holds PyTRIO's keys only: ``loss_sum``, ``loss_mean`` and ``token_count``
+  (a whole number: the tokens the loss trains on, target ≠ −100 with a nonzero weight or
+  advantage, the first one dropped under ``auto_shift``; PyTRIO's active-token count).
+  ``LocalServiceClient(kernel_metrics=True)`` adds the kernel's metrics prefixed with the
+  loss name (``"ppo/clip_fraction"``). Other kernels (``gspo``) run through
+  ``forward_backward_custom`` only, as on the service.
 - ``forward_backward_custom`` runs the user's loss on the worker thread (one forward,
   then the loss's gradient pushed through the same graph); the loss must not call back
   into this backend.
@@ -32,6 +35,11 @@ How it differs from the service, on purpose:
   non-finite gradient norm in ``optim_step`` (its gradients are dropped; the weights,
   optimizer state and step count stay), and ``save_state`` of weights that are not
   finite or give non-finite log-probs (one forward over 8 probe tokens per save).
+- Beyond the loop's needs it has the rest of pytrio 0.2.9's surface:
+  ``get_server_capabilities`` (the models' real context length), ``create_rest_client``
+  (list and delete checkpoints, `_local_rest`), an ignored ``api_key``, and training
+  clients' ``close()``/``close_async()`` as no-ops (older pytrio releases had them, and
+  published scripts still call them).
 - Checkpoints are PEFT adapter directories under ``root`` (see ``_local_checkpoint``),
   addressed as ``local://<directory>``; ``ttl_seconds`` is recorded, never enforced.
 - Randomness: ``LocalServiceClient(seed=...)`` seeds a generator that supplies the LoRA
@@ -77,10 +85,16 @@ from pytrio.types import (
     SaveWeightsResponse,
     TensorData,
 )
+from pytrio.types.server_capabilities import (
+    GetServerCapabilitiesResponse,
+    ModelOperationCapabilities,
+    SupportedModel,
+)
 from torch import Tensor, nn
 
 from grpo.backends import _local_checkpoint as checkpoints
 from grpo.backends._local_model import AdapterWeights, LoraSpec, ModelHost, load_host
+from grpo.backends._local_rest import LocalRestClient
 from grpo.backends._local_sampling import PendingSample, SampleSpec, sample_batch, validate_sample_request
 from grpo.backends._local_worker import Worker
 from grpo.backends.tiny import TINY_MODEL_NAME
@@ -102,8 +116,9 @@ def default_root() -> Path:
 class _Engine:
     """What a service and all its clients share: the worker, loaded models, seeds, root."""
 
-    def __init__(self, root: Path, seed: int) -> None:
+    def __init__(self, root: Path, seed: int, kernel_metrics: bool) -> None:
         self.root = root
+        self.kernel_metrics = kernel_metrics
         self.worker = Worker(name=f"grpo-local-{uuid.uuid4().hex[:6]}")
         self._rng = np.random.default_rng(seed)
         self._rng_lock = threading.Lock()
@@ -131,12 +146,23 @@ class LocalServiceClient:
     """In-process stand-in for `pytrio.ServiceClient`: creates local training and sampling clients.
 
     Args:
+        api_key: accepted for PyTRIO's signature and ignored (nothing to authenticate).
         root: directory for checkpoints (default: `default_root()`).
         seed: seeds LoRA initialisation and sampling when a call gives no seed.
+        kernel_metrics: also report the loss kernel's metrics from forward/forward_backward.
     """
 
-    def __init__(self, *, root: str | Path | None = None, seed: int = 0) -> None:
-        self._engine = _Engine(Path(root) if root is not None else default_root(), seed)
+    def __init__(
+        self,
+        api_key: str | None = None,
+        *,
+        root: str | Path | None = None,
+        seed: int = 0,
+        kernel_metrics: bool = False,
+    ) -> None:
+        del api_key
+        root_path = Path(root) if root is not None else default_root()
+        self._engine = _Engine(root_path, seed, kernel_metrics)
 
     def close(self) -> None:
         """Stop the worker thread once queued work is done (clients stop working)."""
@@ -151,6 +177,35 @@ class LocalServiceClient:
     def get_supported_models(self) -> list[str]:
         """Named models (a local Hugging Face model directory works too)."""
         return [TINY_MODEL_NAME]
+
+    def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
+        """The named models' real limits: context length = max sequence length = model positions."""
+        models = []
+        for name in self.get_supported_models():
+            host = self._engine.run(functools.partial(self._engine.host, name))
+            limits = ModelOperationCapabilities(
+                available=True,
+                max_batch_size=None,
+                max_tokens_per_request=None,
+                max_seq_len=host.max_positions,
+            )
+            models.append(
+                SupportedModel(
+                    model_name=name,
+                    max_context_length=host.max_positions,
+                    training=limits,
+                    sampling=limits,
+                )
+            )
+        return GetServerCapabilitiesResponse(supported_models=models)
+
+    async def get_server_capabilities_async(self) -> GetServerCapabilitiesResponse:
+        """Async twin of `get_server_capabilities`."""
+        return await asyncio.to_thread(self.get_server_capabilities)
+
+    def create_rest_client(self) -> LocalRestClient:
+        """Checkpoint listing and deletion under this service's root (pytrio's RestClient methods)."""
+        return LocalRestClient(self._engine.root)
 
     def create_lora_training_client(
         self,
@@ -419,12 +474,14 @@ class LocalTrainingClient:
             with torch.no_grad():
                 loss_sum = float(evaluate(logprobs.detach(), attrs.evolve(spec, reduction="sum", norm_length=None))[0])
         token_count = int(arrays.mask_N.sum())
-        metrics = {
+        metrics: dict[str, float] = {
             "loss_sum": loss_sum,
             "loss_mean": loss_sum / token_count if token_count else 0.0,
-            "token_count": float(token_count),
-            **{f"{spec.name}/{key}": value for key, value in kernel_metrics.items()},
+            "token_count": token_count,
         }
+        if self._engine.kernel_metrics:
+            prefix = spec.name
+            metrics.update({f"{prefix}/{key}": value for key, value in kernel_metrics.items()})
         return ForwardBackwardOutput(loss_fn_outputs=_outputs(logprobs_list), metrics=metrics)
 
     def _run_custom(
@@ -480,7 +537,7 @@ class LocalTrainingClient:
         metrics = {
             "loss_sum": loss_sum,
             "loss_mean": loss_sum / token_count if token_count else 0.0,
-            "token_count": float(token_count),
+            "token_count": token_count,
         }
         return ForwardBackwardOutput(loss_fn_outputs=_outputs(logprobs_list), metrics={**metrics, **custom_metrics})
 
@@ -691,6 +748,12 @@ class LocalTrainingClient:
     def get_tokenizer(self) -> Any:
         """The base model's tokenizer."""
         return self._host.tokenizer
+
+    def close(self) -> None:
+        """A no-op: older PyTRIO releases had `close()` and published scripts still call it."""
+
+    async def close_async(self) -> None:
+        """Async twin of `close` (a no-op)."""
 
 
 def _release_adapter(worker: Worker, host: ModelHost, adapter: str) -> None:

@@ -32,7 +32,7 @@ def random_tiny_model(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def service(tmp_path) -> LocalServiceClient:
-    with LocalServiceClient(root=tmp_path / "checkpoints", seed=0) as client:
+    with LocalServiceClient(root=tmp_path / "checkpoints", seed=0, kernel_metrics=True) as client:
         yield client
 
 
@@ -90,7 +90,7 @@ def test_builtin_loss_and_custom_loss_give_the_same_loss_and_gradients(tmp_path,
     kernel_config = {key: value for key, value in config.items() if key not in ("reduction", "norm_length")}
     results = []
     for path in ("builtin", "custom"):
-        with LocalServiceClient(root=tmp_path, seed=0) as service:
+        with LocalServiceClient(root=tmp_path, seed=0, kernel_metrics=True) as service:
             client = service.create_lora_training_client(MODEL, rank=4, seed=3)
             train(client, datums, steps=1)  # move the ratio away from 1 so clipping matters
             if path == "builtin":
