@@ -83,6 +83,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
         for kind in ("prompt", "completion", "train", "forward")
     },
     "price_currency": st.none() | TEXT,
+    "connect_timeout": _floats(0.1, 300.0),
 }
 
 
