@@ -292,3 +292,14 @@ def test_reports_take_tokens_and_cost_from_the_summary_else_the_last_row(tmp_pat
         runs_table([run_stats(run, label="x", seed=0, last_steps=1) for run in (finished,)])
     )
     assert "| 1,000 | 0.5000 USD |" in table
+
+
+def test_dry_run_of_a_resume_plans_the_remaining_steps_and_touches_nothing(
+    tmp_path: Path,
+) -> None:
+    run_dir, _record = _recorded_run(tmp_path, "run", steps=2, eval_every=0)
+    before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")}
+    config = TrainConfig(**{**TINY, "steps": 4, "eval_every": 0, "run_dir": str(run_dir)})
+    lines = dry_run(config, resume=True)
+    assert any("plan: steps 2..4" in line for line in lines), lines
+    assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")} == before
