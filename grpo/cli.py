@@ -56,6 +56,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue a run directory from its last checkpoint "
         "(same data order and random stream)",
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run every check a real run does first, print the planned tokens (and cost, "
+        "with prices) and exit; no training run is created, nothing is written",
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -63,6 +69,12 @@ def run_train(args: argparse.Namespace) -> int:
     from grpo.loop import RunStopped, train
 
     config, resume = flags.config_from_args(args)
+    if args.dry_run:
+        from grpo.loop import dry_run
+
+        for line in dry_run(resolve_run(config), resume=resume):
+            print(line)
+        return 0
     try:
         train(resolve_run(config), resume=resume)
     except RunStopped as stopped:
@@ -212,6 +224,30 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `grpo export RUN_DIR|CHECKPOINT --out DIR [--merge]`."""
+    parser.add_argument(
+        "source",
+        help="a run directory (its final weights), a checkpoint path (local://...), a "
+        "checkpoint directory, or an archive from `grpo checkpoints download`",
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="write the base model with the LoRA merged in (a Hugging Face model directory)",
+    )
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """`grpo export`: a PEFT adapter directory, or a merged model with --merge."""
+    from grpo.export import export
+
+    written = export(args.source, Path(args.out), merge=args.merge)
+    print(f"{'merged model' if args.merge else 'PEFT adapter'}: {written}")
+    return 0
+
+
 # Each subcommand: (name, help, its arguments, its handler), the last two as
 # "module:function" resolved only for the command being run, so `grpo --help` imports
 # neither torch nor transformers.
@@ -232,6 +268,12 @@ COMMANDS: tuple[tuple[str, str, str, str], ...] = (
      "grpo.plots:add_plot_losses_arguments", "grpo.plots:run_plot_losses"),
     ("serve", "the PyTRIO service on localhost, backed by the local backend",
      "grpo.backends.serve:add_serve_arguments", "grpo.backends.serve:run_serve"),
+    ("runs", "training runs of the local store(s) or PyTRIO and their last checkpoints",
+     "grpo.manage:add_runs_arguments", "grpo.manage:run_runs"),
+    ("checkpoints", "list (size, expiry) | download | delete | cleanup checkpoints",
+     "grpo.manage:add_checkpoints_arguments", "grpo.manage:run_checkpoints"),
+    ("export", "a run's or checkpoint's LoRA as a PEFT adapter directory (--merge: merged)",
+     "grpo.cli:add_export_arguments", "grpo.cli:run_export"),
 )
 
 

@@ -112,6 +112,13 @@ def _top_p(_instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> Non
         raise ConfigError(f"{flag_name(attribute.name)} must be in (0, 1], got {value}")
 
 
+def _price(_instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    if value is not None and value < 0:
+        raise ConfigError(
+            f"{flag_name(attribute.name)} must be >= 0 (a price per million tokens), got {value}"
+        )
+
+
 def _not_empty(_instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
     if value is not None and not value.strip():
         raise ConfigError(f"{flag_name(attribute.name)} must not be empty, got {value!r}")
@@ -444,6 +451,26 @@ class TrainConfig:
     )
     log_rollouts: int = _flag(
         4, "groups per step written to rollouts.jsonl (0 = none; see `grpo show`)", _at_least(0)
+    )
+    # Prices (none built in: a cost is shown only for prices the user gives)
+    price_file: str | None = _flag(
+        None, "TOML file of prices per million tokens, per model (see README, Cost)", _not_empty
+    )
+    price_prompt: float | None = _flag(
+        None, "price per million prompt tokens sent to the sampler (overrides the file)",
+        _price,
+    )
+    price_completion: float | None = _flag(
+        None, "price per million sampled completion tokens (overrides the file)", _price
+    )
+    price_train: float | None = _flag(
+        None, "price per million trained tokens (positions x passes; overrides the file)", _price
+    )
+    price_forward: float | None = _flag(
+        None, "price per million forward-only tokens (default: the train price)", _price
+    )
+    price_currency: str | None = _flag(
+        None, "currency of the prices (overrides the file's; e.g. CNY)", _not_empty
     )
 
     def __attrs_post_init__(self) -> None:

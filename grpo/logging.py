@@ -29,6 +29,8 @@ CONSOLE_KEYS = (
     ("kl", "kl", "{:.4f}"),
     ("test/reward", "test", "{:.3f}"),
     ("time/step", "s/step", "{:.2f}"),
+    ("usage/cum_tokens", "tokens", "{:.0f}"),
+    ("cost/cum", "cost", "{:.4f}"),
 )
 
 

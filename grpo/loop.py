@@ -37,37 +37,39 @@ import numpy as np
 from pytrio.types import AdamParams, SamplingParams
 
 from grpo import run_dir as rundir
-from grpo.backends.pytrio import (
-    CapabilityError,
-    call_with_retries,
-    check_capabilities,
-    make_service_client,
-)
+from grpo.backends.pytrio import call_with_retries, make_service_client
 from grpo.config import ConfigError, TrainConfig, resolve_run, to_dict
 from grpo.core.advantages import kl_shaped_advantages
 from grpo.core.alignment import mask_sequences, minibatches, pack_groups, truncated_sequences
 from grpo.core.metrics import batch_metrics, rollout_metrics, update_metrics
 from grpo.core.records import TokenBatch
+from grpo.core.usage import (
+    Prices,
+    TokenUsage,
+    cost,
+    reference_usage,
+    training_usage,
+    usage_from_row,
+    usage_metrics,
+)
 from grpo.custom_loss import as_custom_loss
-from grpo.data import columns_of, load_run_problems
 from grpo.datums import batch_to_datums, forward_only, output_logprobs
 from grpo.logging import RunLogger, console_line, scrub_secrets
+from grpo.plan import describe, plan_usage, preflight
 from grpo.rollouts import (
     Problem,
     RolloutJob,
     StepRollouts,
-    build_problems,
-    evaluate,
     extra_batch,
     extra_sampling_seed,
     grade_rollouts,
+    evaluate_with_usage,
     pick_batch,
     reference_logprobs,
     refill,
     rollout_records,
     sampling_seed,
     score_groups,
-    tokenizer_max_len,
     trainable_groups,
 )
 
@@ -112,6 +114,7 @@ class Run:
     ref_sampler: Any
     logger: RunLogger
     note: Callable[[str], None]
+    prices: Prices | None = None
 
 
 @attrs.define
@@ -133,6 +136,10 @@ class RunState:
     rollout_log: list[dict[str, Any]] = attrs.Factory(list)
     """The groups of the step being trained, for rollouts.jsonl (written with its row)."""
     last_metrics: dict[str, float] = attrs.Factory(dict)
+    usage: TokenUsage = TokenUsage()
+    """Tokens used since the last logged row (they go into the next one)."""
+    usage_logged: TokenUsage = TokenUsage()
+    """Tokens of every logged row, cumulative (``usage/cum_*`` of the last row)."""
 
 
 FAULT_ENV = "GRPO_FAULT_POINT"
@@ -171,6 +178,7 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
             f"rollouts {staleness} steps stale > --max-steps-off-policy {config.max_steps_off_policy}"
         )
     completions_P = job.result()  # 4: a group per prompt
+    state.usage += job.usage()
     fault_point("sampled")
     sample_time = time.perf_counter() - step_start
     rollouts = grade_rollouts(job.problems, completions_P, config)  # 5: grade (--reward)
@@ -201,6 +209,7 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
                 run.pool, run.ref_sampler, trainable_P, config.max_retries, run.note
             )
             batch, metrics["kl"] = shape_with_kl(batch, ref_logprobs_N, config)
+            state.usage += reference_usage(trainable_P)
         metrics.update(batch_metrics(batch))
         metrics.update(update(run, state, batch))  # 9: minibatches x epochs of updates
         state.version += 1
@@ -337,11 +346,17 @@ def update(run: Run, state: RunState, batch: TokenBatch) -> dict[str, float]:
             _retry(run, lambda: client.optim_step(run.adam).result(), "optim_step")
             fault_point("optim")
             collected.append(metrics)
+    state.usage += training_usage(parts, passes=config.epochs, extra_forward=_extra_forward(config))
     state.probe_datums = forward_only(datums)
     averaged = {key: float(np.mean([m[key] for m in collected])) for key in collected[0]}
     averaged["ratio/max_abs_log"] = max(m["ratio/max_abs_log"] for m in collected)
     averaged["optim_steps"] = float(len(collected))
     return averaged
+
+
+def _extra_forward(config: TrainConfig) -> bool:
+    """PyTRIO's SDK runs a custom loss as a forward, then a forward_backward (one pass locally)."""
+    return config.runs_custom_loss and config.backend == "pytrio"
 
 
 def _retry(run: Run, call: Callable[[], Any], what: str) -> Any:
@@ -352,20 +367,35 @@ def evaluate_now(run: Run, state: RunState) -> dict[str, float]:
     """Test accuracy of the current weights (one sample per problem at the run's temperature)."""
     config = run.config
     fault_point("eval")
-    return evaluate(
+    metrics, usage = evaluate_with_usage(
         run.pool, current_sampler(run, state), run.test_problems, run.tokenizer, num_samples=1,
         temperature=config.temperature, max_tokens=config.max_tokens, seed=config.seed,
         max_retries=config.max_retries, log=run.note,
     )
+    state.usage += usage
+    return metrics
 
 
 def log_step(run: Run, state: RunState, step: int, metrics: dict[str, float], write: Callable[[str], None]) -> None:
     """Step 10: the row to disk (durable), then the console; the weights are now those of ``step``."""
     fault_point("log")
+    logged = state.usage_logged + state.usage
+    metrics.update(usage_metrics(state.usage, logged, run.prices))
     run.logger.log(step, metrics, rollouts=state.rollout_log)
     state.rollout_log = []
+    state.usage, state.usage_logged = TokenUsage(), logged
     state.completed, state.weights_dirty, state.last_metrics = step, False, metrics
     write(console_line(step, run.steps, metrics))
+
+
+def checkpoint_check_usage(state: RunState) -> TokenUsage:
+    """The forward-only positions of the check `save_checkpoint` runs (none before any update).
+
+    Counted into the row of the step it checks, before the call, so a resumed run logs what
+    an uninterrupted one does (a checkpoint taken on a stop signal is not counted).
+    """
+    probe = state.probe_datums or []
+    return TokenUsage(forward_tokens=sum(len(datum.model_input) for datum in probe))
 
 
 def _weights_give_finite_logprobs(run: Run, probe_datums: Any) -> bool:
@@ -431,6 +461,36 @@ def train(
         return _train_in(run_dir, config, checkpoint, service_client, echo, progress)
 
 
+def dry_run(config: TrainConfig, *, resume: bool = False, service_client: Any = None) -> list[str]:
+    """`grpo train --dry-run`: the checks a run does before its first call, then its plan.
+
+    No training client is created and nothing is written (no run directory, no lock).
+    """
+    config = resolve_run(config)
+    run_dir = Path(str(config.run_dir))
+    checkpoint = _check_run_dir(run_dir, config, resume)
+    if checkpoint is False:
+        return [f"{run_dir} already finished its steps; nothing to plan"]
+    start_step = checkpoint.step if checkpoint is not None else 0
+    service = service_client or _make_service(config, run_dir)
+    try:
+        pre = preflight(config, lambda: service)
+        return describe(pre, plan_usage(pre, start_step), start_step)
+    finally:
+        if service_client is None and hasattr(service, "close"):
+            service.close()
+
+
+def _make_service(config: TrainConfig, run_dir: Path) -> Any:
+    return make_service_client(
+        config.backend,
+        local_root=str(run_dir / rundir.BACKEND_DIR),
+        seed=config.seed,
+        connect_timeout_s=config.connect_timeout,
+        concurrency=config.concurrency,
+    )
+
+
 def _check_run_dir(run_dir: Path, config: TrainConfig, resume: bool) -> rundir.Checkpoint | None | bool:
     """The checkpoint to resume from (None: from scratch), or False when there is nothing to do."""
     status = rundir.run_status(run_dir)
@@ -471,48 +531,19 @@ def _train_in(
     echo: Callable[[str], None],
     progress: bool,
 ) -> RunResult:
-    # Data is checked before the service is asked for anything.
-    train_rows = load_run_problems(config, "train")
-    test_rows = (
-        load_run_problems(config, "test", limit=config.eval_limit) if config.eval_every else []
-    )
-    steps = math.ceil(len(train_rows) / config.batch_size) if config.all_data else config.steps
+    start_step = checkpoint.step if checkpoint is not None else 0
+    pre = preflight(config, lambda: service_client or _make_service(config, run_dir))
+    service, steps = pre.service, pre.steps
 
     def note(message: str) -> None:
         echo(f"[grpo] {message}")
 
-    start_step = checkpoint.step if checkpoint is not None else 0
-    service = service_client or make_service_client(
-        config.backend,
-        local_root=str(run_dir / rundir.BACKEND_DIR),
-        seed=config.seed,
-        connect_timeout_s=config.connect_timeout,
-        concurrency=config.concurrency,
-    )
     if checkpoint is not None:
         training_client = _load_checkpoint(service, run_dir, checkpoint)
     else:
         training_client = service.create_lora_training_client(
             base_model=config.base_model, rank=config.lora_rank, seed=config.seed
         )
-    tokenizer = training_client.get_tokenizer()
-    max_len = tokenizer_max_len(tokenizer)
-    problems = {
-        split: build_problems(
-            tokenizer, rows, fewshot=config.use_fewshot, max_tokens=config.max_tokens,
-            max_len=max_len, split=split, template=config.prompt_template,
-            columns=columns_of(config),
-        )
-        for split, rows in (("train", train_rows), ("test", test_rows))
-    }
-    if hasattr(service, "get_server_capabilities"):  # test doubles may not have it
-        longest_prompt = max(
-            (len(problem.prompt_tokens) for split in problems.values() for problem in split), default=0
-        )
-        try:
-            check_capabilities(service, config.base_model, longest_prompt, config.max_tokens)
-        except CapabilityError as error:
-            raise ConfigError(str(error)) from None
     # Every check has passed: only now does the directory become (or continue as) a run.
     dropped = rundir.prepare_metrics_for_resume(run_dir, checkpoint.step if checkpoint else None)
     rundir.prepare_rollouts_for_resume(run_dir, checkpoint.step if checkpoint else None)
@@ -525,22 +556,26 @@ def _train_in(
         run_dir=run_dir,
         steps=steps,
         training_client=training_client,
-        tokenizer=tokenizer,
-        train_problems=problems["train"],
-        test_problems=problems["test"],
+        tokenizer=pre.tokenizer,
+        train_problems=pre.train_problems,
+        test_problems=pre.test_problems,
         adam=AdamParams(
             learning_rate=config.learning_rate, beta1=config.beta1, beta2=config.beta2, eps=config.eps,
             weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm,
         ),
         pool=ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="rollout"),
-        ref_sampler=service.create_sampling_client(base_model=config.base_model) if config.kl_coef > 0 else None,
+        ref_sampler=pre.base_sampler if config.kl_coef > 0 else None,
         logger=RunLogger(
             run_dir, config=to_dict(config), swanlab_mode=config.swanlab_mode,
             swanlab_project=config.swanlab_project, run_name=str(config.run_name),
         ),
         note=note,
+        prices=pre.prices,
     )
-    state = RunState(completed=start_step, last_saved_step=start_step, version=start_step)
+    state = RunState(
+        completed=start_step, last_saved_step=start_step, version=start_step,
+        usage_logged=logged_usage(run_dir, start_step),
+    )
     return _run_steps(run, state, echo, progress)
 
 
@@ -577,6 +612,8 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
                 if config.eval_every and (done % config.eval_every == 0 or done == run.steps):
                     metrics.update(evaluate_now(run, state))
                 metrics["time/step"] = time.perf_counter() - step_start
+                if done == run.steps or (config.save_every and done % config.save_every == 0):
+                    state.usage += checkpoint_check_usage(state)  # logged with this row
                 log_step(run, state, done, metrics, write)
                 bar.update(1)
                 if config.save_every and done % config.save_every == 0 and done < run.steps:
@@ -613,10 +650,28 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
             "finished": True, "steps": run.steps, "wall_time_s": wall_time, "final": state.last_metrics,
             "test/reward": state.last_metrics.get("test/reward"), "sampler_path": sampler_path,
             "run_name": config.run_name,
+            **usage_summary(state.usage_logged + state.usage, run.prices),
         },
     )
     echo(f"[grpo] done: {run.steps} steps in {wall_time:.1f}s; final sampler weights: {sampler_path}")
     return RunResult(run_dir=run.run_dir, steps=run.steps, final_metrics=state.last_metrics, sampler_path=sampler_path)
+
+
+def logged_usage(run_dir: Path, step: int) -> TokenUsage:
+    """The cumulative usage of the logged row of ``step`` (a resumed run continues from it)."""
+    rows = [row for row in rundir.read_metrics(run_dir) if row[rundir.STEP_KEY] == step]
+    return usage_from_row(rows[-1]) if rows else TokenUsage()
+
+
+def usage_summary(usage: TokenUsage, prices: Prices | None) -> dict[str, Any]:
+    """summary.json's ``usage`` (the last row's cumulative usage) and, with prices, ``cost``."""
+    summary: dict[str, Any] = {"usage": attrs.asdict(usage)}
+    if prices is not None:
+        summary["cost"] = {
+            "total": cost(usage, prices), "currency": prices.currency, "source": prices.source,
+            "per_million": prices.per_kind(),
+        }
+    return summary
 
 
 def _stop_with_checkpoint(run: Run, state: RunState) -> None:

@@ -23,6 +23,7 @@ from grpo.core.advantages import group_advantages
 from grpo.core.metrics import pass_at_k
 from grpo.core.records import Completion, ScoredGroup
 from grpo.core.rewards import RewardInput, extract_gold, grade
+from grpo.core.usage import TokenUsage, sample_usage
 from grpo.prompts import DEFAULT_TEMPLATE, PromptTemplate, build_prompt_tokens
 from grpo.rewards import RewardFn, RewardScores, score_completions
 
@@ -148,6 +149,7 @@ class RolloutJob:
     ) -> None:
         self.sampler_version = sampler_version
         self.problems = list(problems)
+        self._usage_P = [TokenUsage() for _ in self.problems]
 
         def sample_one(index: int) -> list[Completion]:
             prompt = ModelInput.from_ints(list(self.problems[index].prompt_tokens))
@@ -159,6 +161,10 @@ class RolloutJob:
                 max_retries=max_retries,
                 on_retry=log,
             )
+            self._usage_P[index] = sample_usage(
+                response.input_tokens, response.output_tokens, len(prompt),
+                (len(sequence.tokens) for sequence in response.sequences),
+            )
             return [_completion_from(sequence, tokenizer) for sequence in response.sequences]
 
         self._futures: list[Future[list[Completion]]] = [
@@ -168,6 +174,10 @@ class RolloutJob:
     def result(self) -> list[list[Completion]]:
         """The completions of every problem, in problem order."""
         return [future.result() for future in self._futures]
+
+    def usage(self) -> TokenUsage:
+        """Tokens the job's requests sent and sampled (complete once ``result()`` returned)."""
+        return sum(self._usage_P, TokenUsage())
 
     def cancel(self) -> None:
         """Drop requests that have not started."""
@@ -284,6 +294,26 @@ def evaluate(
     log: Log,
 ) -> dict[str, float]:
     """Accuracy (mean reward over all samples) and pass@k for k = 1, 2, 4, ... <= num_samples."""
+    return evaluate_with_usage(
+        pool, sampler, problems, tokenizer, num_samples=num_samples, temperature=temperature,
+        max_tokens=max_tokens, seed=seed, max_retries=max_retries, log=log,
+    )[0]
+
+
+def evaluate_with_usage(
+    pool: ThreadPoolExecutor,
+    sampler: Any,
+    problems: Sequence[Problem],
+    tokenizer: Any,
+    *,
+    num_samples: int,
+    temperature: float,
+    max_tokens: int,
+    seed: int,
+    max_retries: int,
+    log: Log,
+) -> tuple[dict[str, float], TokenUsage]:
+    """`evaluate`'s metrics and the tokens its sampling sent and sampled."""
 
     def params(index: int) -> SamplingParams:
         return SamplingParams(
@@ -304,7 +334,7 @@ def evaluate(
     while k <= num_samples:
         metrics[f"test/pass@{k}"] = float(np.mean([pass_at_k(num_samples, c, k) for c in correct_P]))
         k *= 2
-    return metrics
+    return metrics, job.usage()
 
 
 @attrs.frozen

@@ -77,6 +77,12 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "swanlab_mode": st.sampled_from(SWANLAB_MODES),
     "swanlab_project": TEXT,
     "max_retries": st.integers(0, 10),
+    "price_file": st.none() | TEXT,
+    **{
+        f"price_{kind}": st.none() | st.floats(0, 1e3, allow_nan=False)
+        for kind in ("prompt", "completion", "train", "forward")
+    },
+    "price_currency": st.none() | TEXT,
     "connect_timeout": _floats(0.1, 300.0),
     "dataset_config": st.none() | TEXT,
     "train_split": TEXT,

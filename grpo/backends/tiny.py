@@ -17,7 +17,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from grpo.backends.names import TINY_MODEL_NAME
+from grpo.backends.names import TINY_MODEL_NAME  # noqa: F401 - re-exported
 
 TINY_MODEL_DIR = Path(__file__).parent / "tiny_model"
 

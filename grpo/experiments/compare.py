@@ -18,6 +18,7 @@ from grpo.experiments.report import (
     Report,
     check_positive,
     definitions,
+    dry_run_specs,
     experiment_figure,
     number,
     percent,
@@ -65,6 +66,12 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         "--config",
         default=None,
         help="TOML file of train flags for every run (command-line flags win)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every run and print the planned tokens (and cost) of the whole plan; "
+        "start nothing",
     )
     group = parser.add_argument_group("train flags, passed to every run (see `grpo train --help`)")
     add_train_arguments(group, exclude=MANAGED_FLAGS | {"loss_fn"})
@@ -232,6 +239,10 @@ def run_compare(args: argparse.Namespace, *, train_command: Sequence[str] = TRAI
         from_cli = normalize_overrides(
             explicit_flags(args, exclude=MANAGED_FLAGS | {"loss_fn"}), where="command line"
         )
+        if args.dry_run:
+            shared = {**from_file, **from_cli}
+            dry_run_specs(compare_specs(args.loss_fns, range(args.seeds), shared, out))
+            return 0
         summaries = compare(
             args.loss_fns,
             seeds=args.seeds,

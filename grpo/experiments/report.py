@@ -28,6 +28,8 @@ from grpo.plots import band_figure, metric_keys, save_figure
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from grpo.config import TrainConfig
+
 DEFAULT_LAST_STEPS = 5
 REPORT_FILE = "report.md"
 
@@ -64,6 +66,8 @@ def runs_table(stats: Sequence[RunStats]) -> list[str]:
         "clip fraction",
         "ratio min",
         "ratio max",
+        "tokens",
+        "cost",
     ]
     rows = [
         [
@@ -76,6 +80,8 @@ def runs_table(stats: Sequence[RunStats]) -> list[str]:
             "–" if run.clip_fraction is None else f"{run.clip_fraction:.2%}",
             number(run.ratio_min),
             number(run.ratio_max),
+            "–" if run.tokens is None else f"{run.tokens:,.0f}",
+            "–" if run.cost is None else f"{run.cost:.4f} {run.currency or ''}".rstrip(),
         ]
         for run in stats
     ]
@@ -149,6 +155,31 @@ class Report:
     payload: dict[str, Any]
     figure: Figure
     result: Any
+
+
+def dry_run_specs(specs: Sequence[RunSpec], *, echo: Callable[[str], None] = print) -> None:
+    """`--dry-run`: every planned run's pre-flight and planned tokens (and cost), and the totals.
+
+    One service client per backend serves every run's checks; nothing is written or started.
+    """
+    from grpo.backends.pytrio import make_service_client
+    from grpo.plan import plan_experiment
+
+    services: dict[str, Any] = {}
+
+    def service(config: TrainConfig) -> Any:
+        if config.backend not in services:
+            services[config.backend] = make_service_client(config.backend, seed=config.seed)
+        return services[config.backend]
+
+    try:
+        _planned, lines = plan_experiment(planned_configs(specs), service)
+    finally:
+        for client in services.values():
+            if hasattr(client, "close"):
+                client.close()
+    for line in lines:
+        echo(line)
 
 
 def run_and_report(

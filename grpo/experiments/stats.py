@@ -107,6 +107,11 @@ class RunStats:
     ratio_mean: float | None
     ratio_min: float | None
     ratio_max: float | None
+    tokens: float | None = None
+    """Every token the run used (usage/cum_tokens; summary.json's total once finished)."""
+    cost: float | None = None
+    """Its cost in `currency`, from the prices the user gave the run (None without prices)."""
+    currency: str | None = None
 
     @property
     def max_ratio_deviation(self) -> float | None:
@@ -144,7 +149,21 @@ def run_stats(run: RunData, *, label: str, seed: int, last_steps: int) -> RunSta
         ratio_mean=_series_reduce(run, loss_key("ratio_mean"), lambda values: values.mean()),
         ratio_min=_series_reduce(run, loss_key("ratio_min"), lambda values: values.min()),
         ratio_max=_series_reduce(run, loss_key("ratio_max"), lambda values: values.max()),
+        **run_usage(run),
     )
+
+
+def run_usage(run: RunData) -> dict[str, Any]:
+    """`tokens`, `cost` and `currency` of a run: summary.json's totals, else the last row's."""
+    summary = run.summary or {}
+    last = run.rows[-1] if run.rows else {}
+    usage = summary.get("usage")
+    tokens = sum(usage.values()) if isinstance(usage, Mapping) else last.get("usage/cum_tokens")
+    priced = summary.get("cost")
+    if isinstance(priced, Mapping):
+        return {"tokens": tokens, "cost": priced.get("total"), "currency": priced.get("currency")}
+    currency = run.config.get("price_currency") if "cost/cum" in last else None
+    return {"tokens": tokens, "cost": last.get("cost/cum"), "currency": currency}
 
 
 @attrs.frozen
@@ -194,6 +213,11 @@ class ConfigSummary:
     ratio_mean: Stat
     ratio_min: float | None
     ratio_max: float | None
+    tokens: float | None = None
+    """Every token the run used (usage/cum_tokens; summary.json's total once finished)."""
+    cost: float | None = None
+    """Its cost in `currency`, from the prices the user gave the run (None without prices)."""
+    currency: str | None = None
 
     @property
     def finished(self) -> int:

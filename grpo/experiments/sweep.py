@@ -21,6 +21,7 @@ from grpo.experiments.report import (
     Experiment,
     Report,
     definitions,
+    dry_run_specs,
     experiment_figure,
     percent,
     run_and_report,
@@ -410,6 +411,12 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
         help="max: higher is better, min: lower is better (None: the file's rank_order, else max)",
     )
     parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every run and print the planned tokens (and cost) of the whole plan; "
+        "start nothing",
+    )
+    parser.add_argument(
         "--last-steps",
         type=int,
         default=DEFAULT_LAST_STEPS,
@@ -427,6 +434,9 @@ def run_sweep(args: argparse.Namespace, *, train_command: Sequence[str] = TRAIN_
             rank_order=args.rank_order or plan.rank_order,
         )
         out = Path(args.out) if args.out else Path("runs") / f"sweep-{plan.path.stem}"
+        if args.dry_run:
+            dry_run_specs(sweep_specs(plan, out))
+            return 0
         ranked = sweep(
             plan, out=out, jobs=args.jobs, last_steps=args.last_steps, train_command=train_command
         )
