@@ -219,6 +219,10 @@ class CannedService:
         """The canned training client."""
         return self.client
 
+    def create_sampling_client(self, base_model: str, **_options: Any) -> CannedTrainingClient:
+        """The base-model sampler the pre-flight asks for (only its tokenizer is used)."""
+        return self.client
+
 
 def canned_sequence(tokenizer: Any, text: str, rng: np.random.Generator) -> SampleSequence:
     """A completion of `text` and the end-of-turn token, with made-up sampler log-probs."""
