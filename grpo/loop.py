@@ -41,7 +41,8 @@ from grpo.backends.pytrio import call_with_retries, make_service_client
 from grpo.config import ConfigError, TrainConfig, resolve_run, to_dict
 from grpo.core.advantages import kl_shaped_advantages
 from grpo.core.alignment import minibatches, pack_groups
-from grpo.core.metrics import batch_metrics, rollout_metrics, update_metrics
+from grpo.core.metrics import batch_metrics, mismatch_metrics, rollout_metrics, update_metrics
+from grpo.core.mismatch import correct_batch
 from grpo.core.records import TokenBatch
 from grpo.custom_loss import as_custom_loss
 from grpo.data import load_problems
@@ -173,7 +174,7 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
             )
             batch, metrics["kl"] = shape_with_kl(batch, ref_logprobs_N, config)
         metrics.update(batch_metrics(batch))
-        metrics.update(update(run, state, batch))  # 9: minibatches x epochs of updates
+        metrics.update(update(run, state, batch, staleness))  # 9: minibatches x epochs of updates
         state.version += 1
     else:
         metrics.update({"datums": 0.0, "tokens": 0.0, "train_tokens": 0.0})
@@ -244,19 +245,23 @@ def shape_with_kl(batch: TokenBatch, ref_logprobs_N: np.ndarray, config: TrainCo
     return attrs.evolve(batch, advantages=shaped), kl_mean
 
 
-def update(run: Run, state: RunState, batch: TokenBatch) -> dict[str, float]:
+def update(run: Run, state: RunState, batch: TokenBatch, staleness: int = 0) -> dict[str, float]:
     """Epochs x minibatches of forward_backward + optim_step; metrics averaged over them.
 
     ``ratio/max_abs_log`` is the maximum over the updates. Each update's loss is checked
-    finite before its optimizer step, so non-finite numbers never reach the weights.
+    finite before its optimizer step, so non-finite numbers never reach the weights. The
+    mismatch metrics come from the trainer's log-probs before the step's first update (the
+    first minibatch's, or the proximal forward's when a correction is on).
     """
     config, client, spec = run.config, run.training_client, run.config.loss_spec
     loss_fn_config = spec.to_loss_fn_config()
     collected: list[dict[str, float]] = []
+    batch, measured = correct_for_mismatch(run, batch, staleness)
+    with_mask = config.mismatch.enabled and spec.reduction != "sum"
     parts = minibatches(batch, config.num_substeps)
     for _epoch in range(config.epochs):
         for minibatch in parts:
-            datums = batch_to_datums(minibatch)
+            datums = batch_to_datums(minibatch, with_mask=with_mask)
             if config.runs_custom_loss:
                 loss_fn = as_custom_loss(spec, datums)
 
@@ -268,7 +273,9 @@ def update(run: Run, state: RunState, batch: TokenBatch) -> dict[str, float]:
                     return client.forward_backward(datums, loss_fn=spec.name, loss_fn_config=loss_fn_config)
 
             output = _retry(run, lambda: submit().result(), "forward_backward")
-            metrics = update_metrics(spec, output_logprobs(output.loss_fn_outputs), minibatch)
+            logprobs_N = output_logprobs(output.loss_fn_outputs)
+            metrics = update_metrics(spec, logprobs_N, minibatch)
+            measured = measured or mismatch_row(logprobs_N, minibatch, staleness)
             if not math.isfinite(metrics["loss"]):
                 state.weights_dirty = True  # the weights that gave this loss are not checkpointed
                 raise NonFiniteUpdate(
@@ -283,7 +290,49 @@ def update(run: Run, state: RunState, batch: TokenBatch) -> dict[str, float]:
     averaged = {key: float(np.mean([m[key] for m in collected])) for key in collected[0]}
     averaged["ratio/max_abs_log"] = max(m["ratio/max_abs_log"] for m in collected)
     averaged["optim_steps"] = float(len(collected))
-    return averaged
+    return {**averaged, **measured}
+
+
+def mismatch_row(trainer_logprobs_N: np.ndarray, batch: TokenBatch, staleness: int) -> dict[str, float]:
+    """The mismatch metrics of the trainer's log-probs vs the batch's sampler log-probs.
+
+    ``mismatch/*`` when the rollouts are fresh (pure sampler-trainer mismatch);
+    ``mismatch_and_staleness/*`` when they are ``staleness`` > 0 updates old, since the
+    trainer has then moved away from the weights that sampled.
+    """
+    prefix = "mismatch" if staleness == 0 else "mismatch_and_staleness"
+    found = mismatch_metrics(trainer_logprobs_N, batch.sampling_logprobs, batch.mask, batch.seq_lens)
+    return {f"{prefix}/{key}": value for key, value in found.items()}
+
+
+def correct_for_mismatch(run: Run, batch: TokenBatch, staleness: int) -> tuple[TokenBatch, dict[str, float]]:
+    """Under --mismatch-correction: one forward for lp_prox, the batch corrected, its metrics.
+
+    Without a correction, the batch unchanged and no metrics (the first update measures).
+    """
+    correction = run.config.mismatch
+    if not correction.enabled:
+        return batch, {}
+    start = time.perf_counter()
+    output = _retry(
+        run,
+        lambda: run.training_client.forward(
+            forward_only(batch_to_datums(batch)), loss_fn="cross_entropy"
+        ).result(),
+        "forward (proximal log-probs)",
+    )
+    proximal_N = output_logprobs(output.loss_fn_outputs)
+    if not np.isfinite(proximal_N[np.asarray(batch.mask, dtype=bool)]).all():
+        raise NonFiniteUpdate(
+            "the trainer's log-probs at the step's start are not finite (diverged weights?); "
+            "lower --learning-rate"
+        )
+    corrected, found = correct_batch(batch, proximal_N, correction)
+    return corrected, {
+        **mismatch_row(proximal_N, batch, staleness),
+        **{f"mismatch_correction/{key}": value for key, value in found.items()},
+        "time/proximal_forward": time.perf_counter() - start,
+    }
 
 
 def _retry(run: Run, call: Callable[[], Any], what: str) -> Any:
@@ -416,7 +465,8 @@ def _train_in(
 
     start_step = checkpoint.step if checkpoint is not None else 0
     service = service_client or make_service_client(
-        config.backend, local_root=str(run_dir / rundir.BACKEND_DIR), seed=config.seed
+        config.backend, local_root=str(run_dir / rundir.BACKEND_DIR), seed=config.seed,
+        sampler_dtype=config.sampler_dtype,
     )
     if checkpoint is not None:
         training_client = service.create_training_client_from_state_with_optimizer(checkpoint.state_path)

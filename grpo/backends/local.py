@@ -92,6 +92,9 @@ _DEFAULT_SAMPLING_PARAMS = SamplingParams()
 CustomLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
 
 
+SAMPLER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def default_root() -> Path:
     """Where checkpoints go without `root`: $XDG_CACHE_HOME/grpo/local (~/.cache/grpo/local)."""
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -101,8 +104,9 @@ def default_root() -> Path:
 class _Engine:
     """What a service and all its clients share: the worker, loaded models, seeds, root."""
 
-    def __init__(self, root: Path, seed: int) -> None:
+    def __init__(self, root: Path, seed: int, sampler_dtype: torch.dtype = torch.float32) -> None:
         self.root = root
+        self.sampler_dtype = sampler_dtype
         self.worker = Worker(name=f"grpo-local-{uuid.uuid4().hex[:6]}")
         self._rng = np.random.default_rng(seed)
         self._rng_lock = threading.Lock()
@@ -132,10 +136,21 @@ class LocalServiceClient:
     Args:
         root: directory for checkpoints (default: `default_root()`).
         seed: seeds LoRA initialisation and sampling when a call gives no seed.
+        sampler_dtype: ``"float32"`` (default: the sampler's log-probs are the trainer's) or
+            ``"bfloat16"``: sampling runs its matmuls in bfloat16 (CPU autocast) while
+            training stays float32, the usual source of a real service's sampler-trainer
+            mismatch, reproduced offline (docs/FORMULAS.md, "Sampler–trainer mismatch").
     """
 
-    def __init__(self, *, root: str | Path | None = None, seed: int = 0) -> None:
-        self._engine = _Engine(Path(root) if root is not None else default_root(), seed)
+    def __init__(
+        self, *, root: str | Path | None = None, seed: int = 0, sampler_dtype: str = "float32"
+    ) -> None:
+        if sampler_dtype not in SAMPLER_DTYPES:
+            raise ValueError(
+                f"sampler_dtype must be one of {', '.join(SAMPLER_DTYPES)}, got {sampler_dtype!r}"
+            )
+        root_path = Path(root) if root is not None else default_root()
+        self._engine = _Engine(root_path, seed, SAMPLER_DTYPES[sampler_dtype])
 
     def close(self) -> None:
         """Stop the worker thread once queued work is done (clients stop working)."""
@@ -770,7 +785,9 @@ class LocalSamplingClient:
         self._weights = weights
         self.model_id = host.model_id
         self.sampling_run_cuid = f"sampler-{uuid.uuid4().hex[:12]}"
-        self._run = functools.partial(sample_batch, host, weights, stopping=engine.worker.stopping)
+        self._run = functools.partial(
+            sample_batch, host, weights, stopping=engine.worker.stopping, dtype=engine.sampler_dtype
+        )
 
     def sample(
         self,

@@ -19,12 +19,14 @@ class BackendUnavailableError(RuntimeError):
     """The chosen backend cannot be reached or authenticated; the message says how to fix it."""
 
 
-def make_service_client(backend: str, *, local_root: str | None = None, seed: int = 0) -> Any:
+def make_service_client(
+    backend: str, *, local_root: str | None = None, seed: int = 0, sampler_dtype: str = "float32"
+) -> Any:
     """A service client: `LocalServiceClient` for 'local', `pytrio.ServiceClient` for 'pytrio'."""
     if backend == "local":
         from grpo.backends.local import LocalServiceClient
 
-        return LocalServiceClient(root=local_root, seed=seed)
+        return LocalServiceClient(root=local_root, seed=seed, sampler_dtype=sampler_dtype)
     if backend == "pytrio":
         import pytrio
 
