@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -538,7 +539,9 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
                     save_checkpoint(run, state, f"step-{done:06d}")
             save_checkpoint(run, state, "final")
             sampler_path = _retry(
-                run, lambda: run.training_client.save_weights_for_sampler(str(config.run_name)).result(),
+                run, lambda: run.training_client.save_weights_for_sampler(
+                    sampler_weights_name(str(config.run_name))
+                ).result(),
                 "save_weights_for_sampler",
             ).path
     except KeyboardInterrupt:
@@ -572,6 +575,15 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
     )
     echo(f"[grpo] done: {run.steps} steps in {wall_time:.1f}s; final sampler weights: {sampler_path}")
     return RunResult(run_dir=run.run_dir, steps=run.steps, final_metrics=state.last_metrics, sampler_path=sampler_path)
+
+
+def sampler_weights_name(run_name: str) -> str:
+    """The run name as a checkpoint name PyTRIO accepts: [A-Za-z0-9._-], alphanumeric ends.
+
+    A sweep's run names hold '=' and ',' (``mismatch_correction=none-seed0``); they become '_'.
+    """
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", run_name).strip("._-")
+    return name or "final"
 
 
 def _stop_with_checkpoint(run: Run, state: RunState) -> None:
