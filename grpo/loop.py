@@ -217,6 +217,19 @@ def _sampling_params(config: TrainConfig, step: int) -> Callable[[int], Sampling
     return params
 
 
+def sampling_mismatch_note(config: TrainConfig) -> str | None:
+    """The start-up warning when the sampled distribution is not the trainer's (T ≠ 1, top-p < 1)."""
+    if config.temperature == 1.0 and config.top_p == 1.0:
+        return None
+    return (
+        f"sampling at temperature {config.temperature:g}, top-p {config.top_p:g}: the local "
+        "sampler's log-probs are those of that tempered, filtered distribution, the trainer's "
+        "of the temperature-1 softmax, so the importance ratio starts away from 1 (logged as "
+        "mismatch/kl_k3); --mismatch-correction recompute trains against the trainer's own "
+        "log-probs instead, token_truncate / token_mask bound the weight (docs/FORMULAS.md)"
+    )
+
+
 def current_sampler(run: Run, state: RunState) -> Any:
     """A sampling client on the current weights, refreshed once per update."""
     if state.sampler_version != state.version:
@@ -465,6 +478,9 @@ def _train_in(
         echo(f"[grpo] {message}")
 
     start_step = checkpoint.step if checkpoint is not None else 0
+    warning = sampling_mismatch_note(config)
+    if warning is not None and config.mismatch.mode != "recompute":
+        note(warning)
     service = service_client or make_service_client(
         config.backend, local_root=str(run_dir / rundir.BACKEND_DIR), seed=config.seed,
         sampler_dtype=config.sampler_dtype,

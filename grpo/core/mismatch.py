@@ -10,6 +10,9 @@ objective is weighted per token by a stop-gradient factor ``w``:
 - ``token_truncate`` (truncated IS, Yao et al. 2025): ``w_t = min(ρ_t, C)``
 - ``token_mask`` (masked IS, IcePop): ``w_t = 1`` if ``lo ≤ ρ_t ≤ hi`` else 0
 - ``sequence_truncate`` / ``sequence_mask``: the same with ``ρ_i`` on every token of i
+- ``recompute``: ``w = 1``: the trainer's own log-probs replace the sampler's as the
+  behaviour policy (verl's recomputed ``old_log_prob``): the ratio starts at 1 at any
+  temperature, on any backend; the mismatch is ignored, not corrected (any policy kernel)
 
 Every kernel whose objective is linear in the advantage (``importance_sampling``, ``ppo``
 with or without dual clip, ``cispo``; ``gspo`` at sequence level) satisfies
@@ -47,6 +50,7 @@ MISMATCH_CORRECTIONS: tuple[str, ...] = (
     "token_mask",
     "sequence_truncate",
     "sequence_mask",
+    "recompute",
 )
 # The kernels whose objective is linear in A (so w folds into the advantage), by level.
 CORRECTED_LOSSES: dict[str, tuple[str, ...]] = {
@@ -101,6 +105,8 @@ class MismatchCorrection:
 
     def check_loss(self, loss_name: str) -> None:
         """ValueError unless this correction is defined for kernel ``loss_name``."""
+        if self.mode == "recompute" and loss_name != "cross_entropy":
+            return
         if self.enabled and loss_name not in CORRECTED_LOSSES[self.level]:
             raise ValueError(
                 f"mismatch correction {self.mode!r} needs a kernel linear in the advantage "
@@ -131,7 +137,7 @@ def mismatch_weights(
     Token modes use ρ_t = exp(lp_prox − lp_s); sequence modes ρ_i = exp(mean_{t∈i}(lp_prox −
     lp_s)) on every token of i (a sequence without masked-in tokens gets ρ_i = 1). The
     fraction is over masked-in tokens (0 when none is): ρ > C when truncating, ρ outside
-    [low, high] when masking.
+    [low, high] when masking; ``none`` and ``recompute`` give w = 1 and no fraction.
     """
     selected = mask_N.detach().to(torch.float64) != 0
     log_ratio = torch.where(
@@ -146,7 +152,7 @@ def mismatch_weights(
         sum_B = torch.zeros_like(count_B).index_add_(0, segments, log_ratio)
         log_ratio = (sum_B / count_B.clamp(min=1.0))[segments]
     ratio = log_ratio.exp()
-    if not correction.enabled:
+    if correction.mode in ("none", "recompute"):
         weights, affected = torch.ones_like(ratio), torch.zeros_like(selected)
     elif correction.truncates:
         weights, affected = ratio.clamp(max=correction.cap), ratio > correction.cap
@@ -156,8 +162,10 @@ def mismatch_weights(
     weights = torch.where(selected, weights, 0.0)
     count = int(selected.sum())
     fraction = float((affected & selected).sum()) / count if count else 0.0
-    key = "frac_truncated" if correction.truncates else "frac_masked"
-    return weights, {key: fraction, "weight_mean": float(weights[selected].mean()) if count else 0.0}
+    metrics = {"weight_mean": float(weights[selected].mean()) if count else 0.0}
+    if correction.mode.endswith(("truncate", "mask")):
+        metrics["frac_truncated" if correction.truncates else "frac_masked"] = fraction
+    return weights, metrics
 
 
 def correct_batch(

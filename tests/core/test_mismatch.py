@@ -23,7 +23,7 @@ from grpo.core.mismatch import (
 )
 from tests.strategies import PackedLossBatch, packed_loss_batches, scored_groups
 
-MODES = [mode for mode in MISMATCH_CORRECTIONS if mode != "none"]
+MODES = [mode for mode in MISMATCH_CORRECTIONS if mode not in ("none", "recompute")]
 REDUCTIONS = ["sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 PATHS = pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
 CASES = [
@@ -303,6 +303,27 @@ def test_correct_batch_swaps_the_proximal_in_and_weights_the_advantages(group, s
     np.testing.assert_array_equal(
         corrected.advantages, np.where(mask & kept, batch.advantages, 0.0)
     )
+
+
+@given(data=st.data())
+def test_recompute_trains_the_kernel_on_the_proximal_log_probs_unweighted(
+    data: st.DataObject,
+) -> None:
+    batch, proximal = data.draw(mismatch_batches())
+    name = data.draw(st.sampled_from(["importance_sampling", "ppo", "cispo", "dro", "gspo"]))
+    MismatchCorrection("recompute").check_loss(name)
+    loss, gradient, weights = _corrected(
+        name, batch, proximal, MismatchCorrection("recompute"), "sum", fused=False
+    )
+    assert weights.tolist() == np.where(batch.mask, 1.0, 0.0).tolist()
+    logprobs, _, advantages, mask = batch.tensors(torch.float64)
+    plain, _ = losses.LOSSES[name](
+        logprobs, torch.where(mask, torch.from_numpy(proximal), 0.0), advantages, mask=mask,
+        seq_lens=batch.seq_lens,
+    )
+    plain.backward()
+    assert loss == float(plain.detach())
+    np.testing.assert_array_equal(gradient, logprobs.grad.numpy())
 
 
 @pytest.mark.parametrize(

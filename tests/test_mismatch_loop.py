@@ -1,0 +1,102 @@
+"""Mismatch metrics and corrections through the loop, on the local backend and the PyTRIO path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from grpo.config import ConfigError, TrainConfig
+from grpo.loop import sampler_weights_name, sampling_mismatch_note, train
+from grpo.run_dir import read_metrics
+
+TINY = dict(
+    steps=2, batch_size=2, group_size=4, max_tokens=16, eval_every=0, save_every=0,
+    concurrency=4, num_substeps=1,
+)
+MISMATCH_KEYS = (
+    "kl_k1", "kl_k3", "max_abs_log_ratio", "frac_off_by_2x", "seq_ratio_std", "seq_ratio_min",
+    "seq_ratio_max",
+)
+
+
+def _rows(tmp_path: Path, name: str, service: Any = None, **overrides: Any) -> list[dict]:
+    config = TrainConfig(**{**TINY, "run_dir": str(tmp_path / name), **overrides})
+    result = train(config, echo=lambda _line: None, progress=False, service_client=service)
+    return [row for row in read_metrics(result.run_dir) if row["datums"] > 0]
+
+
+def test_float32_sampling_has_no_mismatch_and_bfloat16_has_some(tmp_path: Path) -> None:
+    exact = _rows(tmp_path, "f32")
+    reduced = _rows(tmp_path, "bf16", sampler_dtype="bfloat16")
+    assert exact and reduced, "no step trained: every group was degenerate"
+    for row in exact:
+        assert all(f"mismatch/{key}" in row for key in MISMATCH_KEYS)
+        assert row["mismatch/max_abs_log_ratio"] < 1e-4
+    assert all(row["mismatch/kl_k3"] > 1e-7 for row in reduced)
+    assert all(row["mismatch/max_abs_log_ratio"] > 1e-3 for row in reduced)
+
+
+def test_stale_rollouts_are_named_mismatch_and_staleness(tmp_path: Path) -> None:
+    rows = _rows(tmp_path, "k1", steps=3, max_steps_off_policy=1, group_size=6)
+    for row in rows:
+        prefix = "mismatch" if row["off_policy_steps"] == 0 else "mismatch_and_staleness"
+        assert f"{prefix}/kl_k3" in row, row
+    assert any(row["off_policy_steps"] > 0 for row in rows), "the pipeline never filled: setup"
+
+
+def test_a_correction_logs_its_fraction_and_agrees_across_call_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """token_mask under token_mean: the local built-in loss (datums with a mask entry) and the
+    PyTRIO path's custom loss give the same rows."""
+    import pytrio
+
+    from grpo.backends.local import LocalServiceClient
+
+    def fake_service_client() -> Any:
+        return LocalServiceClient(root=tmp_path / "remote", seed=0)
+
+    monkeypatch.setattr(pytrio, "ServiceClient", fake_service_client)
+    flags = dict(
+        mismatch_correction="token_mask", mismatch_mask_low=0.999, mismatch_mask_high=1.001,
+        temperature=1.3, reduction="token_mean", loss_fn="ppo",
+    )
+    local = _rows(tmp_path, "local", **flags)
+    remote = _rows(tmp_path, "pytrio", backend="pytrio", **flags)
+    assert local and any(row["mismatch_correction/frac_masked"] > 0 for row in local)
+    for local_row, remote_row in zip(local, remote, strict=True):
+        assert "time/proximal_forward" in local_row
+        for key, value in local_row.items():
+            if not key.startswith("time/"):
+                assert remote_row[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"sampler_dtype": "bfloat16", "backend": "pytrio"}, "--sampler-dtype"),
+        ({"sampler_dtype": "float16"}, "--sampler-dtype"),
+        ({"mismatch_correction": "token_truncate", "loss_fn": "dro"}, "linear in the advantage"),
+        ({"mismatch_correction": "token_mask", "mismatch_mask_low": 1.5}, "--mismatch"),
+        ({"mismatch_correction": "token_truncate", "mismatch_cap": 0.5}, "--mismatch"),
+    ],
+)
+def test_bad_mismatch_flags_fail_when_the_config_is_built(
+    tmp_path: Path, overrides: dict, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**{**TINY, "run_dir": str(tmp_path / "x"), **overrides})
+
+
+def test_a_tempered_or_filtered_sampler_is_announced() -> None:
+    assert sampling_mismatch_note(TrainConfig()) is None
+    assert "temperature 0.7" in str(sampling_mismatch_note(TrainConfig(temperature=0.7)))
+    assert "top-p 0.9" in str(sampling_mismatch_note(TrainConfig(top_p=0.9)))
+
+
+def test_sampler_weights_names_are_valid_checkpoint_names() -> None:
+    assert sampler_weights_name("mismatch_correction=none-seed1") == "mismatch_correction_none-seed1"
+    assert sampler_weights_name("plain-seed0") == "plain-seed0"
+    assert sampler_weights_name("==") == "final"
