@@ -46,6 +46,7 @@ from pytrio.types import (
     SampleSequence,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
+    TensorData,
 )
 
 from benchmarks.common import argument_parser, markdown_table, print_header, thread_settings, torch_threads
@@ -185,6 +186,14 @@ class CannedTrainingClient:
     def forward_backward(self, data: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: Any = None) -> Resolved:
         """Log-probs equal to each datum's sampling log-probs (ratio 1), no gradient."""
         outputs = [{"logprobs": datum.loss_fn_inputs["logprobs"]} for datum in data]
+        return Resolved(ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss_sum": 0.0}))
+
+    def forward(self, data: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: Any = None) -> Resolved:
+        """Zero log-probs (the loop's check before a checkpoint), computing nothing."""
+        outputs = [
+            {"logprobs": TensorData(data=[0.0] * len(datum.loss_fn_inputs["target_tokens"].data), dtype="float32")}
+            for datum in data
+        ]
         return Resolved(ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss_sum": 0.0}))
 
     def optim_step(self, adam_params: Any) -> Resolved:

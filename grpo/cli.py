@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import os
 import shutil
 import sys
@@ -211,11 +212,36 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `grpo` argument parser with every subcommand."""
-    from grpo import plots
-    from grpo.experiments import compare, sweep
+# Each subcommand: (name, help, its arguments, its handler), the last two as
+# "module:function" resolved only for the command being run, so `grpo --help` imports
+# neither torch nor transformers.
+COMMANDS: tuple[tuple[str, str, str, str], ...] = (
+    ("train", "one GRPO run (default: offline on the built-in model)",
+     "grpo.cli:add_train_arguments", "grpo.cli:run_train"),
+    ("eval", "accuracy and pass@k of a checkpoint or the base model",
+     "grpo.cli:add_eval_arguments", "grpo.cli:run_eval"),
+    ("compare", "the same run for several losses and seeds, with a report and plot",
+     "grpo.experiments.compare:add_compare_arguments", "grpo.experiments.compare:run_compare"),
+    ("sweep", "a grid or list of flag overrides from a TOML file, ranked",
+     "grpo.experiments.sweep:add_sweep_arguments", "grpo.experiments.sweep:run_sweep"),
+    ("plot", "PNG plots of metrics across run directories",
+     "grpo.plots:add_plot_arguments", "grpo.plots:run_plot"),
+    ("plot-losses", "each loss's objective and gradient weight against the ratio",
+     "grpo.plots:add_plot_losses_arguments", "grpo.plots:run_plot_losses"),
+    ("serve", "the PyTRIO service on localhost, backed by the local backend",
+     "grpo.backends.serve:add_serve_arguments", "grpo.backends.serve:run_serve"),
+)
 
+
+def _resolve(target: str) -> Any:
+    """The function named by "module:function"."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The `grpo` parser; only the subcommand named in ``argv`` gets its arguments (all if None)."""
+    chosen = None if argv is None else next((arg for arg in argv if not arg.startswith("-")), None)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--debug",
@@ -227,48 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run and study GRPO on LLMs (PyTRIO or the embedded local backend).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    commands = [
-        (
-            "train",
-            "one GRPO run (default: offline on the built-in model)",
-            add_train_arguments,
-            run_train,
-        ),
-        (
-            "eval",
-            "accuracy and pass@k of a checkpoint or the base model",
-            add_eval_arguments,
-            run_eval,
-        ),
-        (
-            "compare",
-            "the same run for several losses and seeds, with a report and plot",
-            compare.add_compare_arguments,
-            compare.run_compare,
-        ),
-        (
-            "sweep",
-            "a grid or list of flag overrides from a TOML file, ranked",
-            sweep.add_sweep_arguments,
-            sweep.run_sweep,
-        ),
-        (
-            "plot",
-            "PNG plots of metrics across run directories",
-            plots.add_plot_arguments,
-            plots.run_plot,
-        ),
-        (
-            "plot-losses",
-            "each loss's objective and gradient weight against the ratio",
-            plots.add_plot_losses_arguments,
-            plots.run_plot_losses,
-        ),
-    ]
-    for name, help_text, add_arguments, handler in commands:
+    for name, help_text, add_arguments, handler in COMMANDS:
         command = sub.add_parser(name, help=help_text, description=help_text, parents=[common])
-        add_arguments(command)
-        command.set_defaults(handler=handler)
+        if argv is None or name == chosen:
+            _resolve(add_arguments)(command)
+            command.set_defaults(handler=_resolve(handler))
     return parser
 
 
@@ -316,7 +305,8 @@ def describe_error(error: BaseException) -> tuple[str, int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `grpo` console script: bad input exits 2 with one line naming it."""
-    args = build_parser().parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(arguments).parse_args(arguments)
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         return int(args.handler(args))

@@ -372,24 +372,34 @@ def log_step(run: Run, state: RunState, step: int, metrics: dict[str, float], wr
     write(console_line(step, run.steps, metrics))
 
 
+def _weights_give_finite_logprobs(run: Run, probe_datums: Any) -> bool:
+    """One forward of ``probe_datums``: are the log-probs finite? (A backend that refuses
+    non-finite log-probs itself, as the local one does, answers with a ``non_finite`` error.)"""
+    try:
+        probe = _retry(
+            run, lambda: run.training_client.forward(probe_datums, loss_fn="cross_entropy").result(),
+            "forward (checkpoint check)",
+        )
+    except Exception as error:
+        if "non_finite" in str(getattr(error, "code", "")):
+            return False
+        raise
+    return bool(np.isfinite(output_logprobs(probe.loss_fn_outputs)).all())
+
+
 def save_checkpoint(run: Run, state: RunState, name: str) -> None:
     """A resumable checkpoint of the weights of step ``state.completed``, if they are sound.
 
     One forward of the last minibatch first: weights that give non-finite log-probs (a
     diverged update) are never saved as resumable (NonFiniteUpdate instead).
     """
-    if state.probe_datums is not None:
-        probe = _retry(
-            run, lambda: run.training_client.forward(state.probe_datums, loss_fn="cross_entropy").result(),
-            "forward (checkpoint check)",
+    if state.probe_datums is not None and not _weights_give_finite_logprobs(run, state.probe_datums):
+        state.weights_dirty = True
+        raise NonFiniteUpdate(
+            f"the weights after step {state.completed} give non-finite log-probs (a diverged "
+            f"update); they are not checkpointed, the last good checkpoint is step "
+            f"{state.last_saved_step}; lower --learning-rate"
         )
-        if not np.isfinite(output_logprobs(probe.loss_fn_outputs)).all():
-            state.weights_dirty = True
-            raise NonFiniteUpdate(
-                f"the weights after step {state.completed} give non-finite log-probs (a diverged "
-                f"update); they are not checkpointed, the last good checkpoint is step "
-                f"{state.last_saved_step}; lower --learning-rate"
-            )
     result = _retry(run, lambda: run.training_client.save_state(name).result(), "save_state")
     fault_point("save")
     rundir.write_checkpoint(
@@ -486,7 +496,7 @@ def _train_in(
         sampler_dtype=config.sampler_dtype,
     )
     if checkpoint is not None:
-        training_client = service.create_training_client_from_state_with_optimizer(checkpoint.state_path)
+        training_client = _load_checkpoint(service, run_dir, checkpoint)
     else:
         training_client = service.create_lora_training_client(
             base_model=config.base_model, rank=config.lora_rank, seed=config.seed
@@ -527,6 +537,19 @@ def _train_in(
     )
     state = RunState(completed=start_step, last_saved_step=start_step, version=start_step)
     return _run_steps(run, state, echo, progress)
+
+
+def _load_checkpoint(service: Any, run_dir: Path, checkpoint: rundir.Checkpoint) -> Any:
+    """The training client of the run's checkpoint; a ConfigError saying what to do if it is gone."""
+    try:
+        return service.create_training_client_from_state_with_optimizer(checkpoint.state_path)
+    except Exception as error:  # noqa: BLE001 - every backend has its own not-found error
+        raise ConfigError(
+            f"--resume {run_dir}: the checkpoint of step {checkpoint.step} ({checkpoint.state_path}) "
+            f"cannot be loaded: {error}. Restore it (the local backend keeps it under "
+            f"{run_dir / rundir.BACKEND_DIR}), or delete {run_dir / rundir.CHECKPOINT_FILE} and "
+            f"{run_dir / rundir.METRICS_FILE} to rerun from the start"
+        ) from error
 
 
 def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress: bool) -> RunResult:

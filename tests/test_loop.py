@@ -250,30 +250,6 @@ def test_swanlab_failure_never_stops_training(tmp_path: Path, monkeypatch: pytes
     assert len(read_metrics(result.run_dir)) == 2
 
 
-def test_pytrio_backend_module_drives_the_same_loop_including_custom_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pytrio
-
-    from grpo.backends.local import LocalServiceClient
-
-    created: list[Any] = []
-
-    def fake_service_client() -> Any:
-        created.append(LocalServiceClient(root=tmp_path / "remote", seed=0))
-        return created[-1]
-
-    monkeypatch.setattr(pytrio, "ServiceClient", fake_service_client)
-    builtin = quiet_train(tiny_config(tmp_path, "pytrio-builtin", backend="pytrio", loss_fn="ppo"))
-    custom = quiet_train(tiny_config(tmp_path, "pytrio-custom", backend="pytrio", loss_fn="ppo", custom_loss=True))
-    local = quiet_train(tiny_config(tmp_path, "local", backend="local", loss_fn="ppo"))
-    assert len(created) == 2
-    rows = [comparable(read_metrics(r.run_dir)) for r in (builtin, custom, local)]
-    assert rows[0] == rows[2]
-    for built_in_row, custom_row in zip(rows[0], rows[1], strict=True):
-        assert built_in_row.keys() == custom_row.keys()
-        for key in built_in_row:
-            assert custom_row[key] == pytest.approx(built_in_row[key], rel=1e-4, abs=1e-6), key
-
-
 def test_kl_penalty_is_logged_and_zero_at_the_start(tmp_path: Path) -> None:
     rows = read_metrics(quiet_train(tiny_config(tmp_path, kl_coef=0.1, steps=2, learning_rate=1e-3)).run_dir)
     trained = [row for row in rows if row["datums"] > 0]
@@ -393,4 +369,21 @@ def test_diverged_weights_stop_the_run_and_are_never_checkpointed(tmp_path: Path
         quiet_train(config)
     assert stopped.value.exit_code == 1
     assert rundir.read_checkpoint(tmp_path / "run") is None
+    assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1]
+
+
+def test_resume_after_the_weights_were_deleted_says_what_to_do(tmp_path: Path) -> None:
+    import shutil
+
+    config = tiny_config(tmp_path, steps=2, save_every=1)
+
+    def stop_after_first_step(line: str) -> None:
+        if line.startswith("step 1/"):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(RunStopped):
+        train(config, echo=stop_after_first_step, progress=False)
+    shutil.rmtree(tmp_path / "run" / "backend")
+    with pytest.raises(ConfigError, match=r"the checkpoint of step 1 .* cannot be loaded.*Restore it"):
+        quiet_train(config, resume=True)
     assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1]

@@ -14,9 +14,12 @@ How it differs from the service, on purpose:
   kernel through ``forward_backward_custom`` give the same loss and gradients. Besides
   the kernel's keys, ``loss_fn_config`` may hold ``reduction`` (default ``"sum"``, the
   Tinker convention) and ``norm_length``.
-- ``metrics`` holds ``loss_sum``, ``loss_mean``, ``token_count`` (masked-in tokens) and
-  the kernel's metrics prefixed with the loss name (``"ppo/clip_fraction"``). Other
-  kernels (``gspo``) run through ``forward_backward_custom`` only, as on the service.
+- ``metrics`` holds PyTRIO's keys only: ``loss_sum``, ``loss_mean`` and ``token_count``
+  (a whole number: the tokens the loss trains on, target ≠ −100 with a nonzero weight or
+  advantage, the first one dropped under ``auto_shift``; PyTRIO's active-token count).
+  ``LocalServiceClient(kernel_metrics=True)`` adds the kernel's metrics prefixed with the
+  loss name (``"ppo/clip_fraction"``). Other kernels (``gspo``) run through
+  ``forward_backward_custom`` only, as on the service.
 - ``forward_backward_custom`` runs the user's loss on the worker thread (one forward,
   then the loss's gradient pushed through the same graph); the loss must not call back
   into this backend.
@@ -27,10 +30,16 @@ How it differs from the service, on purpose:
   file): the sampler keeps sampling those weights while training goes on.
 - Numbers never poison the adapter (each refusal is a ``ValidationError`` whose code
   starts ``validation.non_finite_``, raised before anything changes): log-probs of the
-  model that are NaN or ±inf (diverged weights), a non-finite custom loss or custom-loss
-  gradient, a non-finite gradient norm in ``optim_step`` (its gradients are dropped; the
-  weights, optimizer state and step count stay), and ``save_state`` of weights that are
-  not finite or give non-finite log-probs (one forward over 8 probe tokens per save).
+  model that are NaN or ±inf (diverged weights), a built-in loss that overflows on finite
+  inputs (``forward_backward``), a non-finite custom loss or custom-loss gradient, a
+  non-finite gradient norm in ``optim_step`` (its gradients are dropped; the weights,
+  optimizer state and step count stay), and ``save_state`` of weights that are not
+  finite or give non-finite log-probs (one forward over 8 probe tokens per save).
+- Beyond the loop's needs it has the rest of pytrio 0.2.9's surface:
+  ``get_server_capabilities`` (the models' real context length), ``create_rest_client``
+  (list and delete checkpoints, `_local_rest`), an ignored ``api_key``, and training
+  clients' ``close()``/``close_async()`` as no-ops (older pytrio releases had them, and
+  published scripts still call them).
 - Checkpoints are PEFT adapter directories under ``root`` (see ``_local_checkpoint``),
   addressed as ``local://<directory>``; ``ttl_seconds`` is recorded, never enforced.
 - Randomness: ``LocalServiceClient(seed=...)`` seeds a generator that supplies the LoRA
@@ -76,10 +85,16 @@ from pytrio.types import (
     SaveWeightsResponse,
     TensorData,
 )
+from pytrio.types.server_capabilities import (
+    GetServerCapabilitiesResponse,
+    ModelOperationCapabilities,
+    SupportedModel,
+)
 from torch import Tensor, nn
 
 from grpo.backends import _local_checkpoint as checkpoints
 from grpo.backends._local_model import AdapterWeights, LoraSpec, ModelHost, load_host
+from grpo.backends._local_rest import LocalRestClient
 from grpo.backends._local_sampling import PendingSample, SampleSpec, sample_batch, validate_sample_request
 from grpo.backends._local_worker import Worker
 from grpo.backends.tiny import TINY_MODEL_NAME
@@ -104,8 +119,11 @@ def default_root() -> Path:
 class _Engine:
     """What a service and all its clients share: the worker, loaded models, seeds, root."""
 
-    def __init__(self, root: Path, seed: int, sampler_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, root: Path, seed: int, kernel_metrics: bool, sampler_dtype: torch.dtype = torch.float32
+    ) -> None:
         self.root = root
+        self.kernel_metrics = kernel_metrics
         self.sampler_dtype = sampler_dtype
         self.worker = Worker(name=f"grpo-local-{uuid.uuid4().hex[:6]}")
         self._rng = np.random.default_rng(seed)
@@ -134,8 +152,10 @@ class LocalServiceClient:
     """In-process stand-in for `pytrio.ServiceClient`: creates local training and sampling clients.
 
     Args:
+        api_key: accepted for PyTRIO's signature and ignored (nothing to authenticate).
         root: directory for checkpoints (default: `default_root()`).
         seed: seeds LoRA initialisation and sampling when a call gives no seed.
+        kernel_metrics: also report the loss kernel's metrics from forward/forward_backward.
         sampler_dtype: ``"float32"`` (default: the sampler's log-probs are the trainer's) or
             ``"bfloat16"``: sampling runs its matmuls in bfloat16 (CPU autocast) while
             training stays float32, the usual source of a real service's sampler-trainer
@@ -143,14 +163,21 @@ class LocalServiceClient:
     """
 
     def __init__(
-        self, *, root: str | Path | None = None, seed: int = 0, sampler_dtype: str = "float32"
+        self,
+        api_key: str | None = None,
+        *,
+        root: str | Path | None = None,
+        seed: int = 0,
+        kernel_metrics: bool = False,
+        sampler_dtype: str = "float32",
     ) -> None:
+        del api_key
         if sampler_dtype not in SAMPLER_DTYPES:
             raise ValueError(
                 f"sampler_dtype must be one of {', '.join(SAMPLER_DTYPES)}, got {sampler_dtype!r}"
             )
         root_path = Path(root) if root is not None else default_root()
-        self._engine = _Engine(root_path, seed, SAMPLER_DTYPES[sampler_dtype])
+        self._engine = _Engine(root_path, seed, kernel_metrics, SAMPLER_DTYPES[sampler_dtype])
 
     def close(self) -> None:
         """Stop the worker thread once queued work is done (clients stop working)."""
@@ -165,6 +192,35 @@ class LocalServiceClient:
     def get_supported_models(self) -> list[str]:
         """Named models (a local Hugging Face model directory works too)."""
         return [TINY_MODEL_NAME]
+
+    def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
+        """The named models' real limits: context length = max sequence length = model positions."""
+        models = []
+        for name in self.get_supported_models():
+            host = self._engine.run(functools.partial(self._engine.host, name))
+            limits = ModelOperationCapabilities(
+                available=True,
+                max_batch_size=None,
+                max_tokens_per_request=None,
+                max_seq_len=host.max_positions,
+            )
+            models.append(
+                SupportedModel(
+                    model_name=name,
+                    max_context_length=host.max_positions,
+                    training=limits,
+                    sampling=limits,
+                )
+            )
+        return GetServerCapabilitiesResponse(supported_models=models)
+
+    async def get_server_capabilities_async(self) -> GetServerCapabilitiesResponse:
+        """Async twin of `get_server_capabilities`."""
+        return await asyncio.to_thread(self.get_server_capabilities)
+
+    def create_rest_client(self) -> LocalRestClient:
+        """Checkpoint listing and deletion under this service's root (pytrio's RestClient methods)."""
+        return LocalRestClient(self._engine.root)
 
     def create_lora_training_client(
         self,
@@ -424,6 +480,8 @@ class LocalTrainingClient:
             _require_finite_logprobs(logprobs, arrays.seq_lens_B)
             loss, kernel_metrics = evaluate(logprobs, spec)
             if backward:
+                if not bool(torch.isfinite(loss.detach())):
+                    raise _non_finite_loss(batch, logprobs.detach(), float(loss.detach()))
                 loss.backward()
         if spec.reduction == "sum":
             loss_sum = float(loss.detach())
@@ -431,12 +489,14 @@ class LocalTrainingClient:
             with torch.no_grad():
                 loss_sum = float(evaluate(logprobs.detach(), attrs.evolve(spec, reduction="sum", norm_length=None))[0])
         token_count = int(arrays.mask_N.sum())
-        metrics = {
+        metrics: dict[str, float] = {
             "loss_sum": loss_sum,
             "loss_mean": loss_sum / token_count if token_count else 0.0,
-            "token_count": float(token_count),
-            **{f"{spec.name}/{key}": value for key, value in kernel_metrics.items()},
+            "token_count": token_count,
         }
+        if self._engine.kernel_metrics:
+            prefix = spec.name
+            metrics.update({f"{prefix}/{key}": value for key, value in kernel_metrics.items()})
         return ForwardBackwardOutput(loss_fn_outputs=_outputs(logprobs_list), metrics=metrics)
 
     def _run_custom(
@@ -492,7 +552,7 @@ class LocalTrainingClient:
         metrics = {
             "loss_sum": loss_sum,
             "loss_mean": loss_sum / token_count if token_count else 0.0,
-            "token_count": float(token_count),
+            "token_count": token_count,
         }
         return ForwardBackwardOutput(loss_fn_outputs=_outputs(logprobs_list), metrics={**metrics, **custom_metrics})
 
@@ -704,6 +764,12 @@ class LocalTrainingClient:
         """The base model's tokenizer."""
         return self._host.tokenizer
 
+    def close(self) -> None:
+        """A no-op: older PyTRIO releases had `close()` and published scripts still call it."""
+
+    async def close_async(self) -> None:
+        """Async twin of `close` (a no-op)."""
+
 
 def _release_adapter(worker: Worker, host: ModelHost, adapter: str) -> None:
     try:
@@ -725,6 +791,13 @@ def _outputs(logprobs_list: Sequence[Tensor]) -> list[dict[str, TensorData]]:
     return [{"logprobs": TensorData.from_torch(logprobs.detach())} for logprobs in logprobs_list]
 
 
+def _datum_position(flat: int, seq_lens: Sequence[int] | np.ndarray) -> tuple[int, int]:
+    """(datum, position within it) of an index into the concatenated per-datum values."""
+    ends = np.cumsum(seq_lens)
+    index = int(np.searchsorted(ends, flat, side="right"))
+    return index, flat - (int(ends[index - 1]) if index else 0)
+
+
 def _require_finite_logprobs(logprobs: Tensor, seq_lens: Sequence[int] | np.ndarray) -> None:
     """ValidationError at the first non-finite model log-prob (its datum and position)."""
     values = logprobs.detach()
@@ -732,14 +805,60 @@ def _require_finite_logprobs(logprobs: Tensor, seq_lens: Sequence[int] | np.ndar
     if not bool(bad.any()):
         return
     flat = int(bad.nonzero()[0, 0])
-    ends = np.cumsum(seq_lens)
-    index = int(np.searchsorted(ends, flat, side="right"))
-    position = flat - (int(ends[index - 1]) if index else 0)
+    index, position = _datum_position(flat, seq_lens)
     raise ValidationError(
         f"the model's log-prob of datum {index}, position {position} is "
         f"{float(values[flat])}: the LoRA weights have diverged (a learning rate too high?). "
         "Nothing was trained; resume from the last good checkpoint with a lower learning rate",
         code="validation.non_finite_logprobs",
+    )
+
+
+SAMPLE_MEMORY_LIMIT_BYTES = int(os.environ.get("GRPO_LOCAL_SAMPLE_MEMORY_GB", "8")) * 2**30
+"""The most memory one local sample request may need (KV cache + logits), refused above it;
+``GRPO_LOCAL_SAMPLE_MEMORY_GB`` changes it (default 8)."""
+
+
+def sample_memory_bytes(host: ModelHost, num_samples: int, prompt_len: int, max_tokens: int) -> int:
+    """Float32 bytes of a request's KV cache (2 x layers x KV heads x head dim per position of
+    every sequence) plus one step's logits (vocab per sequence), an estimate within ~2x."""
+    config = host.model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_position = 2 * config.num_hidden_layers * heads * head_dim
+    positions = prompt_len + max_tokens
+    return 4 * num_samples * (per_position * positions + host.vocab_size)
+
+
+def _check_sample_memory(host: ModelHost, num_samples: int, prompt_len: int, max_tokens: int) -> None:
+    needed = sample_memory_bytes(host, num_samples, prompt_len, max_tokens)
+    if needed > SAMPLE_MEMORY_LIMIT_BYTES:
+        raise ValidationError(
+            f"sampling {num_samples} x {prompt_len + max_tokens} positions needs about "
+            f"{needed / 2**30:.1f} GiB, over the local backend's limit of "
+            f"{SAMPLE_MEMORY_LIMIT_BYTES / 2**30:.0f} GiB; lower num_samples or max_tokens "
+            "(or raise GRPO_LOCAL_SAMPLE_MEMORY_GB)",
+            code="validation.sample_too_large",
+        )
+
+
+def _non_finite_loss(batch: _LossBatch, logprobs: Tensor, value: float) -> ValidationError:
+    """The error for a built-in loss that overflowed on finite inputs: the largest log-ratio."""
+    culprit = ""
+    arrays = batch.arrays
+    if arrays.sampling_logprobs_N is not None and arrays.mask_N.any():
+        gaps = np.where(arrays.mask_N, logprobs.numpy() - arrays.sampling_logprobs_N, 0.0)
+        flat = int(np.argmax(np.abs(gaps)))
+        index, position = _datum_position(flat, arrays.seq_lens_B)
+        culprit = (
+            f"; its largest log-ratio lp − lp_old is {gaps[flat]:.4g} (datum {index}, position "
+            f"{position}), and exp(lp − lp_old) overflows float32 above 88"
+        )
+    return ValidationError(
+        f"the {batch.spec.name} loss is {value} on finite inputs{culprit}; no gradient was "
+        "applied: use a clipped loss (ppo, cispo) or check that the sampling log-probs come "
+        "from the model being trained",
+        code="validation.non_finite_loss",
     )
 
 
@@ -810,6 +929,7 @@ class LocalSamplingClient:
             max_positions=self._host.max_positions,
             draw_seed=self._engine.draw_seed,
         )
+        _check_sample_memory(self._host, num_samples, len(prompt.to_ints()), sampling_params.max_tokens)
         return self._submit(spec)
 
     async def sample_async(

@@ -9,36 +9,153 @@ stores or logs it.
 from __future__ import annotations
 
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+DEFAULT_CONNECT_TIMEOUT_S = 30.0
+PYTRIO_DEFAULT_IN_FLIGHT = 16
 
 
 class BackendUnavailableError(RuntimeError):
     """The chosen backend cannot be reached or authenticated; the message says how to fix it."""
 
 
+class CapabilityError(ValueError):
+    """The run asks more of the model than the service allows; the message names the fix."""
+
+
 def make_service_client(
-    backend: str, *, local_root: str | None = None, seed: int = 0, sampler_dtype: str = "float32"
+    backend: str,
+    *,
+    local_root: str | None = None,
+    seed: int = 0,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    concurrency: int | None = None,
+    sampler_dtype: str = "float32",
 ) -> Any:
-    """A service client: `LocalServiceClient` for 'local', `pytrio.ServiceClient` for 'pytrio'."""
+    """A service client: `LocalServiceClient` for 'local', `pytrio.ServiceClient` for 'pytrio'.
+
+    For 'pytrio', `concurrency` sampling requests may be in flight (see
+    `configure_concurrency`), and a service that does not answer within `connect_timeout_s`
+    raises `BackendUnavailableError` naming the URL (pytrio alone would retry for 15 minutes).
+    `sampler_dtype` is the local backend's (`LocalServiceClient`).
+    """
     if backend == "local":
         from grpo.backends.local import LocalServiceClient
 
         return LocalServiceClient(root=local_root, seed=seed, sampler_dtype=sampler_dtype)
     if backend == "pytrio":
         import pytrio
+        from pytrio.config.config import auth_state, configuration
 
+        if auth_state.config_error is not None or not auth_state.api_key:
+            # No key: say so at once, without asking the network anything.
+            reason = auth_state.config_error or "no API key is configured"
+            raise BackendUnavailableError(
+                f"PyTRIO service unavailable: {reason}. Log in with `trio login` (or set "
+                "PYTRIO_API_KEY), or run offline with `--backend local`."
+            )
+        if concurrency is not None:
+            configure_concurrency(concurrency)
+        wait_until_reachable(configuration.base_url, timeout_s=connect_timeout_s)
         try:
             return pytrio.ServiceClient()
         except pytrio.PyTrioError as error:
             raise BackendUnavailableError(
-                f"PyTRIO service unavailable: {type(error).__name__}: {error}. "
-                "Log in with `trio login` (or set the API key in the environment), "
-                "or run offline with `--backend local`."
+                f"PyTRIO service at {configuration.base_url} unavailable: "
+                f"{type(error).__name__}: {error}. Log in with `trio login` (or set "
+                "PYTRIO_API_KEY), or run offline with `--backend local`."
             ) from None
     raise ValueError(f"--backend must be 'local' or 'pytrio', got {backend!r}")
+
+
+def wait_until_reachable(base_url: str, *, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+    """Return once `base_url` answers HTTP (any status); else BackendUnavailableError after
+    `timeout_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            probe_timeout = max(0.1, min(5.0, remaining))
+            with urllib.request.urlopen(base_url.rstrip("/") + "/", timeout=probe_timeout):
+                return
+        except urllib.error.HTTPError:
+            return  # an HTTP error status is an answer: the service is there
+        except (urllib.error.URLError, OSError) as error:
+            if time.monotonic() + 0.5 >= deadline:
+                reason = getattr(error, "reason", error)
+                raise BackendUnavailableError(
+                    f"PyTRIO service at {base_url} is unreachable (no answer within "
+                    f"{timeout_s:g} s: {reason}). Check PYTRIO_BASE_URL and the network; for "
+                    "an offline service start `grpo serve` and set the PYTRIO_BASE_URL and "
+                    "PYTRIO_API_KEY it prints; or train offline with `--backend local`."
+                ) from None
+            time.sleep(0.5)
+
+
+def configure_concurrency(concurrency: int) -> None:
+    """Let pytrio keep `concurrency` sampling requests in flight (its default: 16).
+
+    pytrio copies its configuration when a `ServiceClient` is created: call this before.
+    """
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"--concurrency must be an int >= 1, got {concurrency!r}")
+    import pytrio
+
+    pytrio.configure(
+        sampling_request_max_in_flight=concurrency,
+        sampling_request_queue_capacity=max(64, concurrency),
+    )
+
+
+def check_capabilities(
+    service_client: Any, base_model: str, max_prompt_tokens: int, max_tokens: int
+) -> None:
+    """Raise CapabilityError unless prompt + max_tokens fits the model's context and limits.
+
+    The limit is the smallest of the model's context length and its sampling and training
+    `max_seq_len`, as `get_server_capabilities()` reports them. A local model directory
+    that the service does not list is not checked (the local backend checks it itself).
+    """
+    capabilities = service_client.get_server_capabilities()
+    models = {model.model_name: model for model in capabilities.supported_models}
+    model = models.get(base_model)
+    if model is None:
+        if Path(base_model).expanduser().is_dir():
+            return
+        raise CapabilityError(
+            f"--base-model {base_model!r} is not served by this service; it serves "
+            f"{sorted(models)}"
+        )
+    limits = [
+        value
+        for value in (
+            model.max_context_length,
+            model.sampling.max_seq_len,
+            model.training.max_seq_len,
+        )
+        if value is not None
+    ]
+    if not limits:
+        return
+    limit = min(limits)
+    if max_prompt_tokens + max_tokens > limit:
+        fits = limit - max_prompt_tokens
+        fix = (
+            f"lower --max-tokens to {fits} or shorten the prompts"
+            if fits > 0
+            else "shorten the prompts (fewer few-shot examples) or pick a longer-context model"
+        )
+        raise CapabilityError(
+            f"the longest prompt ({max_prompt_tokens} tokens) + --max-tokens {max_tokens} = "
+            f"{max_prompt_tokens + max_tokens} tokens exceeds {base_model}'s limit of {limit} "
+            f"(context length / max_seq_len from get_server_capabilities); {fix}"
+        )
 
 
 def is_transient(error: BaseException) -> bool:

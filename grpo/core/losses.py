@@ -41,6 +41,7 @@ a ValueError naming the tensor and the first bad index (``sampling_logprobs[17] 
 a masked-in position``). The check costs one inner product on the eager path and an add
 and a multiply a position inside the fused form's single loop; the index is only
 searched for when it fails.
+
 float16 and bfloat16 inputs are computed in float32: the loss is float32 and the gradient
 flows back to ``logprobs`` in its own dtype.
 
@@ -238,7 +239,7 @@ def _as_seq_lens(seq_lens: SeqLens | None, num_tokens: int, device: torch.device
 
 
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
-"""Input dtypes the kernels compute in float32 (exp overflows float16 from a log-ratio of 11)."""
+"""Input dtypes the kernels compute in float32 (float16's exp overflows above 11.09)."""
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

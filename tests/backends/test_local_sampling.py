@@ -349,3 +349,11 @@ futures = [sampler.sample(ModelInput.from_ints(list(range(5, 90))), 64, Sampling
     # A daemon thread still inside torch at interpreter teardown aborts the process (rc 134).
     finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert finished.returncode == 0, finished.stderr[-2000:]
+
+
+def test_a_request_too_large_for_memory_is_refused_before_any_allocation(service):
+    sampler = service.create_sampling_client(MODEL)
+    with pytest.raises(ValidationError, match=r"sampling 1000000 x 10 positions needs about .* GiB"):
+        sampler.sample(
+            ModelInput.from_ints([1, 2]), num_samples=10**6, sampling_params=SamplingParams(max_tokens=8)
+        )

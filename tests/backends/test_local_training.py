@@ -32,7 +32,7 @@ def random_tiny_model(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def service(tmp_path) -> LocalServiceClient:
-    with LocalServiceClient(root=tmp_path / "checkpoints", seed=0) as client:
+    with LocalServiceClient(root=tmp_path / "checkpoints", seed=0, kernel_metrics=True) as client:
         yield client
 
 
@@ -90,7 +90,7 @@ def test_builtin_loss_and_custom_loss_give_the_same_loss_and_gradients(tmp_path,
     kernel_config = {key: value for key, value in config.items() if key not in ("reduction", "norm_length")}
     results = []
     for path in ("builtin", "custom"):
-        with LocalServiceClient(root=tmp_path, seed=0) as service:
+        with LocalServiceClient(root=tmp_path, seed=0, kernel_metrics=True) as service:
             client = service.create_lora_training_client(MODEL, rank=4, seed=3)
             train(client, datums, steps=1)  # move the ratio away from 1 so clipping matters
             if path == "builtin":
@@ -316,6 +316,7 @@ def _sized(datum: Datum, value: float, dtype: type) -> np.ndarray:
         (lambda d: _with_input(d, "target_tokens", _sized(d, 500, np.int64)), "ppo", None, ValidationError),
         (lambda d: _with_input(d, "target_tokens", _sized(d, 1, np.float32)), "ppo", None, ValueError),
         (lambda d: _with_input(d, "logprobs", _sized(d, np.nan, np.float32)), "ppo", None, ValueError),
+        (lambda d: _with_input(d, "mask", _sized(d, 0.5, np.float32)), "ppo", None, ValidationError),
         (lambda d: Datum(model_input=ModelInput.from_ints([5, 999]), loss_fn_inputs=d.loss_fn_inputs),
          "ppo", None, ValidationError),
         (lambda d: Datum(model_input=ModelInput.from_ints([5] * 300), loss_fn_inputs=d.loss_fn_inputs),
@@ -487,20 +488,38 @@ def test_a_custom_loss_with_a_non_finite_gradient_is_rejected_before_any_gradien
     assert gradients(client) == [None] * len(client._parameters)
 
 
-def test_optim_step_refuses_a_non_finite_gradient_norm_and_changes_nothing(service):
+def test_a_builtin_loss_that_overflows_is_rejected_before_any_gradient(service):
     datums = policy_datums(2)
     client = service.create_lora_training_client(MODEL, rank=4, seed=0)
-    train(client, datums, steps=1, loss="importance_sampling")
-    weights, state = lora_state(client), optimizer_state(client)
-    # Finite inputs, but r = exp(lp − (−200)) overflows float32: an infinite gradient.
+    client.forward_backward(datums[:1], "importance_sampling").result()
+    accumulated = gradients(client)
+    # Finite inputs, but r = exp(lp − (−200)) overflows float32: an infinite loss.
     overflowing = []
     for datum in datums:
         trained = np.asarray(datum.loss_fn_inputs["advantages"].data) != 0
         sampling_logprobs = np.where(trained, -200.0, 0.0).astype(np.float32)
         overflowing.append(_with_input(datum, "logprobs", sampling_logprobs))
-    client.forward_backward(overflowing, "importance_sampling").result()
-    assert any(g is not None and not torch.isfinite(g).all() for g in gradients(client))
-    refused = "optimizer step 2 refused: the gradient norm is (nan|inf)"
+    refused = (
+        r"importance_sampling loss is (nan|-?inf) on finite inputs; "
+        r"its largest log-ratio lp − lp_old is 1\d\d\.\d \(datum \d, position \d+\)"
+    )
+    with pytest.raises(ValidationError, match=refused) as error:
+        client.forward_backward(overflowing, "importance_sampling").result()
+    assert error.value.code == "validation.non_finite_loss"
+    after = gradients(client)  # the earlier call's gradients, untouched
+    assert all(torch.equal(a, b) for a, b in zip(accumulated, after, strict=True) if a is not None)
+    assert [g is None for g in accumulated] == [g is None for g in after]
+
+
+def test_optim_step_refuses_a_non_finite_gradient_norm_and_changes_nothing(service):
+    datums = policy_datums(2)
+    client = service.create_lora_training_client(MODEL, rank=4, seed=0)
+    train(client, datums, steps=1, loss="importance_sampling")
+    weights, state = lora_state(client), optimizer_state(client)
+    client.forward_backward(datums, "importance_sampling").result()
+    parameter = client._parameters[0]
+    service._engine.run(lambda: parameter.grad.view(-1)[0].fill_(float("nan")))
+    refused = "optimizer step 2 refused: the gradient norm is nan"
     with pytest.raises(ValidationError, match=refused) as error:
         client.optim_step(ADAM).result()
     assert error.value.code == "validation.non_finite_gradient"
