@@ -46,25 +46,19 @@ def test_stale_rollouts_are_named_mismatch_and_staleness(tmp_path: Path) -> None
     assert any(row["off_policy_steps"] > 0 for row in rows), "the pipeline never filled: setup"
 
 
-def test_a_correction_logs_its_fraction_and_agrees_across_call_paths(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_correction_logs_its_fraction_and_agrees_across_call_paths(tmp_path: Path) -> None:
     """token_mask under token_mean: the local built-in loss (datums with a mask entry) and the
-    PyTRIO path's custom loss give the same rows."""
-    import pytrio
-
+    PyTRIO path's custom loss (`--backend pytrio` runs non-sum reductions client-side; here
+    against a local service) give the same rows."""
     from grpo.backends.local import LocalServiceClient
 
-    def fake_service_client() -> Any:
-        return LocalServiceClient(root=tmp_path / "remote", seed=0)
-
-    monkeypatch.setattr(pytrio, "ServiceClient", fake_service_client)
+    remote_service = LocalServiceClient(root=tmp_path / "remote", seed=0)
     flags = dict(
         mismatch_correction="token_mask", mismatch_mask_low=0.999, mismatch_mask_high=1.001,
         temperature=1.3, reduction="token_mean", loss_fn="ppo",
     )
     local = _rows(tmp_path, "local", **flags)
-    remote = _rows(tmp_path, "pytrio", backend="pytrio", **flags)
+    remote = _rows(tmp_path, "pytrio", remote_service, backend="pytrio", **flags)
     assert local and any(row["mismatch_correction/frac_masked"] > 0 for row in local)
     for local_row, remote_row in zip(local, remote, strict=True):
         assert "time/proximal_forward" in local_row
