@@ -41,7 +41,9 @@ SETTINGS = [
 QUICK_SETTINGS = [("float32", 1.0, 1.0), ("bfloat16", 0.7, 0.9)]
 
 
-def _batch(client: LocalServiceClient, prompts: int, samples: int, temperature: float, top_p: float):
+def _batch(
+    client: LocalServiceClient, prompts: int, samples: int, temperature: float, top_p: float
+):
     trainer = client.create_lora_training_client(base_model=TINY_MODEL_NAME, rank=32, seed=0)
     tokenizer = trainer.get_tokenizer()
     sampler = trainer.save_weights_and_get_sampling_client()
@@ -49,8 +51,12 @@ def _batch(client: LocalServiceClient, prompts: int, samples: int, temperature: 
     sequences = []
     for index, row in enumerate(rows):
         prompt = build_prompt_tokens(tokenizer, row["question"], fewshot=False)
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=temperature, top_p=top_p, seed=index)
-        response = sampler.sample(ModelInput.from_ints(prompt), num_samples=samples, sampling_params=params)
+        params = SamplingParams(
+            max_tokens=NEW_TOKENS, temperature=temperature, top_p=top_p, seed=index
+        )
+        response = sampler.sample(
+            ModelInput.from_ints(prompt), num_samples=samples, sampling_params=params
+        )
         for sequence in response.result().sequences:
             sequences.append(align(prompt, sequence.tokens, sequence.logprobs, 1.0))
     return trainer, pack(sequences)
@@ -74,12 +80,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             datums = batch_to_datums(batch)
             output = trainer.forward(forward_only(datums), loss_fn="cross_entropy").result()
             found = mismatch_metrics(
-                output_logprobs(output.loss_fn_outputs), batch.sampling_logprobs, batch.mask, batch.seq_lens
+                output_logprobs(output.loss_fn_outputs),
+                batch.sampling_logprobs,
+                batch.mask,
+                batch.seq_lens,
             )
             rows.append(
-                [dtype, f"{temperature:g}", f"{top_p:g}", f"{found['kl_k1']:.2e}", f"{found['kl_k3']:.2e}",
-                 f"{found['max_abs_log_ratio']:.3f}", f"{found['frac_off_by_2x']:.2%}",
-                 f"{found['seq_ratio_std']:.3f}"]
+                [
+                    dtype,
+                    f"{temperature:g}",
+                    f"{top_p:g}",
+                    f"{found['kl_k1']:.2e}",
+                    f"{found['kl_k3']:.2e}",
+                    f"{found['max_abs_log_ratio']:.3f}",
+                    f"{found['frac_off_by_2x']:.2%}",
+                    f"{found['seq_ratio_std']:.3f}",
+                ]
             )
             if not timing_rows:
                 repeats = 1 if args.quick else 5
@@ -88,23 +104,42 @@ def main(argv: Sequence[str] | None = None) -> int:
                     repeats=repeats,
                 )
                 backward = measure(
-                    lambda: trainer.forward_backward(datums, loss_fn="importance_sampling").result(),
+                    lambda: trainer.forward_backward(
+                        datums, loss_fn="importance_sampling"
+                    ).result(),
                     repeats=repeats,
                 )
                 timing_rows.append(
-                    [f"{len(datums)} x {batch.num_tokens // len(datums)} positions",
-                     f"{forward.best_ms:.0f} ms", f"{backward.best_ms:.0f} ms",
-                     f"{forward.best_s / backward.best_s:.2f}"]
+                    [
+                        f"{len(datums)} x {batch.num_tokens // len(datums)} positions",
+                        f"{forward.best_ms:.0f} ms",
+                        f"{backward.best_ms:.0f} ms",
+                        f"{forward.best_s / backward.best_s:.2f}",
+                    ]
                 )
             client.close()
     print("\n### Mismatch per sampler setting (trainer: float32, temperature 1)\n")
-    print(markdown_table(
-        ["sampler dtype", "T", "top-p", "kl_k1", "kl_k3", "max abs log ratio", "frac off by 2x",
-         "seq ratio std"],
-        rows,
-    ))
+    print(
+        markdown_table(
+            [
+                "sampler dtype",
+                "T",
+                "top-p",
+                "kl_k1",
+                "kl_k3",
+                "max abs log ratio",
+                "frac off by 2x",
+                "seq ratio std",
+            ],
+            rows,
+        )
+    )
     print("\n### Cost of the proximal forward (one per step under --mismatch-correction)\n")
-    print(markdown_table(["batch", "forward", "forward_backward", "forward / forward_backward"], timing_rows))
+    print(
+        markdown_table(
+            ["batch", "forward", "forward_backward", "forward / forward_backward"], timing_rows
+        )
+    )
     return 0
 
 

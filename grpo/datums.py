@@ -169,13 +169,16 @@ def batch_to_datums(batch: TokenBatch, *, with_mask: bool = False) -> list[Datum
     """
     offsets = np.cumsum(batch.seq_lens)[:-1]
     inputs = np.split(np.asarray(batch.input_tokens, dtype=np.int64), offsets)
+    def split(values: object, dtype: type) -> list[np.ndarray]:
+        return np.split(np.asarray(values, dtype=dtype), offsets)
+
     columns = {
-        "target_tokens": (np.split(np.asarray(batch.target_tokens, dtype=np.int64), offsets), "int64"),
-        "logprobs": (np.split(np.asarray(batch.sampling_logprobs, dtype=np.float32), offsets), "float32"),
-        "advantages": (np.split(np.asarray(batch.advantages, dtype=np.float32), offsets), "float32"),
+        "target_tokens": (split(batch.target_tokens, np.int64), "int64"),
+        "logprobs": (split(batch.sampling_logprobs, np.float32), "float32"),
+        "advantages": (split(batch.advantages, np.float32), "float32"),
     }
     if with_mask:
-        columns["mask"] = (np.split(np.asarray(batch.mask, dtype=np.float32), offsets), "float32")
+        columns["mask"] = (split(batch.mask, np.float32), "float32")
     return [
         Datum.model_construct(
             model_input=_model_input(input_tokens),

@@ -218,7 +218,7 @@ def _sampling_params(config: TrainConfig, step: int) -> Callable[[int], Sampling
 
 
 def sampling_mismatch_note(config: TrainConfig) -> str | None:
-    """The start-up warning when the sampled distribution is not the trainer's (T ≠ 1, top-p < 1)."""
+    """Start-up warning when the sampled distribution is not the trainer's (T ≠ 1, top-p < 1)."""
     if config.temperature == 1.0 and config.top_p == 1.0:
         return None
     return (
@@ -307,7 +307,9 @@ def update(run: Run, state: RunState, batch: TokenBatch, staleness: int = 0) -> 
     return {**averaged, **measured}
 
 
-def mismatch_row(trainer_logprobs_N: np.ndarray, batch: TokenBatch, staleness: int) -> dict[str, float]:
+def mismatch_row(
+    trainer_logprobs_N: np.ndarray, batch: TokenBatch, staleness: int
+) -> dict[str, float]:
     """The mismatch metrics of the trainer's log-probs vs the batch's sampler log-probs.
 
     ``mismatch/*`` when the rollouts are fresh (pure sampler-trainer mismatch);
@@ -315,11 +317,15 @@ def mismatch_row(trainer_logprobs_N: np.ndarray, batch: TokenBatch, staleness: i
     trainer has then moved away from the weights that sampled.
     """
     prefix = "mismatch" if staleness == 0 else "mismatch_and_staleness"
-    found = mismatch_metrics(trainer_logprobs_N, batch.sampling_logprobs, batch.mask, batch.seq_lens)
+    found = mismatch_metrics(
+        trainer_logprobs_N, batch.sampling_logprobs, batch.mask, batch.seq_lens
+    )
     return {f"{prefix}/{key}": value for key, value in found.items()}
 
 
-def correct_for_mismatch(run: Run, batch: TokenBatch, staleness: int) -> tuple[TokenBatch, dict[str, float]]:
+def correct_for_mismatch(
+    run: Run, batch: TokenBatch, staleness: int
+) -> tuple[TokenBatch, dict[str, float]]:
     """Under --mismatch-correction: one forward for lp_prox, the batch corrected, its metrics.
 
     Without a correction, the batch unchanged and no metrics (the first update measures).

@@ -120,7 +120,11 @@ class _Engine:
     """What a service and all its clients share: the worker, loaded models, seeds, root."""
 
     def __init__(
-        self, root: Path, seed: int, kernel_metrics: bool, sampler_dtype: torch.dtype = torch.float32
+        self,
+        root: Path,
+        seed: int,
+        kernel_metrics: bool,
+        sampler_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.root = root
         self.kernel_metrics = kernel_metrics

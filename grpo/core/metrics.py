@@ -109,7 +109,9 @@ def mismatch_metrics(
         )
     lengths = np.asarray(seq_lens_B, dtype=np.int64)
     if int(lengths.sum()) != mask.size:
-        raise ValueError(f"seq_lens sum to {int(lengths.sum())} but there are {mask.size} positions")
+        raise ValueError(
+            f"seq_lens sum to {int(lengths.sum())} but there are {mask.size} positions"
+        )
     if not mask.any():
         return {
             "kl_k1": 0.0, "kl_k3": 0.0, "max_abs_log_ratio": 0.0, "frac_off_by_2x": 0.0,

@@ -111,8 +111,11 @@ class MismatchCorrection:
             raise ValueError(
                 f"mismatch correction {self.mode!r} needs a kernel linear in the advantage "
                 f"({', '.join(CORRECTED_LOSSES[self.level])}), got loss {loss_name!r}"
-                + ("; with gspo use sequence_truncate or sequence_mask" if loss_name == "gspo"
-                   else "")
+                + (
+                    "; with gspo use sequence_truncate or sequence_mask"
+                    if loss_name == "gspo"
+                    else ""
+                )
             )
 
 
@@ -147,7 +150,9 @@ def mismatch_weights(
     )
     if correction.level == "sequence":
         segments = _segment_ids(seq_lens, log_ratio.numel())
-        count_B = torch.zeros(int(segments.max()) + 1 if segments.numel() else 0, dtype=torch.float64)
+        count_B = torch.zeros(
+            int(segments.max()) + 1 if segments.numel() else 0, dtype=torch.float64
+        )
         count_B.index_add_(0, segments, selected.to(torch.float64))
         sum_B = torch.zeros_like(count_B).index_add_(0, segments, log_ratio)
         log_ratio = (sum_B / count_B.clamp(min=1.0))[segments]

@@ -79,7 +79,7 @@ def _clip(value: float, low: float, high: float) -> float:
 
 
 def _objective(name: str, logprob: float, proximal: float, advantage: float) -> tuple[float, float]:
-    """(f, df/dlp) of a token kernel at its default config, decoupled ratio r = exp(lp − lp_prox)."""
+    """(f, df/dlp) of a token kernel at its defaults, decoupled ratio r = exp(lp − lp_prox)."""
     ratio = math.exp(logprob - proximal)
     if name == "importance_sampling":
         return ratio * advantage, ratio * advantage
@@ -164,8 +164,10 @@ def _close(actual: float, expected: float, scale: float) -> bool:
 def _magnitude(batch: PackedLossBatch, proximal: np.ndarray, weights: list[float]) -> float:
     terms = np.where(
         batch.mask,
-        np.exp(np.abs(batch.logprobs - proximal)) * (np.abs(batch.advantages) + 1)
-        * (np.abs(batch.logprobs) + 1) * (np.asarray(weights) + 1),
+        np.exp(np.abs(batch.logprobs - proximal))
+        * (np.abs(batch.advantages) + 1)
+        * (np.abs(batch.logprobs) + 1)
+        * (np.asarray(weights) + 1),
         1.0,
     )
     return float(terms.sum()) + 1.0
@@ -191,7 +193,9 @@ def test_corrected_kernel_matches_the_float64_reference(
     expected_weights = _reference_weights(batch, proximal, correction)
     loss, gradient, weights = _corrected(name, batch, proximal, correction, reduction, fused)
     np.testing.assert_allclose(weights.numpy(), expected_weights, rtol=1e-12, atol=0)
-    expected_loss, expected_gradient = _reference(name, batch, proximal, expected_weights, reduction)
+    expected_loss, expected_gradient = _reference(
+        name, batch, proximal, expected_weights, reduction
+    )
     scale = _magnitude(batch, proximal, expected_weights)
     assert _close(loss, expected_loss, scale), (loss, expected_loss)
     np.testing.assert_allclose(gradient, expected_gradient, rtol=1e-9, atol=1e-9 * scale)
@@ -214,8 +218,13 @@ def test_an_unbounded_cap_without_mismatch_is_the_uncorrected_kernel(
     )
     logprobs, sampling, advantages, mask = batch.tensors(torch.float64)
     plain, _ = losses.LOSSES[name](
-        logprobs, sampling, advantages, mask=mask, seq_lens=batch.seq_lens,
-        reduction=reduction, fused=fused and losses.LOSSES[name].fused_form is not None,
+        logprobs,
+        sampling,
+        advantages,
+        mask=mask,
+        seq_lens=batch.seq_lens,
+        reduction=reduction,
+        fused=fused and losses.LOSSES[name].fused_form is not None,
     )
     plain.backward()
     assert loss == float(plain.detach())
@@ -275,7 +284,9 @@ def test_fractions_count_truncated_and_masked_tokens() -> None:
     proximal = torch.tensor([0.0, math.log(3.0), math.log(0.25), 5.0], dtype=torch.float64)
     sampling = torch.zeros(4, dtype=torch.float64)
     mask = torch.tensor([True, True, True, False])
-    _, truncated = mismatch_weights(proximal, sampling, mask, [4], MismatchCorrection("token_truncate"))
+    _, truncated = mismatch_weights(
+        proximal, sampling, mask, [4], MismatchCorrection("token_truncate")
+    )
     assert truncated["frac_truncated"] == pytest.approx(1 / 3)
     _, masked = mismatch_weights(proximal, sampling, mask, [4], MismatchCorrection("token_mask"))
     assert masked["frac_masked"] == pytest.approx(2 / 3)
@@ -318,7 +329,10 @@ def test_recompute_trains_the_kernel_on_the_proximal_log_probs_unweighted(
     assert weights.tolist() == np.where(batch.mask, 1.0, 0.0).tolist()
     logprobs, _, advantages, mask = batch.tensors(torch.float64)
     plain, _ = losses.LOSSES[name](
-        logprobs, torch.where(mask, torch.from_numpy(proximal), 0.0), advantages, mask=mask,
+        logprobs,
+        torch.where(mask, torch.from_numpy(proximal), 0.0),
+        advantages,
+        mask=mask,
         seq_lens=batch.seq_lens,
     )
     plain.backward()
@@ -340,8 +354,10 @@ def test_bad_corrections_are_refused(kwargs: dict, message: str) -> None:
         MismatchCorrection(**kwargs)
 
 
-@pytest.mark.parametrize(("mode", "loss"), [("token_truncate", "dro"), ("token_mask", "gspo"),
-                                            ("sequence_mask", "cross_entropy")])
+@pytest.mark.parametrize(
+    ("mode", "loss"),
+    [("token_truncate", "dro"), ("token_mask", "gspo"), ("sequence_mask", "cross_entropy")],
+)
 def test_corrections_refuse_kernels_not_linear_in_the_advantage(mode: str, loss: str) -> None:
     with pytest.raises(ValueError, match="linear in the advantage"):
         MismatchCorrection(mode).check_loss(loss)
@@ -387,4 +403,3 @@ def test_no_mismatch_measures_zero(batch: PackedLossBatch) -> None:
 def test_mismatch_metrics_refuse_mismatched_lengths() -> None:
     with pytest.raises(ValueError, match="log-prob pairs"):
         mismatch_metrics(np.zeros(3), np.zeros(3), np.ones(4, dtype=bool), [4])
-
