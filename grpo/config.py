@@ -379,6 +379,9 @@ class TrainConfig:
     )
     swanlab_mode: str = _flag("disabled", "SwanLab logging mode", choices=lambda: SWANLAB_MODES)
     swanlab_project: str = _flag("grpo", "SwanLab project name", _not_empty)
+    connect_timeout: float = _flag(
+        30.0, "seconds to wait for the PyTRIO service to answer before giving up", _positive
+    )
     max_retries: int = _flag(
         3,
         "retries of a failed sampling/training call before the run stops with a checkpoint",

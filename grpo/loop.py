@@ -38,7 +38,12 @@ import numpy as np
 from pytrio.types import AdamParams, SamplingParams
 
 from grpo import run_dir as rundir
-from grpo.backends.pytrio import call_with_retries, make_service_client
+from grpo.backends.pytrio import (
+    CapabilityError,
+    call_with_retries,
+    check_capabilities,
+    make_service_client,
+)
 from grpo.config import ConfigError, TrainConfig, resolve_run, to_dict
 from grpo.core.advantages import kl_shaped_advantages
 from grpo.core.alignment import minibatches, pack_groups
@@ -498,7 +503,11 @@ def _train_in(
     if warning is not None and config.mismatch.mode != "recompute":
         note(warning)
     service = service_client or make_service_client(
-        config.backend, local_root=str(run_dir / rundir.BACKEND_DIR), seed=config.seed,
+        config.backend,
+        local_root=str(run_dir / rundir.BACKEND_DIR),
+        seed=config.seed,
+        connect_timeout_s=config.connect_timeout,
+        concurrency=config.concurrency,
         sampler_dtype=config.sampler_dtype,
     )
     if checkpoint is not None:
@@ -515,6 +524,14 @@ def _train_in(
         )
         for split, rows in (("train", train_rows), ("test", test_rows))
     }
+    if hasattr(service, "get_server_capabilities"):  # test doubles may not have it
+        longest_prompt = max(
+            (len(problem.prompt_tokens) for split in problems.values() for problem in split), default=0
+        )
+        try:
+            check_capabilities(service, config.base_model, longest_prompt, config.max_tokens)
+        except CapabilityError as error:
+            raise ConfigError(str(error)) from None
     # Every check has passed: only now does the directory become (or continue as) a run.
     dropped = rundir.prepare_metrics_for_resume(run_dir, checkpoint.step if checkpoint else None)
     if dropped:

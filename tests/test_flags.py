@@ -85,6 +85,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "swanlab_mode": st.sampled_from(SWANLAB_MODES),
     "swanlab_project": TEXT,
     "max_retries": st.integers(0, 10),
+    "connect_timeout": _floats(0.1, 300.0),
 }
 
 
