@@ -27,9 +27,11 @@ if TYPE_CHECKING:
     from grpo.core.loss_spec import LossSpec
     from grpo.prompts import PromptTemplate
     from grpo.rewards import RewardFn
+    from grpo.core.mismatch import MismatchCorrection
 
 BACKENDS = ("local", "pytrio")
 SWANLAB_MODES = ("online", "offline", "disabled")
+SAMPLER_DTYPES = ("float32", "bfloat16")
 # PyTRIO's `create_lora_training_client` accepts ranks 4..64 (pytrio/client/service.py);
 # the local backend enforces the same range.
 LORA_RANKS = range(4, 65)
@@ -269,6 +271,12 @@ def _reductions() -> Iterable[str]:
     return REDUCTIONS
 
 
+def _mismatch_corrections() -> Iterable[str]:
+    from grpo.core.mismatch import MISMATCH_CORRECTIONS
+
+    return MISMATCH_CORRECTIONS
+
+
 def _kl_estimators() -> Iterable[str]:
     from grpo.core.losses import KL_ESTIMATORS
 
@@ -405,6 +413,21 @@ class TrainConfig:
     )
     cispo_clip_low_threshold: float = _flag(0.0, "CISPO lower ratio bound (the article's flag)")
     cispo_clip_high_threshold: float = _flag(4.0, "CISPO upper ratio bound (the article's flag)")
+    mismatch_correction: str = _flag(
+        "none",
+        "sampler-trainer mismatch correction: token_truncate (truncated IS), token_mask "
+        "(masked IS), sequence_truncate, sequence_mask (docs/FORMULAS.md); costs one forward",
+        choices=_mismatch_corrections,
+    )
+    mismatch_cap: float = _flag(2.0, "truncated-IS cap C on the mismatch ratio (>= 1)")
+    mismatch_mask_low: float = _flag(0.5, "masked IS: lowest mismatch ratio kept (<= 1)")
+    mismatch_mask_high: float = _flag(2.0, "masked IS: highest mismatch ratio kept (>= 1)")
+    sampler_dtype: str = _flag(
+        "float32",
+        "local backend: precision the sampler runs in (bfloat16 reproduces a real service's "
+        "sampler-trainer mismatch; training stays float32)",
+        choices=lambda: SAMPLER_DTYPES,
+    )
     kl_coef: float = _flag(
         0.0, "KL-to-base-model penalty folded into token advantages (0 = off)", _at_least(0)
     )
@@ -482,6 +505,12 @@ class TrainConfig:
         _ = self.loss_spec  # builds (and checks) the loss once, at construction
         _ = self.reward_fns  # imports and checks every --reward once, at construction
         _ = self.prompt_template  # reads and checks --fewshot-file
+        _ = self.mismatch  # checks the correction against the loss
+        if self.sampler_dtype != "float32" and self.backend != "local":
+            raise ConfigError(
+                f"--sampler-dtype {self.sampler_dtype} needs --backend local (a service's "
+                "sampler precision is the service's); drop the flag or use --backend local"
+            )
 
     @cached_property
     def reward_fns(self) -> tuple["RewardFn", ...]:
@@ -513,6 +542,25 @@ class TrainConfig:
         if self.overlong_buffer is not None:
             return self.overlong_buffer
         return max(1, self.max_tokens // 4)
+
+    @cached_property
+    def mismatch(self) -> "MismatchCorrection":
+        """The validated --mismatch-correction with its cap and mask bounds."""
+        from grpo.core.mismatch import MismatchCorrection
+
+        try:
+            correction = MismatchCorrection(
+                self.mismatch_correction,
+                cap=self.mismatch_cap,
+                low=self.mismatch_mask_low,
+                high=self.mismatch_mask_high,
+            )
+            correction.check_loss(self.loss_fn)
+        except ValueError as error:
+            raise ConfigError(
+                f"--mismatch-correction / --mismatch-cap / --mismatch-mask-*: {error}"
+            ) from None
+        return correction
 
     @cached_property
     def loss_spec(self) -> "LossSpec":

@@ -161,25 +161,32 @@ def _model_input(tokens: np.ndarray) -> ModelInput:
     return ModelInput.model_construct(chunks=[chunk])
 
 
-def batch_to_datums(batch: TokenBatch) -> list[Datum]:
-    """One policy-loss Datum per packed sequence: input tokens plus target/logprobs/advantages."""
+def batch_to_datums(batch: TokenBatch, *, with_mask: bool = False) -> list[Datum]:
+    """One policy-loss Datum per packed sequence: input tokens plus target/logprobs/advantages.
+
+    ``with_mask`` adds the batch's mask as a ``mask`` entry, so a masked-in token whose
+    advantage is 0 still trains (counts in a mean's denominator; docs/FORMULAS.md).
+    """
     offsets = np.cumsum(batch.seq_lens)[:-1]
     inputs = np.split(np.asarray(batch.input_tokens, dtype=np.int64), offsets)
-    targets = np.split(np.asarray(batch.target_tokens, dtype=np.int64), offsets)
-    logprobs = np.split(np.asarray(batch.sampling_logprobs, dtype=np.float32), offsets)
-    advantages = np.split(np.asarray(batch.advantages, dtype=np.float32), offsets)
+    def split(values: object, dtype: type) -> list[np.ndarray]:
+        return np.split(np.asarray(values, dtype=dtype), offsets)
+
+    columns = {
+        "target_tokens": (split(batch.target_tokens, np.int64), "int64"),
+        "logprobs": (split(batch.sampling_logprobs, np.float32), "float32"),
+        "advantages": (split(batch.advantages, np.float32), "float32"),
+    }
+    if with_mask:
+        columns["mask"] = (split(batch.mask, np.float32), "float32")
     return [
         Datum.model_construct(
             model_input=_model_input(input_tokens),
             loss_fn_inputs={
-                "target_tokens": _tensor(target_tokens, "int64"),
-                "logprobs": _tensor(sampling_logprobs, "float32"),
-                "advantages": _tensor(token_advantages, "float32"),
+                key: _tensor(parts[index], dtype) for key, (parts, dtype) in columns.items()
             },
         )
-        for input_tokens, target_tokens, sampling_logprobs, token_advantages in zip(
-            inputs, targets, logprobs, advantages, strict=True
-        )
+        for index, input_tokens in enumerate(inputs)
     ]
 
 

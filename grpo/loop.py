@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -41,7 +42,8 @@ from grpo.backends.pytrio import call_with_retries, make_service_client
 from grpo.config import ConfigError, TrainConfig, resolve_run, to_dict
 from grpo.core.advantages import kl_shaped_advantages
 from grpo.core.alignment import mask_sequences, minibatches, pack_groups, truncated_sequences
-from grpo.core.metrics import batch_metrics, rollout_metrics, update_metrics
+from grpo.core.metrics import batch_metrics, mismatch_metrics, rollout_metrics, update_metrics
+from grpo.core.mismatch import correct_batch
 from grpo.core.records import TokenBatch
 from grpo.core.usage import (
     Prices,
@@ -211,7 +213,7 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
             batch, metrics["kl"] = shape_with_kl(batch, ref_logprobs_N, config)
             state.usage += reference_usage(trainable_P)
         metrics.update(batch_metrics(batch))
-        metrics.update(update(run, state, batch))  # 9: minibatches x epochs of updates
+        metrics.update(update(run, state, batch, staleness))  # 9: minibatches x epochs of updates
         state.version += 1
     else:
         metrics.update(batch_metrics(batch))
@@ -282,6 +284,19 @@ def sampling_metrics(rollouts: StepRollouts, trainable_P: list[Any]) -> dict[str
     }
 
 
+def sampling_mismatch_note(config: TrainConfig) -> str | None:
+    """Start-up warning when the sampled distribution is not the trainer's (T ≠ 1, top-p < 1)."""
+    if config.temperature == 1.0 and config.top_p == 1.0:
+        return None
+    return (
+        f"sampling at temperature {config.temperature:g}, top-p {config.top_p:g}: the local "
+        "sampler's log-probs are those of that tempered, filtered distribution, the trainer's "
+        "of the temperature-1 softmax, so the importance ratio starts away from 1 (logged as "
+        "mismatch/kl_k3); --mismatch-correction recompute trains against the trainer's own "
+        "log-probs instead, token_truncate / token_mask bound the weight (docs/FORMULAS.md)"
+    )
+
+
 def current_sampler(run: Run, state: RunState) -> Any:
     """A sampling client on the current weights, refreshed once per update."""
     if state.sampler_version != state.version:
@@ -311,19 +326,25 @@ def shape_with_kl(batch: TokenBatch, ref_logprobs_N: np.ndarray, config: TrainCo
     return attrs.evolve(batch, advantages=shaped), kl_mean
 
 
-def update(run: Run, state: RunState, batch: TokenBatch) -> dict[str, float]:
+def update(run: Run, state: RunState, batch: TokenBatch, staleness: int = 0) -> dict[str, float]:
     """Epochs x minibatches of forward_backward + optim_step; metrics averaged over them.
 
     ``ratio/max_abs_log`` is the maximum over the updates. Each update's loss is checked
-    finite before its optimizer step, so non-finite numbers never reach the weights.
+    finite before its optimizer step, so non-finite numbers never reach the weights. The
+    mismatch metrics come from the trainer's log-probs before the step's first update (the
+    first minibatch's, or the proximal forward's when a correction is on).
     """
     config, client, spec = run.config, run.training_client, run.config.loss_spec
     loss_fn_config = spec.to_loss_fn_config()
     collected: list[dict[str, float]] = []
+    batch, measured = correct_for_mismatch(run, batch, staleness)
+    if config.mismatch.enabled:  # the proximal forward: once a step, every position
+        state.usage += TokenUsage(forward_tokens=batch.num_tokens)
+    with_mask = config.mismatch.enabled and spec.reduction != "sum"
     parts = minibatches(batch, config.num_substeps)
     for _epoch in range(config.epochs):
         for minibatch in parts:
-            datums = batch_to_datums(minibatch)
+            datums = batch_to_datums(minibatch, with_mask=with_mask)
             if config.runs_custom_loss:
                 loss_fn = as_custom_loss(spec, datums)
 
@@ -335,7 +356,9 @@ def update(run: Run, state: RunState, batch: TokenBatch) -> dict[str, float]:
                     return client.forward_backward(datums, loss_fn=spec.name, loss_fn_config=loss_fn_config)
 
             output = _retry(run, lambda: submit().result(), "forward_backward")
-            metrics = update_metrics(spec, output_logprobs(output.loss_fn_outputs), minibatch)
+            logprobs_N = output_logprobs(output.loss_fn_outputs)
+            metrics = update_metrics(spec, logprobs_N, minibatch)
+            measured = measured or mismatch_row(logprobs_N, minibatch, staleness)
             if not math.isfinite(metrics["loss"]):
                 state.weights_dirty = True  # the weights that gave this loss are not checkpointed
                 raise NonFiniteUpdate(
@@ -351,7 +374,55 @@ def update(run: Run, state: RunState, batch: TokenBatch) -> dict[str, float]:
     averaged = {key: float(np.mean([m[key] for m in collected])) for key in collected[0]}
     averaged["ratio/max_abs_log"] = max(m["ratio/max_abs_log"] for m in collected)
     averaged["optim_steps"] = float(len(collected))
-    return averaged
+    return {**averaged, **measured}
+
+
+def mismatch_row(
+    trainer_logprobs_N: np.ndarray, batch: TokenBatch, staleness: int
+) -> dict[str, float]:
+    """The mismatch metrics of the trainer's log-probs vs the batch's sampler log-probs.
+
+    ``mismatch/*`` when the rollouts are fresh (pure sampler-trainer mismatch);
+    ``mismatch_and_staleness/*`` when they are ``staleness`` > 0 updates old, since the
+    trainer has then moved away from the weights that sampled.
+    """
+    prefix = "mismatch" if staleness == 0 else "mismatch_and_staleness"
+    found = mismatch_metrics(
+        trainer_logprobs_N, batch.sampling_logprobs, batch.mask, batch.seq_lens
+    )
+    return {f"{prefix}/{key}": value for key, value in found.items()}
+
+
+def correct_for_mismatch(
+    run: Run, batch: TokenBatch, staleness: int
+) -> tuple[TokenBatch, dict[str, float]]:
+    """Under --mismatch-correction: one forward for lp_prox, the batch corrected, its metrics.
+
+    Without a correction, the batch unchanged and no metrics (the first update measures).
+    """
+    correction = run.config.mismatch
+    if not correction.enabled:
+        return batch, {}
+    start = time.perf_counter()
+    output = _retry(
+        run,
+        lambda: run.training_client.forward(
+            forward_only(batch_to_datums(batch)), loss_fn="cross_entropy"
+        ).result(),
+        "forward (proximal log-probs)",
+    )
+    proximal_N = output_logprobs(output.loss_fn_outputs)
+    if not np.isfinite(proximal_N[np.asarray(batch.mask, dtype=bool)]).all():
+        raise NonFiniteUpdate(
+            "the trainer's log-probs at the step's start are not finite (diverged weights?); "
+            "lower --learning-rate"
+        )
+    corrected, found = correct_batch(batch, proximal_N, correction)
+    return corrected, {
+        **mismatch_row(proximal_N, batch, staleness),
+        **{f"mismatch_correction/{key}": value for key, value in found.items()},
+        "time/proximal_forward": time.perf_counter() - start,
+    }
 
 
 def _extra_forward(config: TrainConfig) -> bool:
@@ -488,6 +559,7 @@ def _make_service(config: TrainConfig, run_dir: Path) -> Any:
         seed=config.seed,
         connect_timeout_s=config.connect_timeout,
         concurrency=config.concurrency,
+        sampler_dtype=config.sampler_dtype,
     )
 
 
@@ -538,6 +610,9 @@ def _train_in(
     def note(message: str) -> None:
         echo(f"[grpo] {message}")
 
+    warning = sampling_mismatch_note(config)
+    if warning is not None and config.mismatch.mode != "recompute":
+        note(warning)
     if checkpoint is not None:
         training_client = _load_checkpoint(service, run_dir, checkpoint)
     else:
@@ -620,7 +695,9 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
                     save_checkpoint(run, state, f"step-{done:06d}")
             save_checkpoint(run, state, "final")
             sampler_path = _retry(
-                run, lambda: run.training_client.save_weights_for_sampler(str(config.run_name)).result(),
+                run, lambda: run.training_client.save_weights_for_sampler(
+                    sampler_weights_name(str(config.run_name))
+                ).result(),
                 "save_weights_for_sampler",
             ).path
     except KeyboardInterrupt:
@@ -672,6 +749,15 @@ def usage_summary(usage: TokenUsage, prices: Prices | None) -> dict[str, Any]:
             "per_million": prices.per_kind(),
         }
     return summary
+
+
+def sampler_weights_name(run_name: str) -> str:
+    """The run name as a checkpoint name PyTRIO accepts: [A-Za-z0-9._-], alphanumeric ends.
+
+    A sweep's run names hold '=' and ',' (``mismatch_correction=none-seed0``); they become '_'.
+    """
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", run_name).strip("._-")
+    return name or "final"
 
 
 def _stop_with_checkpoint(run: Run, state: RunState) -> None:

@@ -113,6 +113,7 @@ def plan_usage(pre: Preflight, start_step: int = 0) -> TokenUsage:
         num_checkpoints=count_checkpoints(config, pre.steps, start_step),
         with_reference=config.kl_coef > 0,
         extra_forward=config.runs_custom_loss and config.backend == "pytrio",
+        proximal_forward=config.mismatch.enabled,
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import datums, local, loop, losses, serve
+from benchmarks import datums, local, loop, losses, mismatch, serve
 
 
 @pytest.mark.parametrize(
@@ -27,9 +27,10 @@ from benchmarks import datums, local, loop, losses, serve
         (datums, ["| pack_groups + batch_to_datums (loop) |", "checked equal"]),
         (loop, ["| sequential (concurrency=1) |", "| concurrent + max_steps_off_policy=1 |"]),
         (local, ["| 1 thread | 16 x 32"]),
+        (mismatch, ["| float32 | 1 | 1 |", "| bfloat16 | 0.7 | 0.9 |", "forward / forward_backward"]),
         (serve, ["| forward_backward_custom (8 datums) |", "| default config, 2 steps |"]),
     ],
-    ids=["losses", "datums", "loop", "local", "serve"],
+    ids=["losses", "datums", "loop", "local", "mismatch", "serve"],
 )
 def test_quick_benchmark_completes_and_prints_its_table(
     benchmark: object, expected: list[str], capsys: pytest.CaptureFixture[str]

@@ -10,9 +10,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from grpo.cli import build_parser
-from grpo.config import BACKENDS, FIELDS, SWANLAB_MODES, ConfigError, TrainConfig, to_dict
+from grpo.config import (
+    BACKENDS, FIELDS, SAMPLER_DTYPES, SWANLAB_MODES, ConfigError, TrainConfig, to_dict,
+)
 from grpo.core.advantages import ADVANTAGES
 from grpo.core.losses import KL_ESTIMATORS, LOSSES, REDUCTIONS
+from grpo.core.mismatch import MISMATCH_CORRECTIONS
 from grpo.flags import checked_overrides, config_from_args, load_toml, train_argv
 
 TEXT = st.text(
@@ -58,6 +61,11 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "reduction": st.sampled_from(REDUCTIONS),
     "cispo_clip_low_threshold": _floats(0.0, 1.0),
     "cispo_clip_high_threshold": _floats(1.0, 10.0),
+    "mismatch_correction": st.sampled_from(MISMATCH_CORRECTIONS),
+    "mismatch_cap": _floats(1.0, 10.0),
+    "mismatch_mask_low": _floats(0.0, 1.0),
+    "mismatch_mask_high": _floats(1.0, 10.0),
+    "sampler_dtype": st.sampled_from(SAMPLER_DTYPES),
     "kl_coef": _floats(0.0, 1.0),
     "kl_estimator": st.sampled_from(sorted(KL_ESTIMATORS)),
     "num_substeps": st.integers(1, 64),

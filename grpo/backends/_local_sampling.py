@@ -600,13 +600,16 @@ def sample_batch(
     pending: Sequence[PendingSample],
     *,
     stopping: threading.Event,
+    dtype: torch.dtype = torch.float32,
 ) -> list[SampleResponse]:
     """Run every pending request in one prefill + one KV-cached decode loop.
 
     Raises RuntimeError between decode steps once `stopping` is set (the service stops).
+    ``dtype`` bfloat16 runs the model's matmuls in bfloat16 (CPU autocast), float32 as is.
     """
     specs = [item.spec for item in pending]
-    with torch.no_grad(), host.sampling_weights(weights):
+    reduced = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+    with torch.no_grad(), host.sampling_weights(weights), reduced:
         model = _Model(host)
         prefill = _prefill(model, specs)
         rows = _decode(model, host, specs, prefill, stopping)

@@ -107,6 +107,9 @@ _DEFAULT_SAMPLING_PARAMS = SamplingParams()
 CustomLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
 
 
+SAMPLER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def default_root() -> Path:
     """Where checkpoints go without `root`: $XDG_CACHE_HOME/grpo/local (~/.cache/grpo/local)."""
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -116,9 +119,16 @@ def default_root() -> Path:
 class _Engine:
     """What a service and all its clients share: the worker, loaded models, seeds, root."""
 
-    def __init__(self, root: Path, seed: int, kernel_metrics: bool) -> None:
+    def __init__(
+        self,
+        root: Path,
+        seed: int,
+        kernel_metrics: bool,
+        sampler_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.root = root
         self.kernel_metrics = kernel_metrics
+        self.sampler_dtype = sampler_dtype
         self.worker = Worker(name=f"grpo-local-{uuid.uuid4().hex[:6]}")
         self._rng = np.random.default_rng(seed)
         self._rng_lock = threading.Lock()
@@ -150,6 +160,10 @@ class LocalServiceClient:
         root: directory for checkpoints (default: `default_root()`).
         seed: seeds LoRA initialisation and sampling when a call gives no seed.
         kernel_metrics: also report the loss kernel's metrics from forward/forward_backward.
+        sampler_dtype: ``"float32"`` (default: the sampler's log-probs are the trainer's) or
+            ``"bfloat16"``: sampling runs its matmuls in bfloat16 (CPU autocast) while
+            training stays float32, the usual source of a real service's sampler-trainer
+            mismatch, reproduced offline (docs/FORMULAS.md, "Sampler–trainer mismatch").
     """
 
     def __init__(
@@ -159,10 +173,15 @@ class LocalServiceClient:
         root: str | Path | None = None,
         seed: int = 0,
         kernel_metrics: bool = False,
+        sampler_dtype: str = "float32",
     ) -> None:
         del api_key
+        if sampler_dtype not in SAMPLER_DTYPES:
+            raise ValueError(
+                f"sampler_dtype must be one of {', '.join(SAMPLER_DTYPES)}, got {sampler_dtype!r}"
+            )
         root_path = Path(root) if root is not None else default_root()
-        self._engine = _Engine(root_path, seed, kernel_metrics)
+        self._engine = _Engine(root_path, seed, kernel_metrics, SAMPLER_DTYPES[sampler_dtype])
 
     def close(self) -> None:
         """Stop the worker thread once queued work is done (clients stop working)."""
@@ -889,7 +908,9 @@ class LocalSamplingClient:
         self._weights = weights
         self.model_id = host.model_id
         self.sampling_run_cuid = f"sampler-{uuid.uuid4().hex[:12]}"
-        self._run = functools.partial(sample_batch, host, weights, stopping=engine.worker.stopping)
+        self._run = functools.partial(
+            sample_batch, host, weights, stopping=engine.worker.stopping, dtype=engine.sampler_dtype
+        )
 
     def sample(
         self,

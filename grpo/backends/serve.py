@@ -224,13 +224,14 @@ def start_server(
     seed: int = 0,
     log_requests: bool = False,
     aliases: dict[str, str] | None = None,
+    sampler_dtype: str = "float32",
 ) -> tuple[_Server, LocalServiceClient]:
     """A bound, not yet serving server on a local backend under `root`; port 0 = any free port."""
     server = _Server(
         (host, port), api_key=api_key, faults=faults or FaultPlan(), log_requests=log_requests
     )
     root_path = Path(root) if root is not None else default_root()
-    local = LocalServiceClient(root=root_path, seed=seed)
+    local = LocalServiceClient(root=root_path, seed=seed, sampler_dtype=sampler_dtype)
     bound_host, bound_port = server.server_address[:2]
     base = f"http://{bound_host}:{bound_port}"
     try:
@@ -254,13 +255,16 @@ def serve_in_thread(
     port: int = 0,
     seed: int = 0,
     aliases: dict[str, str] | None = None,
+    sampler_dtype: str = "float32",
 ) -> ServeHandle:
     """Serve on a daemon thread (for tests and notebooks); close the handle to stop.
 
-    `aliases` maps model names a program asks for to served models (``--model-alias``).
+    `aliases` maps model names a program asks for to served models (``--model-alias``);
+    `sampler_dtype` "bfloat16" samples in reduced precision (a sampler-trainer mismatch).
     """
     server, local = start_server(
-        root=root, api_key=api_key, faults=faults, host=host, port=port, seed=seed, aliases=aliases
+        root=root, api_key=api_key, faults=faults, host=host, port=port, seed=seed,
+        aliases=aliases, sampler_dtype=sampler_dtype,
     )
     thread = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="grpo-serve", daemon=True
@@ -339,6 +343,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "for NAME (e.g. Qwen/Qwen3.5-4B) runs unchanged; repeatable",
     )
     parser.add_argument("--fault-seed", type=int, default=0, help="seed of p=... faults")
+    parser.add_argument(
+        "--sampler-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="sample in this precision while training stays float32 (bfloat16 reproduces a "
+        "real service's sampler-trainer mismatch; default float32)",
+    )
     parser.add_argument("--log-requests", action="store_true", help="log every request to stderr")
 
 
@@ -372,6 +383,7 @@ def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) 
             seed=args.seed,
             log_requests=args.log_requests,
             aliases=aliases,
+            sampler_dtype=args.sampler_dtype,
         )
     except ValueError as error:
         echo(f"grpo serve: {error}")

@@ -4,6 +4,8 @@
 - `batch_metrics`: what a packed batch trains (datums, tokens, train tokens).
 - `update_metrics`: the loss kernel's metrics and the ratio statistics of one update,
   recomputed from the log-probs the trainer returned (docs/FORMULAS.md, "Ratio statistics").
+- `mismatch_metrics`: the sampler–trainer mismatch of a batch from the trainer's and the
+  sampler's log-probs of the same tokens (docs/FORMULAS.md, "Sampler–trainer mismatch").
 - `pass_at_k`: the unbiased pass@k estimator (docs/FORMULAS.md, "pass@k").
 The shell logs them; prefixes other than `rollout/` are the shell's choice.
 """
@@ -20,7 +22,10 @@ import torch
 from grpo.core.loss_spec import LossSpec
 from grpo.core.records import ScoredGroup, TokenBatch
 
-__all__ = ["batch_metrics", "pass_at_k", "rollout_metrics", "update_metrics"]
+__all__ = ["batch_metrics", "mismatch_metrics", "pass_at_k", "rollout_metrics", "update_metrics"]
+
+# A token is "off by 2x" when its mismatch ratio leaves [1/2, 2]: |δ| > log 2.
+OFF_BY_2X_LOG = math.log(2.0)
 
 
 def rollout_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
@@ -78,6 +83,54 @@ def update_metrics(spec: LossSpec, logprobs_N: npt.ArrayLike, batch: TokenBatch)
     metrics["ratio/max_abs_log"] = float(log_ratio.abs().max()) if log_ratio.numel() else 0.0
     metrics["ratio/mean"] = float(log_ratio.exp().mean()) if log_ratio.numel() else 1.0
     return metrics
+
+
+def mismatch_metrics(
+    trainer_logprobs_N: npt.ArrayLike,
+    sampler_logprobs_N: npt.ArrayLike,
+    mask_N: npt.ArrayLike,
+    seq_lens_B: Sequence[int] | npt.ArrayLike,
+) -> dict[str, float]:
+    """KL(sampler ‖ trainer) estimates and ratio spread, from δ = lp_s − lp_trainer.
+
+    Over masked-in tokens, in float64: ``kl_k1`` = mean δ, ``kl_k3`` = mean(exp(−δ) + δ − 1),
+    ``max_abs_log_ratio`` = max |δ|, ``frac_off_by_2x`` = share with ρ = exp(−δ) outside
+    [1/2, 2]; over sequences with masked-in tokens, ρ_i = exp(mean_{t∈i} −δ):
+    ``seq_ratio_std`` (ddof 0), ``seq_ratio_min``, ``seq_ratio_max``. No token: 0s and ratio 1.
+    """
+    mask = np.asarray(mask_N, dtype=bool)
+    delta = np.asarray(sampler_logprobs_N, dtype=np.float64) - np.asarray(
+        trainer_logprobs_N, dtype=np.float64
+    )
+    if delta.shape != mask.shape:
+        raise ValueError(
+            f"mismatch_metrics got {delta.shape[0]} log-prob pairs for {mask.shape[0]} mask "
+            "entries; pass the trainer's and the sampler's log-prob of every target position"
+        )
+    lengths = np.asarray(seq_lens_B, dtype=np.int64)
+    if int(lengths.sum()) != mask.size:
+        raise ValueError(
+            f"seq_lens sum to {int(lengths.sum())} but there are {mask.size} positions"
+        )
+    if not mask.any():
+        return {
+            "kl_k1": 0.0, "kl_k3": 0.0, "max_abs_log_ratio": 0.0, "frac_off_by_2x": 0.0,
+            "seq_ratio_std": 0.0, "seq_ratio_min": 1.0, "seq_ratio_max": 1.0,
+        }
+    selected = delta[mask]
+    segments = np.repeat(np.arange(lengths.size), lengths)[mask]
+    counts = np.bincount(segments, minlength=lengths.size)
+    sums = np.bincount(segments, weights=-selected, minlength=lengths.size)
+    seq_ratio = np.exp(sums[counts > 0] / counts[counts > 0])
+    return {
+        "kl_k1": float(selected.mean()),
+        "kl_k3": float((np.expm1(-selected) + selected).mean()),
+        "max_abs_log_ratio": float(np.abs(selected).max()),
+        "frac_off_by_2x": float((np.abs(selected) > OFF_BY_2X_LOG).mean()),
+        "seq_ratio_std": float(seq_ratio.std()),
+        "seq_ratio_min": float(seq_ratio.min()),
+        "seq_ratio_max": float(seq_ratio.max()),
+    }
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:

@@ -159,6 +159,7 @@ def planned_usage(
     num_checkpoints: int,
     with_reference: bool,
     extra_forward: bool,
+    proximal_forward: bool = False,
 ) -> TokenUsage:
     """An upper bound on a run's usage, exact in the prompts it sends for sampling.
 
@@ -167,7 +168,8 @@ def planned_usage(
     prompts p_b: prompts Σ p_b (one request per prompt), completions ≤ B·G·max_tokens,
     trained ≤ epochs·G·Σ (p_b + max_tokens − 1), reference log-probs ≤ G·Σ (p_b + max_tokens);
     each evaluation sends its prompts once and samples ≤ max_tokens per problem; each
-    checkpoint check forwards at most one step's batch.
+    checkpoint check forwards at most one step's batch; with proximal_forward (a mismatch
+    correction) every step forwards its batch once more.
     """
     total = TokenUsage()
     largest_batch = 0
@@ -179,7 +181,8 @@ def planned_usage(
             + (group_size * sum(p + max_tokens for p in prompt_lens) if with_reference else 0),
             completion_tokens=len(prompt_lens) * group_size * max_tokens,
             trained_tokens=epochs * positions,
-            forward_tokens=epochs * positions if extra_forward else 0,
+            forward_tokens=(epochs * positions if extra_forward else 0)
+            + (positions if proximal_forward else 0),
         )
     evaluation = TokenUsage(
         prompt_tokens=sum(eval_prompt_lens), completion_tokens=len(eval_prompt_lens) * max_tokens

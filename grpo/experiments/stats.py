@@ -112,6 +112,10 @@ class RunStats:
     cost: float | None = None
     """Its cost in `currency`, from the prices the user gave the run (None without prices)."""
     currency: str | None = None
+    mismatch_max_abs_log: float | None = None
+    """max over steps of `mismatch/max_abs_log_ratio` (fresh rollouts, before any update)."""
+    mismatch_kl: float | None = None
+    """mean over steps of `mismatch/kl_k3`."""
 
     @property
     def max_ratio_deviation(self) -> float | None:
@@ -150,6 +154,10 @@ def run_stats(run: RunData, *, label: str, seed: int, last_steps: int) -> RunSta
         ratio_min=_series_reduce(run, loss_key("ratio_min"), lambda values: values.min()),
         ratio_max=_series_reduce(run, loss_key("ratio_max"), lambda values: values.max()),
         **run_usage(run),
+        mismatch_max_abs_log=_series_reduce(
+            run, "mismatch/max_abs_log_ratio", lambda values: values.max()
+        ),
+        mismatch_kl=_series_reduce(run, "mismatch/kl_k3", lambda values: values.mean()),
     )
 
 
@@ -218,6 +226,10 @@ class ConfigSummary:
     cost: float | None = None
     """Its cost in `currency`, from the prices the user gave the run (None without prices)."""
     currency: str | None = None
+    mismatch_max_abs_log: float | None = None
+    """max over steps of `mismatch/max_abs_log_ratio` (fresh rollouts, before any update)."""
+    mismatch_kl: float | None = None
+    """mean over steps of `mismatch/kl_k3`."""
 
     @property
     def finished(self) -> int:
@@ -270,15 +282,33 @@ def on_policy_warning(stats: Sequence[RunStats]) -> str | None:
     )
     if not (ratio_is_one or never_clipped):
         return None
+    mismatches = [run.mismatch_max_abs_log for run in stats if run.mismatch_max_abs_log is not None]
+    kls = [run.mismatch_kl for run in stats if run.mismatch_kl is not None]
+    max_mismatch = max(mismatches) if mismatches else None
     deviation_text = f"{max_deviation:.2g}" if max_deviation is not None else "not logged"
     clip_text = f"{max_clip:.2%}" if max_clip is not None else "not logged"
+    mismatch_text = (
+        f"at most {max_mismatch:.2g} in |log ρ| (mean KL k3 up to {max(kls):.2g})"
+        if max_mismatch is not None and kls
+        else "not logged"
+    )
+    if ratio_is_one:
+        why = (
+            "The ratio never left 1 by more than that, so the policy that computed each loss was, "
+            "to that tolerance, the one that sampled: importance sampling, PPO and CISPO all had "
+            "the gradient A·∇lp."
+        )
+    else:
+        why = (
+            "The ratio did leave 1 (the measured sampler–trainer mismatch above, plus the "
+            "updates' own movement), but no clip acted on it, so PPO and CISPO reduced to "
+            "importance sampling (gradient r·A on every token)."
+        )
     return (
         "**WARNING: these runs were too on-policy for the losses to differ.** "
-        f"Over all runs, max |ratio − 1| = {deviation_text} and the largest mean clip fraction "
-        f"is {clip_text}. With one optimizer step per freshly sampled batch the policy that "
-        "computes the loss is the one that sampled, so r = exp(lp − lp_old) = 1 on every token: "
-        "importance sampling, PPO and CISPO then all have the gradient A·∇lp, and with no token "
-        "clipped PPO and CISPO reduce to importance sampling. Any difference in this table is "
+        f"Over all runs, max |ratio − 1| = {deviation_text}, the largest mean clip fraction "
+        f"is {clip_text}, and the measured sampler–trainer mismatch before each step's first "
+        f"update (`mismatch/*`) is {mismatch_text}. {why} Any difference in this table is "
         "seed noise. Make the updates off-policy to compare the losses: "
         "several optimizer steps per batch (`--num-substeps 4`, `--epochs 2`) or stale rollouts "
         "(`--max-steps-off-policy 1`)."
