@@ -1,4 +1,6 @@
-"""Runnable micro-benchmarks: `python -m benchmarks.<name> [--quick]`; results in benchmarks/README.md.
+"""Runnable micro-benchmarks: `python -m benchmarks.<name> [--quick]`.
+
+Results are in benchmarks/README.md.
 
 - `losses`: every loss kernel against a per-datum loop, the memory roofline and torch.compile.
 - `datums`: rollout records to PyTRIO Datums, fast path against per-token validated construction.

@@ -49,7 +49,7 @@ def measure(
     budget_s: float | None = None,
     setup: Callable[[], object] | None = None,
 ) -> Timing:
-    """Time `call` (after `warmup` untimed calls) `repeats` times, or fewer once `budget_s` is spent.
+    """Time `call` (after `warmup` untimed calls) `repeats` times, fewer once `budget_s` is spent.
 
     `setup` runs untimed before every call (e.g. to clear gradients). At least one timed
     call always runs. Garbage collection is paused while timing, as `timeit` does.
@@ -76,7 +76,9 @@ def measure(
     finally:
         if gc_was_enabled:
             gc.enable()
-    return Timing(best_s=min(durations), median_s=statistics.median(durations), repeats=len(durations))
+    return Timing(
+        best_s=min(durations), median_s=statistics.median(durations), repeats=len(durations)
+    )
 
 
 @contextmanager
@@ -129,7 +131,9 @@ def keep_freed_memory() -> bool:
 def cpu_model() -> str:
     """The CPU's model name as `lscpu` reports it (or /proc/cpuinfo, or platform)."""
     try:
-        listing = subprocess.run(["lscpu"], capture_output=True, text=True, check=True, timeout=10).stdout
+        listing = subprocess.run(
+            ["lscpu"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout
         for line in listing.splitlines():
             if line.startswith("Model name:"):
                 return line.split(":", 1)[1].strip()
@@ -149,9 +153,12 @@ def machine_lines() -> list[str]:
     """What the numbers were measured on: CPU, cores, torch, Python, load and date."""
     load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
     return [
-        f"machine: {cpu_model()}, {os.cpu_count()} logical cores, torch default threads {DEFAULT_THREADS}",
-        f"torch {torch.__version__}, Python {platform.python_version()}, {platform.system()} {platform.release()}",
-        f"date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, load average (1/5/15 min): {load}",
+        f"machine: {cpu_model()}, {os.cpu_count()} logical cores, "
+        f"torch default threads {DEFAULT_THREADS}",
+        f"torch {torch.__version__}, Python {platform.python_version()}, "
+        f"{platform.system()} {platform.release()}",
+        f"date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, "
+        f"load average (1/5/15 min): {load}",
     ]
 
 
@@ -165,7 +172,9 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
 def argument_parser(description: str) -> argparse.ArgumentParser:
     """A parser with the `--quick` flag every benchmark takes (CI-sized run, seconds)."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--quick", action="store_true", help="CI-sized run: small sizes, few repeats (seconds)")
+    parser.add_argument(
+        "--quick", action="store_true", help="CI-sized run: small sizes, few repeats (seconds)"
+    )
     return parser
 
 

@@ -37,7 +37,7 @@ VOCAB_SIZE = 150_000
 
 
 def make_groups(num_tokens: int, seed: int = 0) -> list[ScoredGroup]:
-    """Scored groups (prompt ~U(100, 200) tokens, completions ~U(100, 600)) until num_tokens positions."""
+    """Scored groups (prompt ~U(100, 200), completions ~U(100, 600) tokens) up to num_tokens."""
     rng = np.random.default_rng(seed)
     groups: list[ScoredGroup] = []
     total = 0
@@ -58,7 +58,12 @@ def make_groups(num_tokens: int, seed: int = 0) -> list[ScoredGroup]:
         rewards = rng.integers(0, 2, GROUP_SIZE).astype(np.float64)
         rewards[0] = 1.0 - rewards[1]  # never degenerate: every group trains
         groups.append(
-            ScoredGroup(prompt_tokens=prompt, completions=tuple(completions), rewards=rewards, advantages=rewards - rewards.mean())
+            ScoredGroup(
+                prompt_tokens=prompt,
+                completions=tuple(completions),
+                rewards=rewards,
+                advantages=rewards - rewards.mean(),
+            )
         )
     return groups
 
@@ -154,7 +159,9 @@ def check_equal(reference: Sequence[Datum], candidate: Sequence[Datum], name: st
         raise AssertionError(f"{name}: {len(candidate)} datums, expected {len(reference)}")
     for index, (expected, actual) in enumerate(zip(reference, candidate, strict=True)):
         if expected.model_dump() != actual.model_dump():
-            raise AssertionError(f"{name}: datum {index} differs from the validated per-token construction")
+            raise AssertionError(
+                f"{name}: datum {index} differs from the validated per-token construction"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -162,7 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = argument_parser(__doc__.splitlines()[0]).parse_args(argv)
     num_tokens = QUICK_TOKENS if args.quick else FULL_TOKENS
     repeats, budget_s = (2, 2.0) if args.quick else (5, 30.0)
-    print_header("Rollout records to PyTRIO Datums", "python -m benchmarks.datums" + (" --quick" if args.quick else ""))
+    print_header(
+        "Rollout records to PyTRIO Datums",
+        "python -m benchmarks.datums" + (" --quick" if args.quick else ""),
+    )
     groups = make_groups(num_tokens)
     positions = pack_groups(groups).num_tokens
     reference = per_token_lists(groups)
@@ -171,10 +181,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(groups)} groups x {GROUP_SIZE} = {len(reference)} datums, {positions} positions")
     print("every path's datums checked equal to the validated per-token construction (model_dump)")
     print(f"timings: best of up to {repeats} calls after a warm-up\n")
-    timings = {name: measure(lambda build=build: build(groups), repeats=repeats, budget_s=budget_s) for name, build in PATHS.items()}
+    timings = {
+        name: measure(lambda build=build: build(groups), repeats=repeats, budget_s=budget_s)
+        for name, build in PATHS.items()
+    }
     slowest = timings[next(iter(PATHS))]
     rows = [
-        [name, f"{timing.best_s * 1e3:.4g}", f"{positions / timing.best_s / 1e6:.3g}", f"{slowest.best_s / timing.best_s:.3g}x"]
+        [
+            name,
+            f"{timing.best_s * 1e3:.4g}",
+            f"{positions / timing.best_s / 1e6:.3g}",
+            f"{slowest.best_s / timing.best_s:.3g}x",
+        ]
         for name, timing in timings.items()
     ]
     print(markdown_table(["path", "ms", "M positions/s", "speed-up vs per-token lists"], rows))

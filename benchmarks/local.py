@@ -30,7 +30,15 @@ import numpy as np
 import torch
 from pytrio.types import Datum, ModelInput, SamplingParams
 
-from benchmarks.common import Timing, argument_parser, markdown_table, measure, print_header, thread_settings, torch_threads
+from benchmarks.common import (
+    Timing,
+    argument_parser,
+    markdown_table,
+    measure,
+    print_header,
+    thread_settings,
+    torch_threads,
+)
 from grpo.backends import _local_sampling
 from grpo.backends.local import LocalServiceClient
 from grpo.backends.tiny import TINY_MODEL_NAME, load_tiny_model
@@ -46,11 +54,17 @@ TRAINED_POSITIONS = 24  # the completion part: the advantage is non-zero only th
 def sampling_prompts(tokenizer: Any, count: int) -> list[ModelInput]:
     """The first `count` built-in arithmetic training prompts."""
     rows = load_problems("arithmetic", "train", limit=count)
-    return [ModelInput.from_ints(build_prompt_tokens(tokenizer, row["question"], fewshot=False)) for row in rows]
+    return [
+        ModelInput.from_ints(build_prompt_tokens(tokenizer, row["question"], fewshot=False))
+        for row in rows
+    ]
 
 
 def training_datums(count: int, vocab_size: int, seed: int = 0) -> list[Datum]:
-    """`count` datums of DATUM_POSITIONS random tokens; the last TRAINED_POSITIONS carry an advantage of ±1."""
+    """`count` datums of DATUM_POSITIONS random tokens.
+
+    The last TRAINED_POSITIONS carry an advantage of ±1.
+    """
     rng = np.random.default_rng(seed)
     datums = []
     for _ in range(count):
@@ -58,10 +72,14 @@ def training_datums(count: int, vocab_size: int, seed: int = 0) -> list[Datum]:
         advantages[-TRAINED_POSITIONS:] = rng.choice([-1.0, 1.0])
         datums.append(
             Datum(
-                model_input=ModelInput.from_ints(rng.integers(0, vocab_size, DATUM_POSITIONS).tolist()),
+                model_input=ModelInput.from_ints(
+                    rng.integers(0, vocab_size, DATUM_POSITIONS).tolist()
+                ),
                 loss_fn_inputs={
                     "target_tokens": rng.integers(0, vocab_size, DATUM_POSITIONS),
-                    "logprobs": np.where(advantages != 0, -rng.exponential(1.0, DATUM_POSITIONS), 0.0).astype(np.float32),
+                    "logprobs": np.where(
+                        advantages != 0, -rng.exponential(1.0, DATUM_POSITIONS), 0.0
+                    ).astype(np.float32),
                     "advantages": advantages,
                 },
             )
@@ -77,8 +95,13 @@ def time_backend(
     Each call gets a fresh service; without `train` only sampling is timed (forward_backward
     timing None).
     """
-    with tempfile.TemporaryDirectory(prefix="grpo-bench-local-") as root, LocalServiceClient(root=root, seed=0) as service:
-        training_client = service.create_lora_training_client(base_model=TINY_MODEL_NAME, rank=32, seed=0)
+    with (
+        tempfile.TemporaryDirectory(prefix="grpo-bench-local-") as root,
+        LocalServiceClient(root=root, seed=0) as service,
+    ):
+        training_client = service.create_lora_training_client(
+            base_model=TINY_MODEL_NAME, rank=32, seed=0
+        )
         tokenizer = training_client.get_tokenizer()
         sampler = training_client.save_weights_and_get_sampling_client()
         prompts = sampling_prompts(tokenizer, num_sequences // SAMPLES_PER_PROMPT)
@@ -89,19 +112,30 @@ def time_backend(
                 sampler.sample(
                     prompt=prompt,
                     num_samples=SAMPLES_PER_PROMPT,
-                    sampling_params=SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=index),
+                    sampling_params=SamplingParams(
+                        max_tokens=NEW_TOKENS, temperature=1.0, seed=index
+                    ),
                 )
                 for index, prompt in enumerate(prompts)
             ]
             responses = [future.result() for future in futures]
-            generated.append(sum(len(sequence.tokens) for response in responses for sequence in response.sequences))
+            generated.append(
+                sum(
+                    len(sequence.tokens)
+                    for response in responses
+                    for sequence in response.sequences
+                )
+            )
 
         sampling = measure(sample_all, repeats=repeats)
         if not train:
             return sampling, generated[-1], None, 0
         datums = training_datums(num_sequences, vocab_size=len(tokenizer))
         forward_backward = measure(
-            lambda: training_client.forward_backward(datums, loss_fn="importance_sampling").result(), repeats=repeats
+            lambda: training_client.forward_backward(
+                datums, loss_fn="importance_sampling"
+            ).result(),
+            repeats=repeats,
         )
     # Every call samples with the same seeds, so every call generates the same tokens.
     return sampling, generated[-1], forward_backward, num_sequences * DATUM_POSITIONS
@@ -136,9 +170,15 @@ def time_generate(prompts: Sequence[list[int]], *, repeats: int) -> tuple[Timing
     def generate() -> None:
         with torch.no_grad():
             output = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS,
-                do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=NEW_TOKENS,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
             )[:, width:].tolist()
         end = tokenizer.eos_token_id
         generated.append(sum(row.index(end) + 1 if end in row else len(row) for row in output))
@@ -200,12 +240,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the local-backend benchmark and print its table."""
     args = argument_parser(__doc__.splitlines()[0]).parse_args(argv)
     num_sequences, repeats = (16, 2) if args.quick else (64, 5)
-    print_header("Local backend throughput (tiny model, LoRA rank 32)", "python -m benchmarks.local" + (" --quick" if args.quick else ""))
+    print_header(
+        "Local backend throughput (tiny model, LoRA rank 32)",
+        "python -m benchmarks.local" + (" --quick" if args.quick else ""),
+    )
     print(f"timings: best of {repeats} calls after a warm-up\n")
     rows = []
     for label, threads in thread_settings(args.quick):
         with torch_threads(threads):
-            sampling, generated, forward_backward, positions = time_backend(num_sequences, repeats=repeats)
+            sampling, generated, forward_backward, positions = time_backend(
+                num_sequences, repeats=repeats
+            )
         assert forward_backward is not None
         rows.append(
             [
@@ -220,7 +265,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print(
         markdown_table(
-            ["torch threads", "sample: sequences x max tokens", "sample ms", "sampled tokens/s", "forward_backward: datums x positions", "forward_backward ms", "positions/s"],
+            [
+                "torch threads",
+                "sample: sequences x max tokens",
+                "sample ms",
+                "sampled tokens/s",
+                "forward_backward: datums x positions",
+                "forward_backward ms",
+                "positions/s",
+            ],
             rows,
         )
     )

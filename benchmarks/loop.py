@@ -15,7 +15,8 @@ embedded local backend instead (its tiny model's compute then adds to the latenc
 Steps of 32 prompts x group 8 (--quick: 4 x 4), two minibatches a step, under three
 settings: sequential rollouts (`concurrency=1`), concurrent (`concurrency` = prompts per
 step) and concurrent with `max_steps_off_policy=1`, each with torch pinned to 1 thread
-and with torch's default (--quick: 1 thread). The first step is a warm-up and is left out. Per step it reports the loop's own `time/sample`, `time/train`, `time/step`,
+and with torch's default (--quick: 1 thread). The first step is a warm-up and is left out.
+Per step it reports the loop's own `time/sample`, `time/train`, `time/step`,
 and the client's overhead: the step time during which no backend call was in flight
 (the client's work on the critical path) and the process CPU time (all threads; the
 canned backend's own work is tiny and included).
@@ -49,13 +50,19 @@ from pytrio.types import (
     TensorData,
 )
 
-from benchmarks.common import argument_parser, markdown_table, print_header, thread_settings, torch_threads
+from benchmarks.common import (
+    argument_parser,
+    markdown_table,
+    print_header,
+    thread_settings,
+    torch_threads,
+)
 from grpo.backends.tiny import IM_END, TINY_MODEL_NAME, build_tokenizer
 from grpo.config import TrainConfig
 from grpo.data import load_problems
-from grpo.run_dir import read_metrics
 from grpo.loop import train
 from grpo.rollouts import Problem, build_problems
+from grpo.run_dir import read_metrics
 
 FULL_LATENCY_S = {
     "sample": 0.300,
@@ -67,7 +74,14 @@ FULL_LATENCY_S = {
     "save_weights_for_sampler": 0.050,
 }
 FUTURE_METHODS = frozenset(
-    {"sample", "forward_backward", "forward_backward_custom", "optim_step", "save_state", "save_weights_for_sampler"}
+    {
+        "sample",
+        "forward_backward",
+        "forward_backward_custom",
+        "optim_step",
+        "save_state",
+        "save_weights_for_sampler",
+    }
 )
 CLIENT_METHODS = frozenset({"save_weights_and_get_sampling_client", "create_lora_training_client"})
 SAMPLING_PHASE_TARGET = 1.5
@@ -122,7 +136,7 @@ class Resolved:
 
 
 class WithLatency:
-    """Proxy of a PyTRIO-style client: calls in FUTURE_METHODS and CLIENT_METHODS take a fixed extra latency.
+    """Proxy of a PyTRIO-style client: FUTURE_METHODS and CLIENT_METHODS take a fixed extra latency.
 
     A future-returning call waits for the inner result, then sleeps its latency (so
     latency adds to the inner compute, as network and queueing add to a remote GPU's),
@@ -157,11 +171,13 @@ class WithLatency:
 
 @attrs.frozen
 class CannedSampler:
-    """Returns pre-built completions per prompt: group members alternate correct and wrong answers."""
+    """Returns pre-built completions per prompt: group members alternate correct and wrong."""
 
     sequences_by_prompt: Mapping[tuple[int, ...], tuple[SampleSequence, SampleSequence]]
 
-    def sample(self, prompt: Any, num_samples: int = 1, sampling_params: Any = None, **_options: Any) -> Resolved:
+    def sample(
+        self, prompt: Any, num_samples: int = 1, sampling_params: Any = None, **_options: Any
+    ) -> Resolved:
         """num_samples canned sequences for this prompt."""
         correct, wrong = self.sequences_by_prompt[tuple(prompt.to_ints())]
         sequences = [correct if index % 2 == 0 else wrong for index in range(num_samples)]
@@ -170,7 +186,10 @@ class CannedSampler:
 
 @attrs.frozen
 class CannedTrainingClient:
-    """A training client that computes nothing: forward_backward returns the datums' sampling log-probs."""
+    """A training client that computes nothing.
+
+    forward_backward returns the datums' sampling log-probs.
+    """
 
     tokenizer: Any
     sampler: CannedSampler
@@ -183,15 +202,23 @@ class CannedTrainingClient:
         """The canned sampler."""
         return self.sampler
 
-    def forward_backward(self, data: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: Any = None) -> Resolved:
+    def forward_backward(
+        self, data: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: Any = None
+    ) -> Resolved:
         """Log-probs equal to each datum's sampling log-probs (ratio 1), no gradient."""
         outputs = [{"logprobs": datum.loss_fn_inputs["logprobs"]} for datum in data]
         return Resolved(ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss_sum": 0.0}))
 
-    def forward(self, data: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: Any = None) -> Resolved:
+    def forward(
+        self, data: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: Any = None
+    ) -> Resolved:
         """Zero log-probs (the loop's check before a checkpoint), computing nothing."""
         outputs = [
-            {"logprobs": TensorData(data=[0.0] * len(datum.loss_fn_inputs["target_tokens"].data), dtype="float32")}
+            {
+                "logprobs": TensorData(
+                    data=[0.0] * len(datum.loss_fn_inputs["target_tokens"].data), dtype="float32"
+                )
+            }
             for datum in data
         ]
         return Resolved(ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss_sum": 0.0}))
@@ -206,7 +233,9 @@ class CannedTrainingClient:
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> Resolved:
         """A sampler-weights path that is never read back."""
-        return Resolved(SaveWeightsForSamplerResponse(path=f"canned://{name}", model=TINY_MODEL_NAME, size=0))
+        return Resolved(
+            SaveWeightsForSamplerResponse(path=f"canned://{name}", model=TINY_MODEL_NAME, size=0)
+        )
 
 
 @attrs.frozen
@@ -215,7 +244,9 @@ class CannedService:
 
     client: CannedTrainingClient
 
-    def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None, **_options: Any) -> CannedTrainingClient:
+    def create_lora_training_client(
+        self, base_model: str, rank: int = 32, seed: int | None = None, **_options: Any
+    ) -> CannedTrainingClient:
         """The canned training client."""
         return self.client
 
@@ -226,22 +257,31 @@ class CannedService:
 
 def canned_sequence(tokenizer: Any, text: str, rng: np.random.Generator) -> SampleSequence:
     """A completion of `text` and the end-of-turn token, with made-up sampler log-probs."""
-    tokens = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.convert_tokens_to_ids(IM_END)]
+    tokens = [
+        *tokenizer.encode(text, add_special_tokens=False),
+        tokenizer.convert_tokens_to_ids(IM_END),
+    ]
     logprobs = (-rng.exponential(0.3, len(tokens))).tolist()
     return SampleSequence(stop_reason="stop", tokens=tokens, text=text, logprobs=logprobs)
 
 
 def canned_service(problems: Sequence[Problem], tokenizer: Any) -> CannedService:
-    """Canned completions for every problem: `\\boxed{gold}` (reward 1) and a wrong answer (reward 0)."""
+    """Canned completions per problem: `\\boxed{gold}` (reward 1) and a wrong answer (reward 0)."""
     rng = np.random.default_rng(0)
     sequences = {
         problem.prompt_tokens: (
-            canned_sequence(tokenizer, f"the answer is {problem.gold}. \\boxed{{{problem.gold}}}", rng),
-            canned_sequence(tokenizer, f"the answer is {problem.gold}1. \\boxed{{{problem.gold}1}}", rng),
+            canned_sequence(
+                tokenizer, f"the answer is {problem.gold}. \\boxed{{{problem.gold}}}", rng
+            ),
+            canned_sequence(
+                tokenizer, f"the answer is {problem.gold}1. \\boxed{{{problem.gold}1}}", rng
+            ),
         )
         for problem in problems
     }
-    return CannedService(CannedTrainingClient(tokenizer=tokenizer, sampler=CannedSampler(sequences)))
+    return CannedService(
+        CannedTrainingClient(tokenizer=tokenizer, sampler=CannedSampler(sequences))
+    )
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -278,7 +318,10 @@ def run_setting(
     dataset: Path,
     workdir: Path,
 ) -> StepTimes:
-    """Train `steps` steps through the latency wrapper; per-step times from the loop's metrics and the call log."""
+    """Train `steps` steps through the latency wrapper.
+
+    Per-step times come from the loop's metrics and the call log.
+    """
     config = TrainConfig(
         base_model=TINY_MODEL_NAME,
         dataset=str(dataset),
@@ -294,10 +337,19 @@ def run_setting(
     if backend == "canned":
         tokenizer = build_tokenizer()
         rows = load_problems(config.dataset, "train")
-        problems = build_problems(tokenizer, rows, fewshot=False, max_tokens=config.max_tokens, max_len=None, split="train")
+        problems = build_problems(
+            tokenizer,
+            rows,
+            fewshot=False,
+            max_tokens=config.max_tokens,
+            max_len=None,
+            split="train",
+        )
         inner: Any = canned_service(problems, tokenizer)
     else:
-        from grpo.backends.local import LocalServiceClient  # the canned runs never load the model code
+        from grpo.backends.local import (
+            LocalServiceClient,
+        )  # the canned runs never load the model code
 
         inner = LocalServiceClient(root=workdir / "backend", seed=config.seed)
     log = CallLog()
@@ -307,13 +359,16 @@ def run_setting(
         if not line.startswith("[grpo]"):
             step_ends.append((time.perf_counter(), time.process_time()))
 
-    result = train(config, service_client=WithLatency(inner, latency_s, log), echo=on_line, progress=False)
+    result = train(
+        config, service_client=WithLatency(inner, latency_s, log), echo=on_line, progress=False
+    )
     if backend == "local":
         inner.close()
     rows_by_step = read_metrics(result.run_dir)
     timed = range(1, len(step_ends))  # step k runs from the end of step k-1 to its own end
     uncovered = [
-        (step_ends[k][0] - step_ends[k - 1][0]) - log.covered(step_ends[k - 1][0], step_ends[k][0]) for k in timed
+        (step_ends[k][0] - step_ends[k - 1][0]) - log.covered(step_ends[k - 1][0], step_ends[k][0])
+        for k in timed
     ]
     return StepTimes(
         sample_s=float(np.mean([rows_by_step[k]["time/sample"] for k in timed])),
@@ -325,24 +380,48 @@ def run_setting(
 
 
 def write_problems(path: Path, count: int) -> Path:
-    """The first `count` built-in arithmetic training problems as a JSONL file (exactly what the run reads)."""
+    """The first `count` built-in arithmetic training problems as a JSONL file.
+
+    Exactly what the run reads.
+    """
     rows = load_problems("arithmetic", "train", limit=count)
-    path.write_text("".join(json.dumps({"question": row["question"], "answer": row["answer"]}) + "\n" for row in rows))
+    path.write_text(
+        "".join(
+            json.dumps({"question": row["question"], "answer": row["answer"]}) + "\n"
+            for row in rows
+        )
+    )
     return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the loop-overhead benchmark and print its table."""
     parser = argument_parser(__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=("canned", "local"), default="canned", help="canned responses (no compute) or the real local backend")
+    parser.add_argument(
+        "--backend",
+        choices=("canned", "local"),
+        default="canned",
+        help="canned responses (no compute) or the real local backend",
+    )
     args = parser.parse_args(argv)
     batch_size, group_size, steps, scale = (4, 4, 3, 0.1) if args.quick else (32, 8, 4, 1.0)
     latency_s = {name: seconds * scale for name, seconds in FULL_LATENCY_S.items()}
-    command = "python -m benchmarks.loop" + (" --quick" if args.quick else "") + (" --backend local" if args.backend == "local" else "")
-    print_header(f"Training-loop overhead ({args.backend} backend + fixed latency per call)", command)
+    command = (
+        "python -m benchmarks.loop"
+        + (" --quick" if args.quick else "")
+        + (" --backend local" if args.backend == "local" else "")
+    )
+    print_header(
+        f"Training-loop overhead ({args.backend} backend + fixed latency per call)", command
+    )
     print(
-        f"{batch_size} prompts x group {group_size}, 2 minibatches a step, {steps} steps (first left out); latency per call: "
-        + ", ".join(f"{name} {seconds * 1e3:g} ms" for name, seconds in latency_s.items() if name != "forward_backward_custom")
+        f"{batch_size} prompts x group {group_size}, 2 minibatches a step, "
+        f"{steps} steps (first left out); latency per call: "
+        + ", ".join(
+            f"{name} {seconds * 1e3:g} ms"
+            for name, seconds in latency_s.items()
+            if name != "forward_backward_custom"
+        )
         + "\n"
     )
     settings = [
@@ -355,7 +434,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="grpo-bench-loop-") as workdir:
         # Only the problems the steps use: the loop builds a prompt for every training row.
         dataset = write_problems(Path(workdir) / "problems.jsonl", steps * batch_size)
-        for (thread_label, threads), setting in itertools.product(thread_settings(args.quick), settings):
+        for (thread_label, threads), setting in itertools.product(
+            thread_settings(args.quick), settings
+        ):
             with torch_threads(threads):
                 times = run_setting(
                     setting,
@@ -374,10 +455,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     thread_label,
                     setting.label,
                     f"{times.sample_s * 1e3:.0f}",
-                    f"{phase:.2f}x" + (f": {'met' if phase <= SAMPLING_PHASE_TARGET else 'missed'}" if setting.max_steps_off_policy == 0 and setting.concurrency > 1 else ""),
+                    f"{phase:.2f}x"
+                    + (
+                        f": {'met' if phase <= SAMPLING_PHASE_TARGET else 'missed'}"
+                        if setting.max_steps_off_policy == 0 and setting.concurrency > 1
+                        else ""
+                    ),
                     f"{times.train_s * 1e3:.0f}",
                     f"{times.step_s * 1e3:.0f}",
-                    f"{times.uncovered_s * 1e3:.1f} ({overhead:.1%}): {'met' if overhead < OVERHEAD_TARGET else 'missed'}",
+                    f"{times.uncovered_s * 1e3:.1f} ({overhead:.1%}): "
+                    f"{'met' if overhead < OVERHEAD_TARGET else 'missed'}",
                     f"{times.cpu_s * 1e3:.0f} ({times.cpu_s / times.step_s:.1%})",
                 ]
             )
@@ -397,7 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     print(
-        "\ntime/sample includes the save_weights_and_get_sampling_client call that refreshes the sampler;"
+        "\ntime/sample includes the save_weights_and_get_sampling_client call"
+        " that refreshes the sampler;"
         " targets: concurrent time/sample <= 1.5x one sample call, client share < 5%\n"
     )
     sys.stdout.flush()

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+import grpo.core.losses as losses_module
 from benchmarks.common import (
     Timing,
     argument_parser,
@@ -62,7 +63,6 @@ from benchmarks.common import (
     thread_settings,
     torch_threads,
 )
-import grpo.core.losses as losses_module
 from grpo.core import fused_losses
 from grpo.core.losses import FUSED_MIN_TOKENS, LOSSES, LossKernel
 
@@ -101,7 +101,7 @@ class PackedBatch:
 
 
 def ragged_lengths(num_tokens: int, rng: np.random.Generator) -> np.ndarray:
-    """num_tokens / 1024 sequence lengths drawn uniformly in [256, 1792] and scaled to sum to num_tokens."""
+    """num_tokens / 1024 sequence lengths, uniform in [256, 1792], scaled to sum to num_tokens."""
     num_sequences = max(1, round(num_tokens / MEAN_SEQUENCE_LENGTH))
     raw = rng.uniform(0.25, 1.75, num_sequences)
     lengths = np.maximum(np.floor(raw / raw.sum() * num_tokens).astype(np.int64), 2)
@@ -114,7 +114,7 @@ def ragged_lengths(num_tokens: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def make_batch(num_tokens: int, seed: int = 0) -> PackedBatch:
-    """Ragged sequences whose first 15-45% positions (prompt) are masked, as alignment lays them out.
+    """Ragged sequences whose first 15-45% positions (prompt) are masked, as alignment does.
 
     Completion positions: lp = −Exp(1), lp_old = lp + N(0, 0.1²) (ratios near 1, a few
     percent clipped at 0.8/1.2), one N(0, 1) advantage per sequence. Prompt positions:
@@ -151,8 +151,10 @@ def make_batch(num_tokens: int, seed: int = 0) -> PackedBatch:
 # --- (a) the straightforward per-datum loop ------------------------------------------------
 
 
-def _loop_objective(name: str, config: dict[str, float | None]) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-    """Σ over one datum's masked-in positions of kernel `name`'s objective, written the obvious way."""
+def _loop_objective(
+    name: str, config: dict[str, float | None]
+) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """Σ over one datum's masked-in positions of kernel `name`'s objective, the obvious way."""
     low, high = config.get("clip_low_threshold"), config.get("clip_high_threshold")
 
     def importance_sampling(lp: Tensor, lp_old: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
@@ -175,7 +177,9 @@ def _loop_objective(name: str, config: dict[str, float | None]) -> Callable[[Ten
         count = mask.sum()
         sequence_ratio = torch.exp(((lp - lp_old) * mask).sum() / count)
         advantage = (advantages * mask).sum() / count
-        return torch.minimum(sequence_ratio * advantage, torch.clamp(sequence_ratio, low, high) * advantage)
+        return torch.minimum(
+            sequence_ratio * advantage, torch.clamp(sequence_ratio, low, high) * advantage
+        )
 
     def cross_entropy(lp: Tensor, lp_old: Tensor, weights: Tensor, mask: Tensor) -> Tensor:
         return (weights * lp * mask).sum()
@@ -194,7 +198,10 @@ def _loop_objective(name: str, config: dict[str, float | None]) -> Callable[[Ten
 
 
 def loop_loss(kernel: LossKernel, logprobs_D: Sequence[Tensor], batch: PackedBatch) -> Tensor:
-    """−Σ over datums of the datum's objective: one Python iteration per datum, as the article's CISPO."""
+    """−Σ over datums of the datum's objective: one Python iteration per datum.
+
+    As the article's CISPO.
+    """
     objective = _loop_objective(kernel.name, dict(kernel.defaults))
     datum_losses = [
         -objective(lp, lp_old, advantages, mask)
@@ -211,20 +218,27 @@ def loop_loss(kernel: LossKernel, logprobs_D: Sequence[Tensor], batch: PackedBat
 def kernel_loss(
     kernel: LossKernel, logprobs_N: Tensor, batch: PackedBatch, fused: bool | None = None
 ) -> Tensor:
-    """The registry kernel on the packed batch (sum reduction, registry defaults); its metrics are computed too.
+    """The registry kernel on the packed batch (sum reduction, registry defaults).
+
+    Its metrics are computed too.
 
     `fused`: None is what a user gets (the compiled form from FUSED_MIN_TOKENS on CPU),
     False the eager kernel, True the compiled single-pass form.
     """
     sampling = batch.sampling_logprobs_N if kernel.needs_sampling_logprobs else None
     loss, _metrics = kernel(
-        logprobs_N, sampling, batch.advantages_N, mask=batch.mask_N, seq_lens=batch.seq_lens_B, fused=fused
+        logprobs_N,
+        sampling,
+        batch.advantages_N,
+        mask=batch.mask_N,
+        seq_lens=batch.seq_lens_B,
+        fused=fused,
     )
     return loss
 
 
 def check_kernel_matches_loop(kernel: LossKernel, batch: PackedBatch) -> None:
-    """The loop is the same loss: its value and gradient agree with the kernel's (float32 rounding)."""
+    """The loop is the same loss: value and gradient agree with the kernel's (float32 rounding)."""
     leaves = [piece.clone().requires_grad_(True) for piece in batch.logprobs_D]
     loop_value = loop_loss(kernel, leaves, batch)
     loop_value.backward()
@@ -234,27 +248,39 @@ def check_kernel_matches_loop(kernel: LossKernel, batch: PackedBatch) -> None:
     loop_gradient = torch.cat([leaf.grad for leaf in leaves])  # type: ignore[misc]
     scale = float(batch.advantages_N.abs().sum()) + 1.0
     if not math.isclose(value.item(), loop_value.item(), rel_tol=1e-3, abs_tol=1e-4 * scale):
-        raise AssertionError(f"{kernel.name}: kernel loss {value.item()} != loop loss {loop_value.item()}")
+        raise AssertionError(
+            f"{kernel.name}: kernel loss {value.item()} != loop loss {loop_value.item()}"
+        )
     assert flat.grad is not None
-    torch.testing.assert_close(flat.grad, loop_gradient, rtol=1e-4, atol=1e-5, msg=f"{kernel.name} gradient")
+    torch.testing.assert_close(
+        flat.grad, loop_gradient, rtol=1e-4, atol=1e-5, msg=f"{kernel.name} gradient"
+    )
 
 
 # --- (b) the roofline -----------------------------------------------------------------------
 
 
 def kernel_bytes(kernel: LossKernel, num_tokens: int, *, backward: bool) -> int:
-    """Bytes the kernel must move: read lp, (lp_old), A as float32 and the bool mask; write the gradient."""
+    """Bytes the kernel must move.
+
+    Read lp, (lp_old), A as float32 and the bool mask; write the gradient.
+    """
     floats_read = 3 if kernel.needs_sampling_logprobs else 2
     per_token = floats_read * FLOAT_BYTES + MASK_BYTES + (FLOAT_BYTES if backward else 0)
     return per_token * num_tokens
 
 
 def roofline(num_bytes: int, *, repeats: int, budget_s: float) -> Timing:
-    """One fused elementwise op moving num_bytes: torch.add(a, b, out=c), float32, 8 bytes read + 4 written an element."""
+    """One fused elementwise op moving num_bytes: torch.add(a, b, out=c), float32.
+
+    8 bytes read + 4 written an element.
+    """
     elements = math.ceil(num_bytes / (3 * FLOAT_BYTES))
     first, second, out = torch.ones(elements), torch.ones(elements), torch.empty(elements)
     out.fill_(0.0)  # fault the output's pages in before timing, as the inputs' are
-    return measure(lambda: torch.add(first, second, out=out), repeats=repeats * 3, budget_s=budget_s)
+    return measure(
+        lambda: torch.add(first, second, out=out), repeats=repeats * 3, budget_s=budget_s
+    )
 
 
 # --- (c) torch.compile ----------------------------------------------------------------------
@@ -270,18 +296,22 @@ class Compiled:
 
 
 def compile_fused(kernel: LossKernel, batch: PackedBatch) -> Compiled:
-    """Build the compiled single-pass form (forward and forward+backward graphs) under the current threads.
+    """Build the compiled single-pass form (forward, forward+backward) under the current threads.
 
     Inductor fixes a kernel's thread count when it generates it, so every thread setting
     starts from an empty compile cache.
     """
     if kernel.fused_form is None:
-        return Compiled(available=False, compile_s=0.0, reason="n/a (no fused form: sequence-level)")
+        return Compiled(
+            available=False, compile_s=0.0, reason="n/a (no fused form: sequence-level)"
+        )
     torch._dynamo.reset()
     losses_module._compiled_form.cache_clear()
     started = time.perf_counter()
     with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager is not a compiled timing
+        warnings.simplefilter(
+            "error", RuntimeWarning
+        )  # a fallback to eager is not a compiled timing
         try:
             flat = batch.logprobs_N.clone().requires_grad_(True)
             kernel_loss(kernel, flat, batch, fused=True).backward()
@@ -476,7 +506,11 @@ class Row:
     @property
     def forward(self) -> Timing:
         """The forward a plain call runs."""
-        return self.fused_forward if self.default_is_fused and self.fused_forward else self.eager_forward
+        return (
+            self.fused_forward
+            if self.default_is_fused and self.fused_forward
+            else self.eager_forward
+        )
 
     @property
     def forward_backward(self) -> Timing:
@@ -548,8 +582,12 @@ def time_kernel(
         eager_forward=timed(forward(False)),
         eager_forward_backward=timed(forward_backward(False), clear_flat),
         fused_forward=timed(forward(True)) if compiled.available else None,
-        fused_forward_backward=timed(forward_backward(True), clear_flat) if compiled.available else None,
-        fused_note=f"compiled in {compiled.compile_s:.1f} s" if compiled.available else compiled.reason,
+        fused_forward_backward=timed(forward_backward(True), clear_flat)
+        if compiled.available
+        else None,
+        fused_note=f"compiled in {compiled.compile_s:.1f} s"
+        if compiled.available
+        else compiled.reason,
         packed_forward=timed(packed_forward),
         packed_forward_backward=timed(packed_forward_backward, clear_leaves),
         loop_forward=timed(loop_forward) if loop_timed else None,
@@ -579,7 +617,10 @@ def ratio(numerator: Timing | None, denominator: Timing | None) -> str:
 
 
 def loop_cells(loop: Timing | None, kernel: Timing, packed: Timing) -> list[str]:
-    """The loop's time and its ratios to the kernel and to cat+kernel ("not timed" above LOOP_MAX_TOKENS)."""
+    """The loop's time and its ratios to the kernel and to cat+kernel.
+
+    "not timed" above LOOP_MAX_TOKENS.
+    """
     if loop is None:
         return [f"not timed (> {size_label(LOOP_MAX_TOKENS)})", "-", "-"]
     return [millis(loop.best_s), ratio(loop, kernel), ratio(loop, packed)]
@@ -646,19 +687,27 @@ def _verdict(value: float, met: bool) -> str:
 
 
 def target_lines(rows: Sequence[Row], quick: bool) -> list[list[str]]:
-    """Per kernel: the loop speed-up at 256 x 1024 and the worst roofline ratio at >= 2M, met or missed."""
+    """Per kernel: loop speed-up at 256 x 1024 and worst roofline ratio at >= 2M, met or missed."""
     not_measured = "not measured" + (" (--quick)" if quick else "")
     lines = []
     for name in LOSSES:
         mine = [row for row in rows if row.kernel == name]
-        at_target = [row for row in mine if row.num_tokens == LOOP_TARGET_TOKENS and row.loop_forward_backward]
+        at_target = [
+            row
+            for row in mine
+            if row.num_tokens == LOOP_TARGET_TOKENS and row.loop_forward_backward
+        ]
         large = [row for row in mine if row.num_tokens >= ROOFLINE_TARGET_TOKENS]
         line = [name]
         if at_target:
             row = at_target[0]
             loop = row.loop_forward_backward
             assert loop is not None
-            for kernel_timing in (row.forward_backward, row.fused_forward_backward, row.packed_forward_backward):
+            for kernel_timing in (
+                row.forward_backward,
+                row.fused_forward_backward,
+                row.packed_forward_backward,
+            ):
                 if kernel_timing is None:
                     line.append("n/a")
                 else:
@@ -668,9 +717,17 @@ def target_lines(rows: Sequence[Row], quick: bool) -> list[list[str]]:
             line += [not_measured] * 3
         for pick in (lambda row: row.forward_backward, lambda row: row.fused_forward_backward):
             ratios = [
-                pick(row).best_s / row.roofline_forward_backward.best_s for row in large if pick(row) is not None
+                pick(row).best_s / row.roofline_forward_backward.best_s
+                for row in large
+                if pick(row) is not None
             ]
-            line.append(_verdict(max(ratios), max(ratios) <= ROOFLINE_TARGET_RATIO) if ratios else "n/a" if large else not_measured)
+            line.append(
+                _verdict(max(ratios), max(ratios) <= ROOFLINE_TARGET_RATIO)
+                if ratios
+                else "n/a"
+                if large
+                else not_measured
+            )
         forward_ratios = [row.forward.best_s / row.roofline_forward.best_s for row in large]
         line.append(f"{max(forward_ratios):.3g}x" if forward_ratios else not_measured)
         lines.append(line)
@@ -681,12 +738,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the loss-kernel benchmark and print its tables."""
     parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument(
-        "--no-compile", action="store_true", help="skip the compiled forms (they take seconds a kernel to build)"
+        "--no-compile",
+        action="store_true",
+        help="skip the compiled forms (they take seconds a kernel to build)",
     )
     parser.add_argument(
         "--keep-freed-memory",
         action="store_true",
-        help="glibc keeps freed memory (mallopt) so temporaries reuse pages instead of faulting them in",
+        help="glibc keeps freed memory (mallopt) so temporaries reuse pages"
+        " instead of faulting them in",
     )
     parser.add_argument(
         "--checks-only",
@@ -712,23 +772,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     # PyTorch's CPU allocator reads THP_MEM_ALLOC_ENABLE once, at its first allocation: it
     # can only come from the environment, so the command shows it when set.
-    environment = ["THP_MEM_ALLOC_ENABLE=1"] if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else []
+    environment = (
+        ["THP_MEM_ALLOC_ENABLE=1"] if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else []
+    )
     command = " ".join([*environment, "python -m benchmarks.losses", *flags])
     print_header("Loss kernels (float32, CPU, reduction sum, registry defaults)", command)
-    print(f"default: what a plain call runs (fused=None): the compiled form on CPU from {FUSED_MIN_TOKENS:,} tokens")
+    print(
+        "default: what a plain call runs (fused=None): the compiled form on CPU"
+        f" from {FUSED_MIN_TOKENS:,} tokens"
+    )
     if args.checks_only:
         if args.no_compile:
             parser.error("--checks-only times the fused forms too; drop --no-compile")
         batches = {size: make_batch(size, seed=index) for index, size in enumerate(check_sizes)}
         run_checks(batches, check_sizes, quick=args.quick, budget_s=budget_s)
         return 0
-    batches = {num_tokens: make_batch(num_tokens, seed=index) for index, num_tokens in enumerate(sizes)}
+    batches = {
+        num_tokens: make_batch(num_tokens, seed=index) for index, num_tokens in enumerate(sizes)
+    }
     for kernel in LOSSES.values():
         check_kernel_matches_loop(kernel, batches[sizes[0]])
-    print(f"per-datum loop checked equal to every kernel (loss and gradient) at {size_label(sizes[0])} tokens")
-    print(f"timings: best of up to {repeats} calls after a warm-up (each measurement capped at ~{budget_s:g} s)\n")
+    print(
+        "per-datum loop checked equal to every kernel (loss and gradient)"
+        f" at {size_label(sizes[0])} tokens"
+    )
+    print(
+        f"timings: best of up to {repeats} calls after a warm-up"
+        f" (each measurement capped at ~{budget_s:g} s)\n"
+    )
     # --quick compiles one form only: building all of them takes about a minute.
-    to_compile = [] if args.no_compile else [name for name, kernel in LOSSES.items() if kernel.fused_form]
+    to_compile = (
+        [] if args.no_compile else [name for name, kernel in LOSSES.items() if kernel.fused_form]
+    )
     to_compile = to_compile[:1] if args.quick else to_compile
     for label, threads in thread_settings(args.quick):
         rows: list[Row] = []
@@ -738,13 +813,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                 compiled = (
                     compile_fused(kernel, batches[sizes[0]])
                     if kernel.name in to_compile
-                    else Compiled(available=False, compile_s=0.0, reason="n/a (not compiled in this run)")
+                    else Compiled(
+                        available=False, compile_s=0.0, reason="n/a (not compiled in this run)"
+                    )
                 )
                 for num_tokens in sizes:
-                    rows.append(time_kernel(kernel, batches[num_tokens], compiled, rooflines, repeats=repeats, budget_s=budget_s))
+                    rows.append(
+                        time_kernel(
+                            kernel,
+                            batches[num_tokens],
+                            compiled,
+                            rooflines,
+                            repeats=repeats,
+                            budget_s=budget_s,
+                        )
+                    )
         print(f"### torch {label}\n")
         print(tables(rows))
-        print("\ntargets (fwd+bwd: the loop >= 20x slower than the kernel at 256 x 1024; kernel <= 4x roofline at >= 2M)\n")
+        print(
+            "\ntargets (fwd+bwd: the loop >= 20x slower than the kernel at 256 x 1024;"
+            " kernel <= 4x roofline at >= 2M)\n"
+        )
         print(
             markdown_table(
                 [

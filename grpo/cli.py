@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo import flags
-from grpo.backends.pytrio import BackendUnavailableError
 from grpo import run_dir as run_files
+from grpo.backends.pytrio import BackendUnavailableError
 from grpo.config import (
     BACKENDS,
     ConfigError,
@@ -252,28 +252,72 @@ def run_export(args: argparse.Namespace) -> int:
 # "module:function" resolved only for the command being run, so `grpo --help` imports
 # neither torch nor transformers.
 COMMANDS: tuple[tuple[str, str, str, str], ...] = (
-    ("train", "one GRPO run (default: offline on the built-in model)",
-     "grpo.cli:add_train_arguments", "grpo.cli:run_train"),
-    ("eval", "accuracy and pass@k of a checkpoint or the base model",
-     "grpo.cli:add_eval_arguments", "grpo.cli:run_eval"),
-    ("compare", "the same run for several losses and seeds, with a report and plot",
-     "grpo.experiments.compare:add_compare_arguments", "grpo.experiments.compare:run_compare"),
-    ("sweep", "a grid or list of flag overrides from a TOML file, ranked",
-     "grpo.experiments.sweep:add_sweep_arguments", "grpo.experiments.sweep:run_sweep"),
-    ("plot", "PNG plots of metrics across run directories",
-     "grpo.plots:add_plot_arguments", "grpo.plots:run_plot"),
-    ("show", "print a run's logged rollouts (prompts, completions, rewards), or write HTML",
-     "grpo.show:add_show_arguments", "grpo.show:run_show"),
-    ("plot-losses", "each loss's objective and gradient weight against the ratio",
-     "grpo.plots:add_plot_losses_arguments", "grpo.plots:run_plot_losses"),
-    ("serve", "the PyTRIO service on localhost, backed by the local backend",
-     "grpo.backends.serve:add_serve_arguments", "grpo.backends.serve:run_serve"),
-    ("runs", "training runs of the local store(s) or PyTRIO and their last checkpoints",
-     "grpo.manage:add_runs_arguments", "grpo.manage:run_runs"),
-    ("checkpoints", "list (size, expiry) | download | delete | cleanup checkpoints",
-     "grpo.manage:add_checkpoints_arguments", "grpo.manage:run_checkpoints"),
-    ("export", "a run's or checkpoint's LoRA as a PEFT adapter directory (--merge: merged)",
-     "grpo.cli:add_export_arguments", "grpo.cli:run_export"),
+    (
+        "train",
+        "one GRPO run (default: offline on the built-in model)",
+        "grpo.cli:add_train_arguments",
+        "grpo.cli:run_train",
+    ),
+    (
+        "eval",
+        "accuracy and pass@k of a checkpoint or the base model",
+        "grpo.cli:add_eval_arguments",
+        "grpo.cli:run_eval",
+    ),
+    (
+        "compare",
+        "the same run for several losses and seeds, with a report and plot",
+        "grpo.experiments.compare:add_compare_arguments",
+        "grpo.experiments.compare:run_compare",
+    ),
+    (
+        "sweep",
+        "a grid or list of flag overrides from a TOML file, ranked",
+        "grpo.experiments.sweep:add_sweep_arguments",
+        "grpo.experiments.sweep:run_sweep",
+    ),
+    (
+        "plot",
+        "PNG plots of metrics across run directories",
+        "grpo.plots:add_plot_arguments",
+        "grpo.plots:run_plot",
+    ),
+    (
+        "show",
+        "print a run's logged rollouts (prompts, completions, rewards), or write HTML",
+        "grpo.show:add_show_arguments",
+        "grpo.show:run_show",
+    ),
+    (
+        "plot-losses",
+        "each loss's objective and gradient weight against the ratio",
+        "grpo.plots:add_plot_losses_arguments",
+        "grpo.plots:run_plot_losses",
+    ),
+    (
+        "serve",
+        "the PyTRIO service on localhost, backed by the local backend",
+        "grpo.backends.serve:add_serve_arguments",
+        "grpo.backends.serve:run_serve",
+    ),
+    (
+        "runs",
+        "training runs of the local store(s) or PyTRIO and their last checkpoints",
+        "grpo.manage:add_runs_arguments",
+        "grpo.manage:run_runs",
+    ),
+    (
+        "checkpoints",
+        "list (size, expiry) | download | delete | cleanup checkpoints",
+        "grpo.manage:add_checkpoints_arguments",
+        "grpo.manage:run_checkpoints",
+    ),
+    (
+        "export",
+        "a run's or checkpoint's LoRA as a PEFT adapter directory (--merge: merged)",
+        "grpo.cli:add_export_arguments",
+        "grpo.cli:run_export",
+    ),
 )
 
 

@@ -20,14 +20,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from grpo.backends.names import TINY_MODEL_NAME
-
 from grpo.prompts import QUESTION_SUFFIX
 
 if TYPE_CHECKING:
     from grpo.core.loss_spec import LossSpec
+    from grpo.core.mismatch import MismatchCorrection
     from grpo.prompts import PromptTemplate
     from grpo.rewards import RewardFn
-    from grpo.core.mismatch import MismatchCorrection
 
 BACKENDS = ("local", "pytrio")
 SWANLAB_MODES = ("online", "offline", "disabled")
@@ -480,7 +479,8 @@ class TrainConfig:
         None, "TOML file of prices per million tokens, per model (see README, Cost)", _not_empty
     )
     price_prompt: float | None = _flag(
-        None, "price per million prompt tokens sent to the sampler (overrides the file)",
+        None,
+        "price per million prompt tokens sent to the sampler (overrides the file)",
         _price,
     )
     price_completion: float | None = _flag(

@@ -108,7 +108,9 @@ def as_custom_loss(
     return CustomLoss(
         spec=spec,
         sampling_logprobs=(
-            None if arrays.sampling_logprobs_N is None else torch.from_numpy(arrays.sampling_logprobs_N)
+            None
+            if arrays.sampling_logprobs_N is None
+            else torch.from_numpy(arrays.sampling_logprobs_N)
         ),
         weights=torch.from_numpy(arrays.weights_N),
         mask=torch.from_numpy(arrays.mask_N),

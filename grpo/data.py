@@ -85,36 +85,78 @@ ARITHMETIC_PHRASINGS: dict[str, dict[str, tuple[str, ...]]] = {
 # templates, names and things (disjoint by construction).
 WORD_PROBLEM_TEMPLATES: dict[str, tuple[tuple[str, str], ...]] = {
     "train": (
-        ("+", "{name} has {a} {thing}. {name} buys {b} more {thing}. "
-         "How many {thing} does {name} have now?"),
-        ("-", "{name} had {a} {thing} and gave {b} of them to a friend. "
-         "How many {thing} does {name} have left?"),
-        ("+", "There are {a} {thing} in a box and {b} {thing} on the table. "
-         "How many {thing} are there in all?"),
-        ("-", "A shop had {a} {thing}. It sold {b} of them in the morning. "
-         "How many {thing} are left?"),
-        ("++", "{name} picked {a} {thing} on Monday, {b} on Tuesday and {c} on Wednesday. "
-         "How many {thing} did {name} pick in total?"),
-        ("+-", "{name} has {a} {thing}. A friend gives {name} {b} more, then {name} loses {c}. "
-         "How many {thing} does {name} have now?"),
-        ("-+", "{name} had {a} {thing} and used {b} of them. Later {name} bought {c} more. "
-         "How many {thing} does {name} have now?"),
-        ("--", "A basket holds {a} {thing}. {name} takes out {b}, then takes out {c} more. "
-         "How many {thing} are still in the basket?"),
+        (
+            "+",
+            "{name} has {a} {thing}. {name} buys {b} more {thing}. "
+            "How many {thing} does {name} have now?",
+        ),
+        (
+            "-",
+            "{name} had {a} {thing} and gave {b} of them to a friend. "
+            "How many {thing} does {name} have left?",
+        ),
+        (
+            "+",
+            "There are {a} {thing} in a box and {b} {thing} on the table. "
+            "How many {thing} are there in all?",
+        ),
+        (
+            "-",
+            "A shop had {a} {thing}. It sold {b} of them in the morning. "
+            "How many {thing} are left?",
+        ),
+        (
+            "++",
+            "{name} picked {a} {thing} on Monday, {b} on Tuesday and {c} on Wednesday. "
+            "How many {thing} did {name} pick in total?",
+        ),
+        (
+            "+-",
+            "{name} has {a} {thing}. A friend gives {name} {b} more, then {name} loses {c}. "
+            "How many {thing} does {name} have now?",
+        ),
+        (
+            "-+",
+            "{name} had {a} {thing} and used {b} of them. Later {name} bought {c} more. "
+            "How many {thing} does {name} have now?",
+        ),
+        (
+            "--",
+            "A basket holds {a} {thing}. {name} takes out {b}, then takes out {c} more. "
+            "How many {thing} are still in the basket?",
+        ),
     ),
     "test": (
-        ("+", "{name} owns {a} {thing} and wins {b} more at a fair. "
-         "How many {thing} does {name} own now?"),
-        ("-", "{name} started with {a} {thing} and lost {b} on the way home. "
-         "How many {thing} are left?"),
-        ("++", "{name} collected {a} {thing} in the first week, {b} in the second and {c} in "
-         "the third. How many {thing} were collected altogether?"),
-        ("+-", "A jar has {a} {thing}. {name} adds {b} {thing} and then removes {c}. "
-         "How many {thing} are in the jar now?"),
-        ("-+", "{name} had {a} {thing}, sold {b} and then received {c} as a gift. "
-         "How many {thing} does {name} have now?"),
-        ("--", "{name} had {a} {thing}. {name} gave {b} to a neighbour and {c} to a cousin. "
-         "How many {thing} does {name} have left?"),
+        (
+            "+",
+            "{name} owns {a} {thing} and wins {b} more at a fair. "
+            "How many {thing} does {name} own now?",
+        ),
+        (
+            "-",
+            "{name} started with {a} {thing} and lost {b} on the way home. "
+            "How many {thing} are left?",
+        ),
+        (
+            "++",
+            "{name} collected {a} {thing} in the first week, {b} in the second and {c} in "
+            "the third. How many {thing} were collected altogether?",
+        ),
+        (
+            "+-",
+            "A jar has {a} {thing}. {name} adds {b} {thing} and then removes {c}. "
+            "How many {thing} are in the jar now?",
+        ),
+        (
+            "-+",
+            "{name} had {a} {thing}, sold {b} and then received {c} as a gift. "
+            "How many {thing} does {name} have now?",
+        ),
+        (
+            "--",
+            "{name} had {a} {thing}. {name} gave {b} to a neighbour and {c} to a cousin. "
+            "How many {thing} does {name} have left?",
+        ),
     ),
 }
 WORD_PROBLEM_NAMES = {

@@ -36,7 +36,9 @@ def _at_datum(index: int | None) -> str:
     return "" if index is None else f" (datum {index})"
 
 
-def datum_array(datum: Datum, key: str, dtype: type[np.generic], index: int | None = None) -> np.ndarray:
+def datum_array(
+    datum: Datum, key: str, dtype: type[np.generic], index: int | None = None
+) -> np.ndarray:
     """``loss_fn_inputs[key]`` as a flat numpy array, or a ValueError naming what is missing."""
     try:
         tensor = datum.loss_fn_inputs[key]
@@ -68,7 +70,9 @@ def _check_finite(name: str, values: np.ndarray, mask: np.ndarray, index: int | 
         )
 
 
-def _mask(datum: Datum, targets: np.ndarray, weights: np.ndarray, weight_input: str, index: int | None) -> np.ndarray:
+def _mask(
+    datum: Datum, targets: np.ndarray, weights: np.ndarray, weight_input: str, index: int | None
+) -> np.ndarray:
     if "mask" in datum.loss_fn_inputs:
         name, selector = "mask", datum_array(datum, "mask", np.float32, index)
     else:
@@ -85,7 +89,9 @@ def _mask(datum: Datum, targets: np.ndarray, weights: np.ndarray, weight_input: 
     return (selector != 0) & (targets != IGNORE_INDEX)
 
 
-def _weights(datum: Datum, weight_input: str, num_targets: int, optional: bool, index: int | None) -> np.ndarray:
+def _weights(
+    datum: Datum, weight_input: str, num_targets: int, optional: bool, index: int | None
+) -> np.ndarray:
     if optional and weight_input not in datum.loss_fn_inputs:
         return np.ones(num_targets, dtype=np.float32)
     weights = datum_array(datum, weight_input, np.float32, index)
@@ -93,7 +99,9 @@ def _weights(datum: Datum, weight_input: str, num_targets: int, optional: bool, 
     return weights
 
 
-def datum_mask(datum: Datum, *, weight_input: str = "advantages", weights_optional: bool = False) -> np.ndarray:
+def datum_mask(
+    datum: Datum, *, weight_input: str = "advantages", weights_optional: bool = False
+) -> np.ndarray:
     """Training positions of a datum: ``mask == 1`` if it has a ``mask`` entry (of 0s and 1s:
     anything else raises ValueError), else ``weight_input != 0`` (absent optional weights
     count as 1); never an IGNORE_INDEX target."""
@@ -152,7 +160,9 @@ def read_datums(
 
 def _tensor(values: np.ndarray, dtype: str) -> TensorData:
     """A TensorData over already-checked 1-D values (no re-validation)."""
-    return TensorData.model_construct(data=values.tolist(), dtype=dtype, shape=[int(values.shape[0])])
+    return TensorData.model_construct(
+        data=values.tolist(), dtype=dtype, shape=[int(values.shape[0])]
+    )
 
 
 def _model_input(tokens: np.ndarray) -> ModelInput:
@@ -169,6 +179,7 @@ def batch_to_datums(batch: TokenBatch, *, with_mask: bool = False) -> list[Datum
     """
     offsets = np.cumsum(batch.seq_lens)[:-1]
     inputs = np.split(np.asarray(batch.input_tokens, dtype=np.int64), offsets)
+
     def split(values: object, dtype: type) -> list[np.ndarray]:
         return np.split(np.asarray(values, dtype=dtype), offsets)
 
@@ -202,8 +213,13 @@ def forward_only(datums: Sequence[Datum]) -> list[Datum]:
 
 
 def output_logprobs(loss_fn_outputs: Sequence[dict[str, TensorData]]) -> np.ndarray:
-    """Concatenate the per-datum `logprobs` a forward/forward_backward returned into one flat array."""
+    """The per-datum `logprobs` a forward/forward_backward returned, as one flat array."""
     missing = [index for index, output in enumerate(loss_fn_outputs) if "logprobs" not in output]
     if missing:
-        raise ValueError(f"backend output has no 'logprobs' for datums {missing[:5]}; cannot compute ratio statistics")
-    return np.concatenate([np.asarray(output["logprobs"].data, dtype=np.float32) for output in loss_fn_outputs])
+        raise ValueError(
+            f"backend output has no 'logprobs' for datums {missing[:5]}; "
+            "cannot compute ratio statistics"
+        )
+    return np.concatenate(
+        [np.asarray(output["logprobs"].data, dtype=np.float32) for output in loss_fn_outputs]
+    )

@@ -17,7 +17,9 @@ from typing import Any
 from grpo.run_dir import MetricsWriter, RolloutsWriter
 
 # Config values whose key looks like a credential are never written anywhere.
-_SECRET_KEY = re.compile(r"(api[_-]?key|secret|passw(or)?d|(auth|access|bearer|api)[_-]?token)", re.IGNORECASE)
+_SECRET_KEY = re.compile(
+    r"(api[_-]?key|secret|passw(or)?d|(auth|access|bearer|api)[_-]?token)", re.IGNORECASE
+)
 
 CONSOLE_KEYS = (
     ("reward", "reward", "{:.3f}"),
@@ -79,15 +81,21 @@ class RunLogger:
         self._rollouts = RolloutsWriter(run_dir)
         self._swanlab: Any = None
         if swanlab_mode != "disabled":
-            self._swanlab = self._start_swanlab(swanlab_mode, swanlab_project, run_name, run_dir, scrub_secrets(config))
+            self._swanlab = self._start_swanlab(
+                swanlab_mode, swanlab_project, run_name, run_dir, scrub_secrets(config)
+            )
 
     @staticmethod
-    def _start_swanlab(mode: str, project: str, run_name: str, run_dir: Path, config: dict[str, Any]) -> Any:
-        """Start SwanLab; online failures fall back to offline, any failure to none, with a warning."""
+    def _start_swanlab(
+        mode: str, project: str, run_name: str, run_dir: Path, config: dict[str, Any]
+    ) -> Any:
+        """Start SwanLab; online failures fall back to offline, any failure to none, warning."""
         try:
             import swanlab
         except Exception as error:  # noqa: BLE001 - an optional mirror must never stop training
-            warnings.warn(f"SwanLab unavailable ({error}); logging to metrics.jsonl only", stacklevel=2)
+            warnings.warn(
+                f"SwanLab unavailable ({error}); logging to metrics.jsonl only", stacklevel=2
+            )
             return None
         for attempt_mode in (mode, "offline") if mode == "online" else (mode,):
             try:
@@ -99,11 +107,15 @@ class RunLogger:
                     logdir=str(run_dir / "swanlog"),
                 )
                 if attempt_mode != mode:
-                    warnings.warn("SwanLab online failed; logging offline to the run directory", stacklevel=2)
+                    warnings.warn(
+                        "SwanLab online failed; logging offline to the run directory", stacklevel=2
+                    )
                 return swanlab
             except Exception as error:  # noqa: BLE001
                 warnings.warn(f"SwanLab {attempt_mode} init failed: {error}", stacklevel=2)
-        warnings.warn("SwanLab disabled for this run; metrics.jsonl still has everything", stacklevel=2)
+        warnings.warn(
+            "SwanLab disabled for this run; metrics.jsonl still has everything", stacklevel=2
+        )
         return None
 
     def log(
@@ -124,7 +136,10 @@ class RunLogger:
                     ]
                 self._swanlab.log(payload, step=step)
             except Exception as error:  # noqa: BLE001 - never stop training for a mirror
-                warnings.warn(f"SwanLab log failed ({error}); continuing with metrics.jsonl only", stacklevel=2)
+                warnings.warn(
+                    f"SwanLab log failed ({error}); continuing with metrics.jsonl only",
+                    stacklevel=2,
+                )
                 self._swanlab = None
 
     def close(self) -> None:

@@ -62,10 +62,10 @@ from grpo.rollouts import (
     Problem,
     RolloutJob,
     StepRollouts,
+    evaluate_with_usage,
     extra_batch,
     extra_sampling_seed,
     grade_rollouts,
-    evaluate_with_usage,
     pick_batch,
     reference_logprobs,
     refill,
@@ -131,7 +131,7 @@ class RunState:
     weights_dirty: bool = False
     """True from the first optimizer step of a step until its row is logged."""
     probe_datums: Any = None
-    """The last minibatch, stripped to targets: a checkpoint is refused if its log-probs are not finite."""
+    """The last minibatch, stripped to targets: no checkpoint if its log-probs are not finite."""
     sampler: Any = None
     sampler_version: int = -1
     jobs: dict[int, RolloutJob] = attrs.Factory(dict)
@@ -177,7 +177,8 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
     staleness = state.version - job.sampler_version
     if staleness > config.max_steps_off_policy:
         raise AssertionError(
-            f"rollouts {staleness} steps stale > --max-steps-off-policy {config.max_steps_off_policy}"
+            f"rollouts {staleness} steps stale > --max-steps-off-policy "
+            f"{config.max_steps_off_policy}"
         )
     completions_P = job.result()  # 4: a group per prompt
     state.usage += job.usage()
@@ -186,14 +187,17 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
     rollouts = grade_rollouts(job.problems, completions_P, config)  # 5: grade (--reward)
     if config.dynamic_sampling:  # DAPO: sample more prompts until batch_size groups can train
         rollouts = refill(
-            rollouts, needed=config.batch_size, max_rounds=config.max_sampling_rounds,
+            rollouts,
+            needed=config.batch_size,
+            max_rounds=config.max_sampling_rounds,
             sample_round=lambda round_: sample_extra_round(run, state, step, round_),
         )
     groups_P = score_groups(  # 6: group advantages
         rollouts.problems_P, rollouts.completions_P, rollouts.scores.totals_P, config.advantage
     )
     metrics = {
-        **rollout_metrics(groups_P), **rollouts.scores.metrics(),
+        **rollout_metrics(groups_P),
+        **rollouts.scores.metrics(),
         "off_policy_steps": float(staleness),
     }
     limit = config.batch_size if config.dynamic_sampling else None
@@ -267,9 +271,14 @@ def sample_extra_round(run: Run, state: RunState, step: int, round_: int) -> Ste
     indices = extra_batch(len(run.train_problems), config.batch_size, step, round_, config.seed)
     problems = [run.train_problems[index] for index in indices]
     job = RolloutJob(
-        run.pool, current_sampler(run, state), problems,
-        params_for=_sampling_params(config, step, round_), num_samples=config.group_size,
-        tokenizer=run.tokenizer, max_retries=config.max_retries, log=run.note,
+        run.pool,
+        current_sampler(run, state),
+        problems,
+        params_for=_sampling_params(config, step, round_),
+        num_samples=config.group_size,
+        tokenizer=run.tokenizer,
+        max_retries=config.max_retries,
+        log=run.note,
         sampler_version=state.version,
     )
     return grade_rollouts(problems, job.result(), config)
@@ -310,7 +319,9 @@ def current_sampler(run: Run, state: RunState) -> Any:
     return state.sampler
 
 
-def shape_with_kl(batch: TokenBatch, ref_logprobs_N: np.ndarray, config: TrainConfig) -> tuple[TokenBatch, float]:
+def shape_with_kl(
+    batch: TokenBatch, ref_logprobs_N: np.ndarray, config: TrainConfig
+) -> tuple[TokenBatch, float]:
     """The batch with KL-to-base shaping folded into its advantages, and the mean KL estimate."""
     mask = np.asarray(batch.mask, dtype=bool)
     ref_flat = np.zeros(mask.size, dtype=np.float64)
@@ -353,7 +364,9 @@ def update(run: Run, state: RunState, batch: TokenBatch, staleness: int = 0) -> 
             else:
 
                 def submit() -> Any:
-                    return client.forward_backward(datums, loss_fn=spec.name, loss_fn_config=loss_fn_config)
+                    return client.forward_backward(
+                        datums, loss_fn=spec.name, loss_fn_config=loss_fn_config
+                    )
 
             output = _retry(run, lambda: submit().result(), "forward_backward")
             logprobs_N = output_logprobs(output.loss_fn_outputs)
@@ -439,16 +452,25 @@ def evaluate_now(run: Run, state: RunState) -> dict[str, float]:
     config = run.config
     fault_point("eval")
     metrics, usage = evaluate_with_usage(
-        run.pool, current_sampler(run, state), run.test_problems, run.tokenizer, num_samples=1,
-        temperature=config.temperature, max_tokens=config.max_tokens, seed=config.seed,
-        max_retries=config.max_retries, log=run.note,
+        run.pool,
+        current_sampler(run, state),
+        run.test_problems,
+        run.tokenizer,
+        num_samples=1,
+        temperature=config.temperature,
+        max_tokens=config.max_tokens,
+        seed=config.seed,
+        max_retries=config.max_retries,
+        log=run.note,
     )
     state.usage += usage
     return metrics
 
 
-def log_step(run: Run, state: RunState, step: int, metrics: dict[str, float], write: Callable[[str], None]) -> None:
-    """Step 10: the row to disk (durable), then the console; the weights are now those of ``step``."""
+def log_step(
+    run: Run, state: RunState, step: int, metrics: dict[str, float], write: Callable[[str], None]
+) -> None:
+    """Step 10: the row to disk (durable), then the console; the weights are now ``step``'s."""
     fault_point("log")
     logged = state.usage_logged + state.usage
     metrics.update(usage_metrics(state.usage, logged, run.prices))
@@ -474,7 +496,8 @@ def _weights_give_finite_logprobs(run: Run, probe_datums: Any) -> bool:
     non-finite log-probs itself, as the local one does, answers with a ``non_finite`` error.)"""
     try:
         probe = _retry(
-            run, lambda: run.training_client.forward(probe_datums, loss_fn="cross_entropy").result(),
+            run,
+            lambda: run.training_client.forward(probe_datums, loss_fn="cross_entropy").result(),
             "forward (checkpoint check)",
         )
     except Exception as error:
@@ -490,7 +513,9 @@ def save_checkpoint(run: Run, state: RunState, name: str) -> None:
     One forward of the last minibatch first: weights that give non-finite log-probs (a
     diverged update) are never saved as resumable (NonFiniteUpdate instead).
     """
-    if state.probe_datums is not None and not _weights_give_finite_logprobs(run, state.probe_datums):
+    if state.probe_datums is not None and not _weights_give_finite_logprobs(
+        run, state.probe_datums
+    ):
         state.weights_dirty = True
         raise NonFiniteUpdate(
             f"the weights after step {state.completed} give non-finite log-probs (a diverged "
@@ -563,7 +588,9 @@ def _make_service(config: TrainConfig, run_dir: Path) -> Any:
     )
 
 
-def _check_run_dir(run_dir: Path, config: TrainConfig, resume: bool) -> rundir.Checkpoint | None | bool:
+def _check_run_dir(
+    run_dir: Path, config: TrainConfig, resume: bool
+) -> rundir.Checkpoint | None | bool:
     """The checkpoint to resume from (None: from scratch), or False when there is nothing to do."""
     status = rundir.run_status(run_dir)
     if not resume:
@@ -590,7 +617,9 @@ def _finished_result(run_dir: Path, echo: Callable[[str], None]) -> RunResult:
         "N larger to continue it)"
     )
     return RunResult(
-        run_dir=run_dir, steps=steps, final_metrics=dict(summary.get("final", {})),
+        run_dir=run_dir,
+        steps=steps,
+        final_metrics=dict(summary.get("final", {})),
         sampler_path=summary.get("sampler_path"),
     )
 
@@ -635,32 +664,42 @@ def _train_in(
         train_problems=pre.train_problems,
         test_problems=pre.test_problems,
         adam=AdamParams(
-            learning_rate=config.learning_rate, beta1=config.beta1, beta2=config.beta2, eps=config.eps,
-            weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm,
+            learning_rate=config.learning_rate,
+            beta1=config.beta1,
+            beta2=config.beta2,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            grad_clip_norm=config.grad_clip_norm,
         ),
         pool=ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="rollout"),
         ref_sampler=pre.base_sampler if config.kl_coef > 0 else None,
         logger=RunLogger(
-            run_dir, config=to_dict(config), swanlab_mode=config.swanlab_mode,
-            swanlab_project=config.swanlab_project, run_name=str(config.run_name),
+            run_dir,
+            config=to_dict(config),
+            swanlab_mode=config.swanlab_mode,
+            swanlab_project=config.swanlab_project,
+            run_name=str(config.run_name),
         ),
         note=note,
         prices=pre.prices,
     )
     state = RunState(
-        completed=start_step, last_saved_step=start_step, version=start_step,
+        completed=start_step,
+        last_saved_step=start_step,
+        version=start_step,
         usage_logged=logged_usage(run_dir, start_step),
     )
     return _run_steps(run, state, echo, progress)
 
 
 def _load_checkpoint(service: Any, run_dir: Path, checkpoint: rundir.Checkpoint) -> Any:
-    """The training client of the run's checkpoint; a ConfigError saying what to do if it is gone."""
+    """The training client of the run's checkpoint; a ConfigError saying what to do if gone."""
     try:
         return service.create_training_client_from_state_with_optimizer(checkpoint.state_path)
     except Exception as error:  # noqa: BLE001 - every backend has its own not-found error
         raise ConfigError(
-            f"--resume {run_dir}: the checkpoint of step {checkpoint.step} ({checkpoint.state_path}) "
+            f"--resume {run_dir}: the checkpoint of step {checkpoint.step} "
+            f"({checkpoint.state_path}) "
             f"cannot be loaded: {error}. Restore it (the local backend keeps it under "
             f"{run_dir / rundir.BACKEND_DIR}), or delete {run_dir / rundir.CHECKPOINT_FILE} and "
             f"{run_dir / rundir.METRICS_FILE} to rerun from the start"
@@ -671,7 +710,14 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
     from tqdm import tqdm
 
     config = run.config
-    bar = tqdm(total=run.steps, initial=state.completed, desc="grpo", unit="step", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=run.steps,
+        initial=state.completed,
+        desc="grpo",
+        unit="step",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     write = bar.write if progress else echo
     run_start = time.perf_counter()
     try:
@@ -695,7 +741,8 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
                     save_checkpoint(run, state, f"step-{done:06d}")
             save_checkpoint(run, state, "final")
             sampler_path = _retry(
-                run, lambda: run.training_client.save_weights_for_sampler(
+                run,
+                lambda: run.training_client.save_weights_for_sampler(
                     sampler_weights_name(str(config.run_name))
                 ).result(),
                 "save_weights_for_sampler",
@@ -703,7 +750,8 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
     except KeyboardInterrupt:
         _stop_with_checkpoint(run, state)
         raise RunStopped(
-            f"stopped by signal after step {state.completed}; resume with `grpo train --resume {run.run_dir}`",
+            f"stopped by signal after step {state.completed}; resume with "
+            f"`grpo train --resume {run.run_dir}`",
             exit_code=130,
         ) from None
     except Exception as error:
@@ -724,14 +772,25 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
     rundir.write_json_atomic(
         run.run_dir / rundir.SUMMARY_FILE,
         {
-            "finished": True, "steps": run.steps, "wall_time_s": wall_time, "final": state.last_metrics,
-            "test/reward": state.last_metrics.get("test/reward"), "sampler_path": sampler_path,
+            "finished": True,
+            "steps": run.steps,
+            "wall_time_s": wall_time,
+            "final": state.last_metrics,
+            "test/reward": state.last_metrics.get("test/reward"),
+            "sampler_path": sampler_path,
             "run_name": config.run_name,
             **usage_summary(state.usage_logged + state.usage, run.prices),
         },
     )
-    echo(f"[grpo] done: {run.steps} steps in {wall_time:.1f}s; final sampler weights: {sampler_path}")
-    return RunResult(run_dir=run.run_dir, steps=run.steps, final_metrics=state.last_metrics, sampler_path=sampler_path)
+    echo(
+        f"[grpo] done: {run.steps} steps in {wall_time:.1f}s; final sampler weights: {sampler_path}"
+    )
+    return RunResult(
+        run_dir=run.run_dir,
+        steps=run.steps,
+        final_metrics=state.last_metrics,
+        sampler_path=sampler_path,
+    )
 
 
 def logged_usage(run_dir: Path, step: int) -> TokenUsage:
@@ -745,7 +804,9 @@ def usage_summary(usage: TokenUsage, prices: Prices | None) -> dict[str, Any]:
     summary: dict[str, Any] = {"usage": attrs.asdict(usage)}
     if prices is not None:
         summary["cost"] = {
-            "total": cost(usage, prices), "currency": prices.currency, "source": prices.source,
+            "total": cost(usage, prices),
+            "currency": prices.currency,
+            "source": prices.source,
             "per_million": prices.per_kind(),
         }
     return summary
@@ -774,7 +835,10 @@ def _stop_with_checkpoint(run: Run, state: RunState) -> None:
         save_checkpoint(run, state, f"step-{state.completed:06d}")
         run.note(f"checkpoint saved at step {state.completed}")
     except Exception as error:  # noqa: BLE001 - the original failure is what the user must see
-        run.note(f"could not save a checkpoint ({type(error).__name__}: {error}); the last one is step {state.last_saved_step}")
+        run.note(
+            f"could not save a checkpoint ({type(error).__name__}: {error}); the last one is "
+            f"step {state.last_saved_step}"
+        )
 
 
 @contextmanager

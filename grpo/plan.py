@@ -3,10 +3,10 @@
 `preflight` is what `grpo train` does before it creates a training client: the config
 (checked when built), the prices, the dataset, the base model's tokenizer (from a sampler
 on the base model: no training run is created), and every prompt + --max-tokens against
-the tokenizer's context and the service's limits (`check_capabilities`). The real run and `grpo train --dry-run`
-share it; the dry run then prints `planned_usage` (docs/FORMULAS.md, "Usage and cost")
-and, with prices, its cost, and writes nothing. `grpo compare`/`sweep --dry-run` add the
-plans of every run of the experiment.
+the tokenizer's context and the service's limits (`check_capabilities`). The real run and
+`grpo train --dry-run` share it; the dry run then prints `planned_usage`
+(docs/FORMULAS.md, "Usage and cost") and, with prices, its cost, and writes nothing.
+`grpo compare`/`sweep --dry-run` add the plans of every run of the experiment.
 """
 
 from __future__ import annotations
@@ -57,8 +57,13 @@ def preflight(config: TrainConfig, make_service: Callable[[], Any]) -> Preflight
     max_len = tokenizer_max_len(tokenizer)
     problems = {
         split: build_problems(
-            tokenizer, rows, fewshot=config.use_fewshot, max_tokens=config.max_tokens,
-            max_len=max_len, split=split, template=config.prompt_template,
+            tokenizer,
+            rows,
+            fewshot=config.use_fewshot,
+            max_tokens=config.max_tokens,
+            max_len=max_len,
+            split=split,
+            template=config.prompt_template,
             columns=columns_of(config),
         )
         for split, rows in (("train", train_rows), ("test", test_rows))
@@ -73,9 +78,15 @@ def preflight(config: TrainConfig, make_service: Callable[[], Any]) -> Preflight
         except CapabilityError as error:
             raise ConfigError(str(error)) from None
     return Preflight(
-        config=config, steps=steps, service=service, base_sampler=base_sampler,
-        tokenizer=tokenizer, max_len=max_len, train_problems=problems["train"],
-        test_problems=problems["test"], prices=prices,
+        config=config,
+        steps=steps,
+        service=service,
+        base_sampler=base_sampler,
+        tokenizer=tokenizer,
+        max_len=max_len,
+        train_problems=problems["train"],
+        test_problems=problems["test"],
+        prices=prices,
     )
 
 

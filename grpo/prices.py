@@ -38,24 +38,23 @@ def _file_prices(path: str, model: str) -> tuple[dict[str, Any], str | None, str
     if unknown:
         raise ConfigError(
             f"--price-file {path}: unknown key(s) {sorted(unknown)}; a price file holds "
-            "currency, source and [models.\"NAME\"] tables"
+            'currency, source and [models."NAME"] tables'
         )
     entry = models.get(model)
     if entry is None:
         raise ConfigError(
             f"--price-file {path} has no prices for model {model!r} (it has "
-            f"{sorted(models) or 'none'}); add a [models.\"{model}\"] table or pass --price-*"
+            f'{sorted(models) or "none"}); add a [models."{model}"] table or pass --price-*'
         )
     if not isinstance(entry, Mapping) or set(entry) - set(KINDS):
         raise ConfigError(
-            f"--price-file {path}: [models.\"{model}\"] may hold only {', '.join(KINDS)} "
+            f'--price-file {path}: [models."{model}"] may hold only {", ".join(KINDS)} '
             f"(numbers per million tokens), got {entry!r}"
         )
     for kind, value in entry.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ConfigError(
-                f"--price-file {path}: models.\"{model}\".{kind} must be a number >= 0, got "
-                f"{value!r}"
+                f'--price-file {path}: models."{model}".{kind} must be a number >= 0, got {value!r}'
             )
     currency, source = raw.get("currency"), raw.get("source")
     return {kind: float(value) for kind, value in entry.items()}, currency, source
@@ -82,7 +81,8 @@ def prices_for(config: TrainConfig) -> Prices | None:
     missing = [kind for kind in ("prompt", "completion", "train") if kind not in entries]
     if missing:
         raise ConfigError(
-            "prices are incomplete: no " + ", ".join(f"--price-{kind}" for kind in missing)
+            "prices are incomplete: no "
+            + ", ".join(f"--price-{kind}" for kind in missing)
             + " (give every one of prompt, completion and train, in --price-file or as flags)"
         )
     if not isinstance(currency, str) or not currency.strip():

@@ -170,7 +170,8 @@ def load_rewards(specs: Sequence[str]) -> tuple[RewardFn, ...]:
         module = _load_target(spec, target)
         if not hasattr(module, function):
             public = sorted(
-                name for name, value in vars(module).items()
+                name
+                for name, value in vars(module).items()
                 if callable(value) and not name.startswith("_")
             )
             raise ValueError(

@@ -93,7 +93,7 @@ def build_problems(
 
 
 def pick_batch(num_problems: int, batch_size: int, step: int, seed: int) -> np.ndarray:
-    """Indices of step ``step``'s problems: slices of a per-pass permutation seeded by (seed, pass)."""
+    """Indices of step ``step``'s problems: slices of a per-pass permutation seeded (seed, pass)."""
     positions = np.arange(step * batch_size, (step + 1) * batch_size)
     passes, offsets = np.divmod(positions, num_problems)
     indices = np.empty(batch_size, dtype=np.int64)
@@ -105,14 +105,16 @@ def pick_batch(num_problems: int, batch_size: int, step: int, seed: int) -> np.n
 
 
 def sampling_seed(seed: int, step: int, index: int, purpose: int = TRAIN_PURPOSE) -> int:
-    """The sampler seed of request ``index`` at ``step``: a pure function, so runs are reproducible."""
-    return int(np.random.SeedSequence([seed, purpose, step, index]).generate_state(1)[0] & 0x7FFFFFFF)
+    """The sampler seed of request ``index`` at ``step``: a pure function (reproducible runs)."""
+    return int(
+        np.random.SeedSequence([seed, purpose, step, index]).generate_state(1)[0] & 0x7FFFFFFF
+    )
 
 
 def extra_batch(
     num_problems: int, batch_size: int, step: int, round_: int, seed: int
 ) -> np.ndarray:
-    """Problems of extra sampling round ``round_`` >= 1 of ``step``: distinct, seeded by all four."""
+    """Problems of extra sampling round ``round_`` >= 1 of ``step``: distinct, seeded by all."""
     rng = np.random.default_rng([seed, EXTRA_PURPOSE, step, round_])
     return rng.choice(num_problems, size=min(batch_size, num_problems), replace=False)
 
@@ -124,15 +126,18 @@ def extra_sampling_seed(seed: int, step: int, round_: int, index: int) -> int:
 
 
 def _completion_from(sequence: Any, tokenizer: Any) -> Completion:
-    """A core Completion from one sampled sequence (text decoded if the backend did not return it)."""
+    """A core Completion from one sampled sequence (text decoded if the backend gave none)."""
     text = sequence.text if sequence.text is not None else tokenizer.decode(sequence.tokens)
     return Completion(
-        tokens=sequence.tokens, logprobs=sequence.logprobs, text=text, stop_reason=sequence.stop_reason
+        tokens=sequence.tokens,
+        logprobs=sequence.logprobs,
+        text=text,
+        stop_reason=sequence.stop_reason,
     )
 
 
 class RolloutJob:
-    """One step's sampling requests, submitted to a bounded pool; ``result()`` waits for all groups."""
+    """One step's sampling requests on a bounded pool; ``result()`` waits for all groups."""
 
     def __init__(
         self,
@@ -155,14 +160,19 @@ class RolloutJob:
             prompt = ModelInput.from_ints(list(self.problems[index].prompt_tokens))
             response = call_with_retries(
                 lambda: sampler.sample(
-                    prompt=prompt, num_samples=num_samples, sampling_params=params_for(index), return_text=True
+                    prompt=prompt,
+                    num_samples=num_samples,
+                    sampling_params=params_for(index),
+                    return_text=True,
                 ).result(),
                 what=f"sample (problem {index})",
                 max_retries=max_retries,
                 on_retry=log,
             )
             self._usage_P[index] = sample_usage(
-                response.input_tokens, response.output_tokens, len(prompt),
+                response.input_tokens,
+                response.output_tokens,
+                len(prompt),
                 (len(sequence.tokens) for sequence in response.sequences),
             )
             return [_completion_from(sequence, tokenizer) for sequence in response.sequences]
@@ -190,7 +200,9 @@ def grade_groups(
 ) -> list[np.ndarray]:
     """Reward of every completion: 1.0 when its last boxed answer matches the gold answer."""
     return [
-        np.array([grade(completion.text, problem.gold) for completion in completions], dtype=np.float64)
+        np.array(
+            [grade(completion.text, problem.gold) for completion in completions], dtype=np.float64
+        )
         for problem, completions in zip(problems_P, completions_P, strict=True)
     ]
 
@@ -255,7 +267,11 @@ def score_groups(
 
 
 def reference_logprobs(
-    pool: ThreadPoolExecutor, ref_sampler: Any, groups: Sequence[ScoredGroup], max_retries: int, log: Log
+    pool: ThreadPoolExecutor,
+    ref_sampler: Any,
+    groups: Sequence[ScoredGroup],
+    max_retries: int,
+    log: Log,
 ) -> np.ndarray:
     """Base-model log-probs of every sampled completion token, concatenated in packing order.
 
@@ -295,8 +311,16 @@ def evaluate(
 ) -> dict[str, float]:
     """Accuracy (mean reward over all samples) and pass@k for k = 1, 2, 4, ... <= num_samples."""
     return evaluate_with_usage(
-        pool, sampler, problems, tokenizer, num_samples=num_samples, temperature=temperature,
-        max_tokens=max_tokens, seed=seed, max_retries=max_retries, log=log,
+        pool,
+        sampler,
+        problems,
+        tokenizer,
+        num_samples=num_samples,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        seed=seed,
+        max_retries=max_retries,
+        log=log,
     )[0]
 
 
@@ -324,15 +348,24 @@ def evaluate_with_usage(
         )
 
     job = RolloutJob(
-        pool, sampler, problems, params_for=params, num_samples=num_samples, tokenizer=tokenizer,
-        max_retries=max_retries, log=log, sampler_version=0,
+        pool,
+        sampler,
+        problems,
+        params_for=params,
+        num_samples=num_samples,
+        tokenizer=tokenizer,
+        max_retries=max_retries,
+        log=log,
+        sampler_version=0,
     )
     rewards_P = grade_groups(problems, job.result())
     correct_P = [int(rewards.sum()) for rewards in rewards_P]
     metrics = {"test/reward": float(np.mean(np.concatenate(rewards_P)))}
     k = 1
     while k <= num_samples:
-        metrics[f"test/pass@{k}"] = float(np.mean([pass_at_k(num_samples, c, k) for c in correct_P]))
+        metrics[f"test/pass@{k}"] = float(
+            np.mean([pass_at_k(num_samples, c, k) for c in correct_P])
+        )
         k *= 2
     return metrics, job.usage()
 

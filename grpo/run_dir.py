@@ -235,7 +235,7 @@ def run_status(run_dir: Path) -> str:
 
 
 def eval_weights_path(run_dir: Path) -> str:
-    """The weights `grpo eval --run-dir` uses: the final sampler weights, else the last checkpoint."""
+    """The weights `grpo eval --run-dir` uses: final sampler weights, else the last checkpoint."""
     summary = read_summary(run_dir)
     if summary is not None and summary.get("sampler_path"):
         return str(summary["sampler_path"])
@@ -283,7 +283,7 @@ def scan_metrics(path: Path) -> MetricsRead:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The rows of a run's metrics.jsonl; RunDirError naming a damaged line (a cut-off tail is skipped)."""
+    """The rows of a run's metrics.jsonl, a cut-off tail skipped; RunDirError names a bad line."""
     path = run_dir / METRICS_FILE
     scanned = scan_metrics(path)
     damaged = scanned.bad_lines[:-1] if scanned.truncated_tail else scanned.bad_lines

@@ -51,9 +51,10 @@ def run_show(args: argparse.Namespace) -> int:
         raise ValueError(
             f"{run_dir} has no {run_files.ROLLOUTS_FILE} rows; train with --log-rollouts N > 0"
         )
-    metrics = {row[run_files.STEP_KEY]: row for row in run_files.merge_rows_by_step(
-        run_files.read_metrics(run_dir)
-    )}
+    metrics = {
+        row[run_files.STEP_KEY]: row
+        for row in run_files.merge_rows_by_step(run_files.read_metrics(run_dir))
+    }
     if args.html:
         Path(args.html).write_text(render_html(run_dir, groups, metrics), encoding="utf-8")
         steps = sorted({group["step"] for group in groups})
@@ -87,7 +88,10 @@ def _picked(completions: list[dict[str, Any]], pick: str | None) -> list[tuple[i
     indexed = list(enumerate(completions))
     if pick is None:
         return indexed
-    key = (lambda item: item[1]["reward"])
+
+    def key(item: Any) -> float:
+        return item[1]["reward"]
+
     return [max(indexed, key=key) if pick == "best" else min(indexed, key=key)]
 
 
@@ -167,8 +171,9 @@ def _group_html(group: Mapping[str, Any]) -> str:
     tag = " <span class='tag'>degenerate: not trained</span>" if group["degenerate"] else ""
     rows = []
     for member, completion in enumerate(group["completions"]):
-        reward_class = "good" if completion["reward"] > mean else "bad" if completion[
-            "reward"] < mean else ""
+        reward_class = (
+            "good" if completion["reward"] > mean else "bad" if completion["reward"] < mean else ""
+        )
         rows.append(
             "<tr>"
             f"<td class='num'>{member}</td>"

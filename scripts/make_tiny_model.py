@@ -86,8 +86,13 @@ def measure(model: transformers.PreTrainedModel, tokenizer: object, problems: in
         for style, prefix in PROMPT_STYLES.items():
             for label, temperature in (("greedy", 0.0), ("temperature 1", 1.0)):
                 accuracy[(source, style, label)] = warm_start.solve_rate(
-                    model, tokenizer, test, temperature=temperature, prefix=prefix,
-                    seed=SAMPLING_SEED, max_new_tokens=warm_start.MAX_NEW_TOKENS * 2,
+                    model,
+                    tokenizer,
+                    test,
+                    temperature=temperature,
+                    prefix=prefix,
+                    seed=SAMPLING_SEED,
+                    max_new_tokens=warm_start.MAX_NEW_TOKENS * 2,
                 )
     return accuracy
 
@@ -152,15 +157,24 @@ def check(shipped: Path, *, steps: int, seed: int) -> int:
     if mismatched:
         print(f"MISMATCH with {shipped}: {', '.join(mismatched)}", file=sys.stderr)
         return 1
-    print(f"OK: regenerated files match {shipped} ({WEIGHTS_FILE} {sha256_of(shipped / WEIGHTS_FILE)})")
+    print(
+        f"OK: regenerated files match {shipped} "
+        f"({WEIGHTS_FILE} {sha256_of(shipped / WEIGHTS_FILE)})"
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the process exit status."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--steps", type=int, default=warm_start.WARM_START_STEPS, help="optimizer steps")
-    parser.add_argument("--seed", type=int, default=warm_start.WARM_START_SEED, help="init and data-order seed")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument(
+        "--steps", type=int, default=warm_start.WARM_START_STEPS, help="optimizer steps"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=warm_start.WARM_START_SEED, help="init and data-order seed"
+    )
     parser.add_argument("--out", type=Path, default=TINY_MODEL_DIR, help="output directory")
     parser.add_argument(
         "--eval-problems",
@@ -169,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         help="test problems used to measure accuracy",
     )
     parser.add_argument(
-        "--check", action="store_true", help="retrain in a temp dir and compare with --out; exit 1 on mismatch"
+        "--check",
+        action="store_true",
+        help="retrain in a temp dir and compare with --out; exit 1 on mismatch",
     )
     parser.add_argument(
         "--snapshot-steps", default="", help="comma-separated steps at which to save the model too"
@@ -203,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         "problems": args.eval_problems,
         "accuracy": measure(model, tokenizer, args.eval_problems),
     }
-    command = " ".join(["python", "scripts/make_tiny_model.py", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(
+        ["python", "scripts/make_tiny_model.py", *(sys.argv[1:] if argv is None else argv)]
+    )
     write_manifest(args.out, command=command, steps=args.steps, seed=args.seed, results=results)
     print(
         f"saved {args.out / WEIGHTS_FILE} (sha256 {sha256_of(args.out / WEIGHTS_FILE)}), "

@@ -1,6 +1,5 @@
 """Hypothesis strategies shared by the test suite (one place, per house style)."""
 
-
 # --- records/rewards/advantages strategies ---
 from decimal import Decimal  # noqa: E402
 from functools import lru_cache  # noqa: E402
@@ -173,7 +172,6 @@ import attrs  # noqa: E402
 import pytrio  # noqa: E402
 import torch  # noqa: E402
 
-
 # Token values come from a numpy generator seeded by hypothesis: hypothesis draws the
 # structure (lengths, mask rate, advantages, seed), so an example costs a few draws
 # instead of four per token, and a failure still replays from its seed.
@@ -235,7 +233,10 @@ class PackedLossBatch:
     def sequence_slices(self) -> list[slice]:
         """The positions of each packed sequence."""
         ends = np.cumsum(self.seq_lens)
-        return [slice(int(end - length), int(end)) for end, length in zip(ends, self.seq_lens, strict=True)]
+        return [
+            slice(int(end - length), int(end))
+            for end, length in zip(ends, self.seq_lens, strict=True)
+        ]
 
 
 @st.composite

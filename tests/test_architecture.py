@@ -17,7 +17,6 @@ import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "grpo"
 
 

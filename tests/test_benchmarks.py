@@ -27,7 +27,10 @@ from benchmarks import datums, local, loop, losses, mismatch, serve
         (datums, ["| pack_groups + batch_to_datums (loop) |", "checked equal"]),
         (loop, ["| sequential (concurrency=1) |", "| concurrent + max_steps_off_policy=1 |"]),
         (local, ["| 1 thread | 16 x 32"]),
-        (mismatch, ["| float32 | 1 | 1 |", "| bfloat16 | 0.7 | 0.9 |", "forward / forward_backward"]),
+        (
+            mismatch,
+            ["| float32 | 1 | 1 |", "| bfloat16 | 0.7 | 0.9 |", "forward / forward_backward"],
+        ),
         (serve, ["| forward_backward_custom (8 datums) |", "| default config, 2 steps |"]),
     ],
     ids=["losses", "datums", "loop", "local", "mismatch", "serve"],

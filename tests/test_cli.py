@@ -145,9 +145,7 @@ def test_sigint_mid_run_leaves_resumable_checkpoint_and_complete_logs(tmp_path: 
     # Resume and finish (fewer total steps than first asked, to stay quick).
     target = checkpoint["step"] + 1
     assert main(["train", "--resume", str(run_dir), "--steps", str(target)]) == 0
-    assert [row["step"] for row in read_metrics(run_dir)] == list(
-        range(1, target + 1)
-    )
+    assert [row["step"] for row in read_metrics(run_dir)] == list(range(1, target + 1))
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == target
 
 

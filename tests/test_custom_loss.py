@@ -274,7 +274,8 @@ def test_bad_loss_name_config_or_reduction_fails_at_construction() -> None:
         ),
         (
             _datum([3, 4], [-1.0, math.nan], [1.0, 1.0]),
-            "logprobs holds nan at position 1 \\(datum 1\\); every entry at a trained position must be finite",
+            "logprobs holds nan at position 1 \\(datum 1\\); "
+            "every entry at a trained position must be finite",
         ),
         (
             _datum([3, 4], [-1.0, -1.0], [math.inf, 1.0]),
@@ -325,4 +326,3 @@ def test_calls_with_other_datums_or_logprobs_are_rejected_naming_the_datum_index
         ValueError, match="target_tokens has 3 entries but the loss was built for 2 \\(datum 0\\)"
     ):
         loss_fn(swapped, _leaves([np.zeros(2), np.zeros(3)]))
-

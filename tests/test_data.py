@@ -48,7 +48,10 @@ def write_jsonl(path, rows):
 
 def test_arithmetic_splits_have_the_documented_sizes_and_columns(train, test):
     assert train.column_names == ["question", "answer"]
-    assert (len(train), len(test)) == (ARITHMETIC_SPLIT_SIZES["train"], ARITHMETIC_SPLIT_SIZES["test"])
+    assert (len(train), len(test)) == (
+        ARITHMETIC_SPLIT_SIZES["train"],
+        ARITHMETIC_SPLIT_SIZES["test"],
+    )
 
 
 def test_arithmetic_questions_are_distinct_within_each_split(train, test):
@@ -68,7 +71,9 @@ def test_arithmetic_has_at_least_three_phrasings_per_operation_in_train():
 
 
 def test_arithmetic_answers_are_correct_nonnegative_and_in_gsm8k_format(train, test):
-    for question, answer in zip([*train["question"], *test["question"]], [*train["answer"], *test["answer"]]):
+    for question, answer in zip(
+        [*train["question"], *test["question"]], [*train["answer"], *test["answer"]]
+    ):
         a, operation, b, result, gold = EQUATION.match(answer).groups()
         a, b, result = int(a), int(b), int(result)
         assert result == (a + b if operation == "+" else a - b) >= 0
@@ -261,7 +266,9 @@ def test_directory_serves_the_file_named_after_the_split(tmp_path):
 
 def test_directory_without_the_split_file_names_what_it_expected_and_found(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", ROWS)
-    with pytest.raises(FileNotFoundError, match=r"no file for split 'test'.*test\.jsonl.*train\.jsonl"):
+    with pytest.raises(
+        FileNotFoundError, match=r"no file for split 'test'.*test\.jsonl.*train\.jsonl"
+    ):
         load_problems(str(tmp_path), "test")
 
 
@@ -320,8 +327,11 @@ def test_a_hub_name_offline_fails_at_once_saying_how_to_use_a_local_file(monkeyp
 
     monkeypatch.setattr(datasets, "load_dataset", unreachable)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ConnectionError, match=r"owner/set from the Hugging Face hub \(offline "
-                       r"mode\).*--dataset path/to/validation.jsonl"):
+    with pytest.raises(
+        ConnectionError,
+        match=r"owner/set from the Hugging Face hub \(offline "
+        r"mode\).*--dataset path/to/validation.jsonl",
+    ):
         load_problems("owner/set", "test", hub_config="main", hub_split="validation")
     assert calls == [(("owner/set", "main"), {"split": "validation"})]
 
@@ -338,13 +348,19 @@ def test_run_config_passes_hub_config_split_and_columns(monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", fake_hub)
     config = TrainConfig(
-        dataset="owner/set", dataset_config="cfg", train_split="tr", test_split="te",
-        prompt_column="q", answer_column="a", gold_rule="whole",
+        dataset="owner/set",
+        dataset_config="cfg",
+        train_split="tr",
+        test_split="te",
+        prompt_column="q",
+        answer_column="a",
+        gold_rule="whole",
     )
     assert load_run_problems(config, "train").to_list() == [{"q": "1 + 1?", "a": "2"}]
     load_run_problems(config, "test")
     assert calls == [
-        (("owner/set", "cfg"), {"split": "tr"}), (("owner/set", "cfg"), {"split": "te"})
+        (("owner/set", "cfg"), {"split": "tr"}),
+        (("owner/set", "cfg"), {"split": "te"}),
     ]
 
 

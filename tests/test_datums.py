@@ -53,7 +53,10 @@ def test_forward_only_keeps_inputs_and_targets(batch) -> None:
 def test_output_logprobs_concatenates_and_names_missing_datums() -> None:
     from pytrio.types import TensorData
 
-    outputs = [{"logprobs": TensorData.from_numpy(np.array([-1.0, -2.0]))}, {"logprobs": TensorData.from_numpy(np.array([-3.0]))}]
+    outputs = [
+        {"logprobs": TensorData.from_numpy(np.array([-1.0, -2.0]))},
+        {"logprobs": TensorData.from_numpy(np.array([-3.0]))},
+    ]
     assert output_logprobs(outputs).tolist() == [-1.0, -2.0, -3.0]
     try:
         output_logprobs([{}, outputs[0]])

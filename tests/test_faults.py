@@ -25,9 +25,26 @@ from grpo import run_dir as rundir
 from grpo.loop import FAULT_ENV
 
 FLAGS = [
-    "--steps", "4", "--batch-size", "2", "--group-size", "6", "--max-tokens", "24",
-    "--eval-every", "2", "--eval-limit", "4", "--save-every", "2", "--concurrency", "4",
-    "--num-substeps", "1", "--seed", "0",
+    "--steps",
+    "4",
+    "--batch-size",
+    "2",
+    "--group-size",
+    "6",
+    "--max-tokens",
+    "24",
+    "--eval-every",
+    "2",
+    "--eval-limit",
+    "4",
+    "--save-every",
+    "2",
+    "--concurrency",
+    "4",
+    "--num-substeps",
+    "1",
+    "--seed",
+    "0",
 ]
 TRIALS = [
     ("sampled:1:SIGKILL", "killed after the baseline row, before any checkpoint"),
@@ -41,13 +58,17 @@ TRIALS = [
 TIMEOUT_S = 180
 
 
-def _train(run_dir: Path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+def _train(
+    run_dir: Path, *extra: str, fault: str | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop(FAULT_ENV, None)
     if fault:
         env[FAULT_ENV] = fault
     command = [sys.executable, "-m", "grpo", "train", *extra]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    return subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+    )
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -97,7 +118,9 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     checkpoint = rundir.read_checkpoint(run_dir)
     if checkpoint is not None:
         logged = [row["step"] for row in rundir.read_metrics(run_dir)]
-        assert checkpoint.step <= max(logged), f"{what}: checkpoint {checkpoint.step} past rows {logged}"
+        assert checkpoint.step <= max(logged), (
+            f"{what}: checkpoint {checkpoint.step} past rows {logged}"
+        )
     _resume_until_done(run_dir)
     assert _rows(run_dir) == reference, what
 
@@ -111,7 +134,9 @@ def test_sigkill_at_a_random_time_then_resume_equals_the_uninterrupted_run(
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop(FAULT_ENV, None)
     command = [sys.executable, "-m", "grpo", "train", *FLAGS, "--run-dir", str(run_dir)]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     # Wait for the run to start logging, then kill it a seeded random time later.
     deadline = time.monotonic() + TIMEOUT_S
     while not (run_dir / rundir.METRICS_FILE).exists() and process.poll() is None:

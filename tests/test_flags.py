@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 
 from grpo.cli import build_parser
 from grpo.config import (
-    BACKENDS, FIELDS, SAMPLER_DTYPES, SWANLAB_MODES, ConfigError, TrainConfig, to_dict,
+    BACKENDS,
+    FIELDS,
+    SAMPLER_DTYPES,
+    SWANLAB_MODES,
+    ConfigError,
+    TrainConfig,
+    to_dict,
 )
 from grpo.core.advantages import ADVANTAGES
 from grpo.core.losses import KL_ESTIMATORS, LOSSES, REDUCTIONS
@@ -105,8 +111,11 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "max_sampling_rounds": st.integers(1, 8),
     "reward": st.lists(
         st.sampled_from(
-            ["grpo.rewards:boxed_match", "grpo.rewards:boxed_format=0.5",
-             "grpo.rewards:overlong_penalty=-1e-3"]
+            [
+                "grpo.rewards:boxed_match",
+                "grpo.rewards:boxed_format=0.5",
+                "grpo.rewards:overlong_penalty=-1e-3",
+            ]
         ),
         unique_by=lambda spec: spec.split("=")[0],
         max_size=3,

@@ -1,4 +1,7 @@
-"""The training loop end to end on the local backend: losses, reductions, determinism, resume, faults."""
+"""The training loop end to end on the local backend.
+
+Losses, reductions, determinism, resume, faults.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +15,23 @@ import attrs
 import numpy as np
 import pytest
 
+from grpo import run_dir as rundir
 from grpo.config import TrainConfig
 from grpo.core import losses
-from grpo import run_dir as rundir
-from grpo.run_dir import read_metrics
 from grpo.loop import ConfigError, RunStopped, train
 from grpo.rollouts import pick_batch
+from grpo.run_dir import read_metrics
 
-TINY = dict(steps=2, batch_size=2, group_size=4, max_tokens=24, eval_every=0, save_every=0, concurrency=4, num_substeps=1)
+TINY = dict(
+    steps=2,
+    batch_size=2,
+    group_size=4,
+    max_tokens=24,
+    eval_every=0,
+    save_every=0,
+    concurrency=4,
+    num_substeps=1,
+)
 
 
 def tiny_config(tmp_path: Path, name: str = "run", **overrides: Any) -> TrainConfig:
@@ -41,9 +53,18 @@ def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_every_loss_runs_with_every_reduction(tmp_path: Path, loss_fn: str) -> None:
     from grpo.backends.local import LocalServiceClient
 
-    service = LocalServiceClient(root=tmp_path / "backend", seed=0)  # one model load for all reductions
+    service = LocalServiceClient(
+        root=tmp_path / "backend", seed=0
+    )  # one model load for all reductions
     for reduction in losses.REDUCTIONS:
-        config = tiny_config(tmp_path, f"{loss_fn}-{reduction}", loss_fn=loss_fn, reduction=reduction, steps=2, group_size=3)
+        config = tiny_config(
+            tmp_path,
+            f"{loss_fn}-{reduction}",
+            loss_fn=loss_fn,
+            reduction=reduction,
+            steps=2,
+            group_size=3,
+        )
         result = quiet_train(config, service_client=service)
         rows = read_metrics(result.run_dir)
         assert [row["step"] for row in rows] == [1, 2]
@@ -109,7 +130,9 @@ def test_resume_after_interrupt_equals_an_uninterrupted_run(tmp_path: Path) -> N
 
     whole = quiet_train(tiny_config(tmp_path, "whole", steps=4, num_substeps=2))
     config = tiny_config(tmp_path, "stopped", steps=4, num_substeps=2)
-    service = _StopAfterOptimSteps(LocalServiceClient(root=tmp_path / "stopped" / "backend", seed=config.seed), n=3)
+    service = _StopAfterOptimSteps(
+        LocalServiceClient(root=tmp_path / "stopped" / "backend", seed=config.seed), n=3
+    )
     with pytest.raises(RunStopped) as stopped:
         quiet_train(config, service_client=service)
     assert stopped.value.exit_code == 130
@@ -124,7 +147,9 @@ def test_resume_after_interrupt_equals_an_uninterrupted_run(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("max_off_policy", [1, 2])
 def test_off_policy_pipeline_never_exceeds_k(tmp_path: Path, max_off_policy: int) -> None:
-    config = tiny_config(tmp_path, f"k{max_off_policy}", steps=5, max_steps_off_policy=max_off_policy, group_size=6)
+    config = tiny_config(
+        tmp_path, f"k{max_off_policy}", steps=5, max_steps_off_policy=max_off_policy, group_size=6
+    )
     rows = read_metrics(quiet_train(config).run_dir)
     staleness = [row["off_policy_steps"] for row in rows]
     trained = [row["datums"] > 0 for row in rows]
@@ -143,7 +168,9 @@ def test_strictly_on_policy_rollouts_are_fresh(tmp_path: Path) -> None:
 
 
 def test_extra_epochs_move_the_ratio_away_from_one(tmp_path: Path) -> None:
-    config = tiny_config(tmp_path, steps=3, epochs=3, num_substeps=2, learning_rate=5e-3, group_size=6, batch_size=4)
+    config = tiny_config(
+        tmp_path, steps=3, epochs=3, num_substeps=2, learning_rate=5e-3, group_size=6, batch_size=4
+    )
     rows = read_metrics(quiet_train(config).run_dir)
     assert max(row.get("ratio/max_abs_log", 0.0) for row in rows) > 1e-3
 
@@ -195,12 +222,17 @@ def test_transient_failures_are_retried(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(backend_module.time, "sleep", lambda _s: None)
     reference = quiet_train(tiny_config(tmp_path, "reference"))
     config = tiny_config(tmp_path, "flaky")
-    flaky = _Flaky(LocalServiceClient(root=tmp_path / "flaky" / "backend", seed=0), {"sample": 2, "forward_backward": 1, "optim_step": 1})
+    flaky = _Flaky(
+        LocalServiceClient(root=tmp_path / "flaky" / "backend", seed=0),
+        {"sample": 2, "forward_backward": 1, "optim_step": 1},
+    )
     result = quiet_train(config, service_client=flaky)
     assert comparable(read_metrics(result.run_dir)) == comparable(read_metrics(reference.run_dir))
 
 
-def test_persistent_failure_stops_with_a_checkpoint_and_clear_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_persistent_failure_stops_with_a_checkpoint_and_clear_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from grpo.backends import pytrio as backend_module
     from grpo.backends.local import LocalServiceClient
 
@@ -233,12 +265,16 @@ def test_persistent_failure_stops_with_a_checkpoint_and_clear_message(tmp_path: 
         quiet_train(config, service_client=Service())
     message = str(stopped.value)
     assert stopped.value.exit_code == 1
-    assert "save_weights_and_get_sampling_client failed 3 times" in message and "--resume" in message
+    assert (
+        "save_weights_and_get_sampling_client failed 3 times" in message and "--resume" in message
+    )
     assert json.loads((tmp_path / "broken" / "checkpoint.json").read_text())["step"] == 1
     assert [row["step"] for row in read_metrics(tmp_path / "broken")] == [1]
 
 
-def test_swanlab_failure_never_stops_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_swanlab_failure_never_stops_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import swanlab
 
     def broken_init(*_args: Any, **_kwargs: Any) -> None:
@@ -251,7 +287,9 @@ def test_swanlab_failure_never_stops_training(tmp_path: Path, monkeypatch: pytes
 
 
 def test_kl_penalty_is_logged_and_zero_at_the_start(tmp_path: Path) -> None:
-    rows = read_metrics(quiet_train(tiny_config(tmp_path, kl_coef=0.1, steps=2, learning_rate=1e-3)).run_dir)
+    rows = read_metrics(
+        quiet_train(tiny_config(tmp_path, kl_coef=0.1, steps=2, learning_rate=1e-3)).run_dir
+    )
     trained = [row for row in rows if row["datums"] > 0]
     assert trained, "no step trained; pick a seed with a non-degenerate group"
     # Step 1 samples the initial LoRA (B = 0), i.e. the base model itself: KL is ~0.
@@ -272,7 +310,9 @@ def test_kl_penalty_is_logged_and_zero_at_the_start(tmp_path: Path) -> None:
         ({"top_p": 0.0}, "--top-p"),
     ],
 )
-def test_bad_flags_fail_when_the_config_is_built(tmp_path: Path, overrides: dict[str, Any], message: str) -> None:
+def test_bad_flags_fail_when_the_config_is_built(
+    tmp_path: Path, overrides: dict[str, Any], message: str
+) -> None:
     with pytest.raises(ConfigError, match=message.replace("-", r"\-")):
         tiny_config(tmp_path, **overrides)
 
@@ -304,7 +344,9 @@ def test_pick_batch_is_a_pure_function_covering_each_pass() -> None:
 def test_config_is_saved_without_secrets(tmp_path: Path) -> None:
     from grpo.logging import scrub_secrets
 
-    assert scrub_secrets({"api_key": "sk-123", "PYTRIO_API_KEY": "x", "auth_token": "t", "steps": 3, "max_tokens": 8}) == {"steps": 3, "max_tokens": 8}
+    assert scrub_secrets(
+        {"api_key": "sk-123", "PYTRIO_API_KEY": "x", "auth_token": "t", "steps": 3, "max_tokens": 8}
+    ) == {"steps": 3, "max_tokens": 8}
     result = quiet_train(tiny_config(tmp_path, steps=1))
     saved = (result.run_dir / "config.json").read_text()
     assert "api_key" not in saved.lower()
@@ -315,7 +357,9 @@ def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path: Path) -> Non
     config = tiny_config(tmp_path, steps=1)
     quiet_train(config)
     before = (tmp_path / "run" / "metrics.jsonl").read_bytes()
-    with pytest.raises(ConfigError, match=r"already holds a run \(finished\); resume it with `grpo train --resume"):
+    with pytest.raises(
+        ConfigError, match=r"already holds a run \(finished\); resume it with `grpo train --resume"
+    ):
         quiet_train(config)
     assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == before
 
@@ -323,12 +367,16 @@ def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path: Path) -> Non
 def test_resuming_a_finished_run_changes_nothing(tmp_path: Path) -> None:
     config = tiny_config(tmp_path, steps=1)
     quiet_train(config)
-    files = {path.name: path.read_bytes() for path in (tmp_path / "run").iterdir() if path.is_file()}
+    files = {
+        path.name: path.read_bytes() for path in (tmp_path / "run").iterdir() if path.is_file()
+    }
     lines: list[str] = []
     result = train(config, resume=True, echo=lines.append, progress=False)
     assert any("already finished 1 steps; nothing to do" in line for line in lines)
     assert result.steps == 1 and result.final_metrics
-    after = {path.name: path.read_bytes() for path in (tmp_path / "run").iterdir() if path.is_file()}
+    after = {
+        path.name: path.read_bytes() for path in (tmp_path / "run").iterdir() if path.is_file()
+    }
     assert after == files
 
 
@@ -373,7 +421,9 @@ def test_two_runs_cannot_own_one_directory(tmp_path: Path) -> None:
 
 def test_diverged_weights_stop_the_run_and_are_never_checkpointed(tmp_path: Path) -> None:
     config = tiny_config(tmp_path, steps=4, learning_rate=1e30, save_every=1)
-    with pytest.raises(RunStopped, match="NonFiniteUpdate: the weights after step 1 give non-finite") as stopped:
+    with pytest.raises(
+        RunStopped, match="NonFiniteUpdate: the weights after step 1 give non-finite"
+    ) as stopped:
         quiet_train(config)
     assert stopped.value.exit_code == 1
     assert rundir.read_checkpoint(tmp_path / "run") is None
@@ -392,6 +442,8 @@ def test_resume_after_the_weights_were_deleted_says_what_to_do(tmp_path: Path) -
     with pytest.raises(RunStopped):
         train(config, echo=stop_after_first_step, progress=False)
     shutil.rmtree(tmp_path / "run" / "backend")
-    with pytest.raises(ConfigError, match=r"the checkpoint of step 1 .* cannot be loaded.*Restore it"):
+    with pytest.raises(
+        ConfigError, match=r"the checkpoint of step 1 .* cannot be loaded.*Restore it"
+    ):
         quiet_train(config, resume=True)
     assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1]

@@ -20,8 +20,15 @@ from grpo.export import export
 from grpo.loop import train
 
 TINY = dict(
-    steps=2, batch_size=2, group_size=4, max_tokens=24, eval_every=0, save_every=1,
-    concurrency=4, num_substeps=1, learning_rate=5e-3,
+    steps=2,
+    batch_size=2,
+    group_size=4,
+    max_tokens=24,
+    eval_every=0,
+    save_every=1,
+    concurrency=4,
+    num_substeps=1,
+    learning_rate=5e-3,
 )
 
 
@@ -126,13 +133,15 @@ def test_exported_adapter_and_merged_model_give_the_local_samplers_logprobs(
     expected = np.asarray(sampler.compute_logprobs(prompt).result()[1:])
     base_logprobs = np.asarray(
         service.create_sampling_client(TINY_MODEL_NAME)
-        .compute_logprobs(ModelInput.from_ints(tokens)).result()[1:]
+        .compute_logprobs(ModelInput.from_ints(tokens))
+        .result()[1:]
     )
     assert np.abs(expected - base_logprobs).max() > 1e-3, "the run did not move the weights"
 
     adapter_dir = export(str(trained_run), tmp_path / "adapter")
     assert sorted(path.name for path in adapter_dir.iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors",
+        "adapter_config.json",
+        "adapter_model.safetensors",
     ]
     base, _ = load_tiny_model()
     adapted = PeftModel.from_pretrained(base, str(adapter_dir)).eval()

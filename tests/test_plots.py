@@ -32,7 +32,13 @@ def write_run(run_dir: Path, rows: list[dict]) -> Path:
 
 def training_rows(loss: str, rewards: list[float], clip: list[float]) -> list[dict]:
     rows = [
-        {"step": step, "reward": reward, "frac_degenerate": 0.25, "loss": -reward, f"{loss}/clip_fraction": fraction}
+        {
+            "step": step,
+            "reward": reward,
+            "frac_degenerate": 0.25,
+            "loss": -reward,
+            f"{loss}/clip_fraction": fraction,
+        }
         for step, (reward, fraction) in enumerate(zip(rewards, clip, strict=True), start=1)
     ]
     return rows + [{"step": len(rewards), "test/reward": rewards[-1] / 2}]
@@ -68,7 +74,9 @@ def test_mean_band_is_the_mean_min_and_max_of_the_runs_at_each_step() -> None:
 
 def test_plot_of_two_runs_draws_each_runs_metrics(tmp_path: Path) -> None:
     ppo = write_run(tmp_path / "ppo-seed0", training_rows("ppo", [0.1, 0.2, 0.4], [0.0, 0.1, 0.2]))
-    cispo = write_run(tmp_path / "cispo-seed0", training_rows("cispo", [0.3, 0.3, 0.5], [0.05, 0.0, 0.3]))
+    cispo = write_run(
+        tmp_path / "cispo-seed0", training_rows("cispo", [0.3, 0.3, 0.5], [0.05, 0.0, 0.3])
+    )
     runs = {"ppo-seed0": read_run_metrics(ppo), "cispo-seed0": read_run_metrics(cispo)}
     metrics = default_metrics(runs)
     assert metrics == ["reward", "frac_degenerate", "clip_fraction", "loss", "test/reward"]
@@ -84,13 +92,25 @@ def test_plot_of_two_runs_draws_each_runs_metrics(tmp_path: Path) -> None:
     np.testing.assert_allclose(panels["test/reward"].lines[1].get_ydata(), [0.25])
 
     out = tmp_path / "plot.png"
-    assert run_plot(plot_args(str(ppo), str(cispo), "--metrics", "reward", "ppo/clip_fraction", "--out", str(out))) == 0
+    assert (
+        run_plot(
+            plot_args(
+                str(ppo), str(cispo), "--metrics", "reward", "ppo/clip_fraction", "--out", str(out)
+            )
+        )
+        == 0
+    )
     assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 5000
 
 
 def test_plot_of_an_unknown_metric_lists_the_available_ones(tmp_path: Path, capsys) -> None:
     run = write_run(tmp_path / "ppo-seed0", training_rows("ppo", [0.1, 0.2], [0.0, 0.1]))
-    assert run_plot(plot_args(str(run), "--metrics", "reward", "rewrad", "--out", str(tmp_path / "x.png"))) == 2
+    assert (
+        run_plot(
+            plot_args(str(run), "--metrics", "reward", "rewrad", "--out", str(tmp_path / "x.png"))
+        )
+        == 2
+    )
     message = capsys.readouterr().err
     assert "unknown metric 'rewrad'" in message
     assert "frac_degenerate, loss, ppo/clip_fraction, reward, test/reward" in message
@@ -127,10 +147,14 @@ def test_loss_shapes_follow_the_formulas(advantage: float) -> None:
     clipped_cispo = np.clip(RATIOS, 0.0, 4.0)
     np.testing.assert_allclose(shapes["importance_sampling"].objective, RATIOS * advantage)
     np.testing.assert_allclose(shapes["importance_sampling"].gradient_weight, RATIOS * advantage)
-    np.testing.assert_allclose(shapes["ppo"].objective, np.minimum(RATIOS * advantage, clipped_ppo * advantage))
+    np.testing.assert_allclose(
+        shapes["ppo"].objective, np.minimum(RATIOS * advantage, clipped_ppo * advantage)
+    )
     np.testing.assert_allclose(shapes["cispo"].objective, clipped_cispo * logprobs * advantage)
     np.testing.assert_allclose(shapes["cispo"].gradient_weight, clipped_cispo * advantage)
-    np.testing.assert_allclose(shapes["dro"].objective, logprobs * advantage - 0.05 / 2 * np.log(RATIOS) ** 2)
+    np.testing.assert_allclose(
+        shapes["dro"].objective, logprobs * advantage - 0.05 / 2 * np.log(RATIOS) ** 2
+    )
     np.testing.assert_allclose(shapes["dro"].gradient_weight, advantage - 0.05 * np.log(RATIOS))
 
 
@@ -143,7 +167,9 @@ def test_ppo_gradient_is_zero_on_the_clipped_side_only() -> None:
     np.testing.assert_allclose(negative.gradient_weight[~below], -RATIOS[~below])
 
 
-def test_ppo_dual_clip_curve_appears_for_negative_advantages_and_stops_the_gradient_past_c() -> None:
+def test_ppo_dual_clip_curve_appears_for_negative_advantages_and_stops_the_gradient_past_c() -> (
+    None
+):
     assert "ppo dual_clip=3" not in shapes_by_name(1.0)
     dual = shapes_by_name(-1.0)["ppo dual_clip=3"]
     past = RATIOS > 3.0

@@ -37,7 +37,9 @@ def test_prompt_with_fewshot_puts_the_example_exchange_before_the_question(token
     example_answer = FEWSHOT_PREFIX[1]["content"]
     assert text.startswith("<|im_start|>user\nHow many times does the letter r appear")
     assert text.index(example_answer) < text.index("What is 3 plus 4?")
-    assert text.endswith("What is 3 plus 4?" + QUESTION_SUFFIX + "<|im_end|>\n<|im_start|>assistant\n")
+    assert text.endswith(
+        "What is 3 plus 4?" + QUESTION_SUFFIX + "<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_prompt_is_encoded_without_added_special_tokens(tokenizer):
@@ -96,8 +98,9 @@ def test_default_config_template_gives_the_articles_tokens(tokenizer):
 def test_system_prompt_and_suffix_change_exactly_their_part_of_the_prompt(tokenizer):
     config = TrainConfig(system_prompt="Be brief.", question_suffix=" Answer in \\boxed{}.")
     text = tokenizer.decode(
-        build_prompt_tokens(tokenizer, "What is 3 plus 4?", fewshot=False,
-                            template=config.prompt_template)
+        build_prompt_tokens(
+            tokenizer, "What is 3 plus 4?", fewshot=False, template=config.prompt_template
+        )
     )
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n"
@@ -108,25 +111,40 @@ def test_system_prompt_and_suffix_change_exactly_their_part_of_the_prompt(tokeni
 
 def test_fewshot_file_replaces_the_example_and_turns_fewshot_on(tokenizer, tmp_path):
     path = tmp_path / "shots.json"
-    path.write_text(json.dumps([
-        {"role": "user", "content": "2 plus 2?"}, {"role": "assistant", "content": "\\boxed{4}"},
-    ]))
+    path.write_text(
+        json.dumps(
+            [
+                {"role": "user", "content": "2 plus 2?"},
+                {"role": "assistant", "content": "\\boxed{4}"},
+            ]
+        )
+    )
     config = TrainConfig(fewshot_file=str(path))
     assert config.use_fewshot and not TrainConfig(fewshot_file=str(path), fewshot=False).use_fewshot
-    text = tokenizer.decode(build_prompt_tokens(
-        tokenizer, "What is 3 plus 4?", fewshot=config.use_fewshot, template=config.prompt_template
-    ))
+    text = tokenizer.decode(
+        build_prompt_tokens(
+            tokenizer,
+            "What is 3 plus 4?",
+            fewshot=config.use_fewshot,
+            template=config.prompt_template,
+        )
+    )
     assert text.startswith(
         "<|im_start|>user\n2 plus 2?<|im_end|>\n<|im_start|>assistant\n\\boxed{4}"
     )
-    assert "strawberry" not in text and text.endswith("What is 3 plus 4?" + QUESTION_SUFFIX
-                                                      + "<|im_end|>\n<|im_start|>assistant\n")
+    assert "strawberry" not in text and text.endswith(
+        "What is 3 plus 4?" + QUESTION_SUFFIX + "<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 @pytest.mark.parametrize(
     "content, message",
-    [(None, "not found"), ("{", "line 1 is not valid JSON"), ("[]", "non-empty list"),
-     ('[{"role": "robot", "content": "x"}]', "message 0 is")],
+    [
+        (None, "not found"),
+        ("{", "line 1 is not valid JSON"),
+        ("[]", "non-empty list"),
+        ('[{"role": "robot", "content": "x"}]', "message 0 is"),
+    ],
 )
 def test_bad_fewshot_files_are_config_errors(tmp_path, content, message):
     path = tmp_path / "shots.json"
@@ -139,7 +157,12 @@ def test_bad_fewshot_files_are_config_errors(tmp_path, content, message):
 def test_prompt_and_answer_columns_and_gold_rule_pick_the_fields(tokenizer):
     rows = [{"problem": "What is 3 plus 4?", "solution": "it is 7", "question": "ignored"}]
     (problem,) = build_problems(
-        tokenizer, rows, fewshot=False, max_tokens=8, max_len=None, split="train",
+        tokenizer,
+        rows,
+        fewshot=False,
+        max_tokens=8,
+        max_len=None,
+        split="train",
         columns=("problem", "solution", r"regex:is (\d+)"),
     )
     assert problem.gold == "7" and problem.row == rows[0] and problem.index == 0

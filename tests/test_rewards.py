@@ -25,7 +25,11 @@ def reward_file(tmp_path: Path, body: str, name: str = "my_rewards.py") -> Path:
 
 def sample(index: int = 0, num_tokens: int = 5, stop_reason: str = "stop") -> RewardInput:
     return RewardInput(
-        index=index, gold="7", num_tokens=num_tokens, max_tokens=24, stop_reason=stop_reason,
+        index=index,
+        gold="7",
+        num_tokens=num_tokens,
+        max_tokens=24,
+        stop_reason=stop_reason,
         overlong_buffer=6,
     )
 
@@ -109,8 +113,10 @@ def test_a_file_that_fails_to_import_says_so(tmp_path: Path) -> None:
 
 
 def _items(texts: list[str]) -> list[tuple[str, dict, RewardInput]]:
-    return [(text, {"question": "q"}, sample(index=i, num_tokens=len(text))) for i, text in
-            enumerate(texts)]
+    return [
+        (text, {"question": "q"}, sample(index=i, num_tokens=len(text)))
+        for i, text in enumerate(texts)
+    ]
 
 
 def test_weighted_sum_and_per_component_metrics(tmp_path: Path) -> None:
@@ -124,9 +130,7 @@ def test_weighted_sum_and_per_component_metrics(tmp_path: Path) -> None:
             return {"even": float(sample.index % 2 == 0), "len": float(len(completion))}
         """,
     )
-    rewards = load_rewards(
-        ["grpo.rewards:boxed_match", f"{path}:short=0.2", f"{path}:parts=-0.5"]
-    )
+    rewards = load_rewards(["grpo.rewards:boxed_match", f"{path}:short=0.2", f"{path}:parts=-0.5"])
     texts = ["\\boxed{7}", "\\boxed{8}", "a long one \\boxed{7}", "none"]
     scores = score_completions(rewards, _items(texts), [2, 2])
     match = np.array([1.0, 0.0, 1.0, 0.0])
@@ -171,8 +175,11 @@ def test_a_failing_reward_names_the_row_and_the_completion(
     )
     rewards = load_rewards([f"{path}:bad"])
     texts = ["one", "two", "the third completion", "four"]
-    with pytest.raises(RewardError, match=message + ".* on row 2 for the completion "
-                       "'the third completion'.*--reward-errors zero"):
+    with pytest.raises(
+        RewardError,
+        match=message + ".* on row 2 for the completion "
+        "'the third completion'.*--reward-errors zero",
+    ):
         score_completions(rewards, _items(texts), [4])
     zeroed = score_completions(rewards, _items(texts), [4], on_error="zero")
     assert zeroed.errors == 1

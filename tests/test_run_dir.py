@@ -43,7 +43,9 @@ def test_checkpoint_inside_the_run_dir_is_stored_relative_and_follows_a_move(
 
 
 def test_checkpoint_outside_the_run_dir_is_stored_as_given(tmp_path: Path) -> None:
-    rd.write_checkpoint(tmp_path, rd.Checkpoint(step=1, state_path="pytrio://runs/abc/1"), run_name="r")
+    rd.write_checkpoint(
+        tmp_path, rd.Checkpoint(step=1, state_path="pytrio://runs/abc/1"), run_name="r"
+    )
     assert rd.read_checkpoint(tmp_path) == rd.Checkpoint(step=1, state_path="pytrio://runs/abc/1")
 
 

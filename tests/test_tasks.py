@@ -19,8 +19,14 @@ from grpo.loop import RunStopped, train
 from grpo.run_dir import read_metrics, read_rollouts
 
 TINY = dict(
-    steps=2, batch_size=2, group_size=4, max_tokens=24, eval_every=0, save_every=0,
-    concurrency=4, num_substeps=1,
+    steps=2,
+    batch_size=2,
+    group_size=4,
+    max_tokens=24,
+    eval_every=0,
+    save_every=0,
+    concurrency=4,
+    num_substeps=1,
 )
 
 
@@ -60,8 +66,12 @@ def test_weighted_rewards_are_logged_per_component_and_rollouts_agree_with_metri
         """,
     )
     config = config_for(
-        tmp_path, "weighted", steps=3, batch_size=3,
-        reward=("grpo.rewards:boxed_match", f"{path}:short=0.5"), log_rollouts=3,
+        tmp_path,
+        "weighted",
+        steps=3,
+        batch_size=3,
+        reward=("grpo.rewards:boxed_match", f"{path}:short=0.5"),
+        log_rollouts=3,
     )
     run_dir = quiet_train(config).run_dir
     rows = read_metrics(run_dir)
@@ -148,14 +158,19 @@ def constant(completion, row):
 def _dynamic(tmp_path: Path, name: str, reward: str | None, **overrides: Any) -> TrainConfig:
     path = reward_file(tmp_path, SPARSE)
     values = dict(
-        steps=3, batch_size=3, dynamic_sampling=True, max_sampling_rounds=3,
-        reward=(f"{path}:{reward}",) if reward else (), log_rollouts=0,
+        steps=3,
+        batch_size=3,
+        dynamic_sampling=True,
+        max_sampling_rounds=3,
+        reward=(f"{path}:{reward}",) if reward else (),
+        log_rollouts=0,
     )
     return config_for(tmp_path, name, **{**values, **overrides})
 
 
-def _check_dynamic_invariants(rows: list[dict[str, Any]], batch_size: int, group_size: int,
-                              max_rounds: int) -> None:
+def _check_dynamic_invariants(
+    rows: list[dict[str, Any]], batch_size: int, group_size: int, max_rounds: int
+) -> None:
     for row in rows:
         rounds, groups = row["sampling/rounds"], row["sampling/groups"]
         nondegenerate = round(row["num_groups"] * (1 - row["frac_degenerate"]))
@@ -186,7 +201,11 @@ def test_dynamic_sampling_on_the_default_reward_with_the_off_policy_pipeline(
     tmp_path: Path,
 ) -> None:
     config = _dynamic(
-        tmp_path, "default", None, max_sampling_rounds=4, max_steps_off_policy=1,
+        tmp_path,
+        "default",
+        None,
+        max_sampling_rounds=4,
+        max_steps_off_policy=1,
     )
     rows = read_metrics(quiet_train(config).run_dir)
     _check_dynamic_invariants(rows, batch_size=3, group_size=4, max_rounds=4)
@@ -218,8 +237,14 @@ def test_mask_truncated_trains_only_the_completions_that_finished(tmp_path: Path
         tmp_path, "def cut(completion, row, sample):\n    return float(sample.truncated)\n"
     )
     config = config_for(
-        tmp_path, "masked", steps=3, batch_size=4, max_tokens=19, mask_truncated=True,
-        log_rollouts=4, reward=(f"{path}:cut",),
+        tmp_path,
+        "masked",
+        steps=3,
+        batch_size=4,
+        max_tokens=19,
+        mask_truncated=True,
+        log_rollouts=4,
+        reward=(f"{path}:cut",),
     )
     run_dir = quiet_train(config).run_dir
     rows = read_metrics(run_dir)
@@ -233,16 +258,23 @@ def test_mask_truncated_trains_only_the_completions_that_finished(tmp_path: Path
         assert row["datums"] == len(trained)
     assert truncated > 0 and rows[0]["rollout/frac_truncated"] < 1, "test setup"
 
-    unmasked = read_metrics(quiet_train(
-        attrs.evolve(config, run_dir=str(tmp_path / "unmasked"), steps=1, mask_truncated=False)
-    ).run_dir)
+    unmasked = read_metrics(
+        quiet_train(
+            attrs.evolve(config, run_dir=str(tmp_path / "unmasked"), steps=1, mask_truncated=False)
+        ).run_dir
+    )
     trained = [c for g in groups[1] if not g["degenerate"] for c in g["completions"]]
     assert unmasked[0]["train_tokens"] == sum(c["tokens"] for c in trained)
 
 
 def test_overlong_penalty_is_a_reward_component(tmp_path: Path) -> None:
     config = config_for(
-        tmp_path, "overlong", steps=1, batch_size=4, max_tokens=20, overlong_buffer=4,
+        tmp_path,
+        "overlong",
+        steps=1,
+        batch_size=4,
+        max_tokens=20,
+        overlong_buffer=4,
         reward=("grpo.rewards:boxed_match", "grpo.rewards:overlong_penalty=1"),
     )
     run_dir = quiet_train(config).run_dir
@@ -291,7 +323,8 @@ def test_extra_rounds_draw_their_own_problems_and_seeds() -> None:
 
     seeds = {
         (round_, index): extra_sampling_seed(3, 5, round_, index)
-        for round_ in (1, 2, 3) for index in range(8)
+        for round_ in (1, 2, 3)
+        for index in range(8)
     }
     first_round = {sampling_seed(3, 5, index) for index in range(8)}
     assert len(set(seeds.values())) == len(seeds) and not first_round & set(seeds.values())
@@ -318,12 +351,25 @@ def test_swanlab_receives_the_logged_groups_as_text(tmp_path: Path) -> None:
             self.logged.append((payload, step))
 
     group = {
-        "group": 0, "row": 4, "prompt": "What is 1 plus 1?", "gold": "2", "degenerate": False,
-        "completions": [{"text": "\\boxed{2}", "reward": 1.0, "components": {"boxed_match": 1.0},
-                         "advantage": 0.5, "tokens": 6, "stop_reason": "stop"}],
+        "group": 0,
+        "row": 4,
+        "prompt": "What is 1 plus 1?",
+        "gold": "2",
+        "degenerate": False,
+        "completions": [
+            {
+                "text": "\\boxed{2}",
+                "reward": 1.0,
+                "components": {"boxed_match": 1.0},
+                "advantage": 0.5,
+                "tokens": 6,
+                "stop_reason": "stop",
+            }
+        ],
     }
-    logger = RunLogger(tmp_path, config={}, swanlab_mode="disabled", swanlab_project="p",
-                       run_name="r")
+    logger = RunLogger(
+        tmp_path, config={}, swanlab_mode="disabled", swanlab_project="p", run_name="r"
+    )
     fake = FakeSwanlab()
     logger._swanlab = fake
     logger.log(1, {"reward": 1.0}, rollouts=[group])

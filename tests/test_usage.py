@@ -27,8 +27,15 @@ from grpo.prices import prices_for
 from grpo.run_dir import read_metrics
 
 TINY = dict(
-    steps=3, batch_size=2, group_size=4, max_tokens=24, eval_every=2, eval_limit=5,
-    save_every=1, concurrency=4, num_substeps=2,
+    steps=3,
+    batch_size=2,
+    group_size=4,
+    max_tokens=24,
+    eval_every=2,
+    eval_limit=5,
+    save_every=1,
+    concurrency=4,
+    num_substeps=2,
 )
 
 counts = st.integers(min_value=0, max_value=10**9)
@@ -250,8 +257,9 @@ def test_dry_run_bound_holds_and_its_prompts_are_exact(tmp_path: Path) -> None:
     overrides = {"save_every": 2, "steps": 4}
     planned = []
     for kl_coef in (0.0, 0.1):
-        config = TrainConfig(**{**TINY, **overrides, "kl_coef": kl_coef,
-                                "run_dir": str(tmp_path / f"plan{kl_coef}")})
+        config = TrainConfig(
+            **{**TINY, **overrides, "kl_coef": kl_coef, "run_dir": str(tmp_path / f"plan{kl_coef}")}
+        )
         lines = dry_run(config)
         assert lines[0].startswith("dry run of")
         assert not (tmp_path / f"plan{kl_coef}").exists(), "a dry run wrote into its run dir"
@@ -281,8 +289,12 @@ def test_reports_take_tokens_and_cost_from_the_summary_else_the_last_row(tmp_pat
     row = {"step": 2, "reward": 0.5, "usage/cum_tokens": 900.0, "cost/cum": 0.25}
     running = RunData(tmp_path / "a", {"price_currency": "CNY"}, [row], None)
     assert run_usage(running) == {"tokens": 900.0, "cost": 0.25, "currency": "CNY"}
-    usage = {"prompt_tokens": 500, "completion_tokens": 300, "trained_tokens": 150,
-             "forward_tokens": 50}
+    usage = {
+        "prompt_tokens": 500,
+        "completion_tokens": 300,
+        "trained_tokens": 150,
+        "forward_tokens": 50,
+    }
     summary = {"usage": usage, "cost": {"total": 0.5, "currency": "USD"}}
     finished = RunData(tmp_path / "b", {}, [row], summary)
     assert run_usage(finished) == {"tokens": 1000, "cost": 0.5, "currency": "USD"}

@@ -1,1 +1,1 @@
-"""Backends: objects that speak the PyTRIO client API (the real service, or the embedded local model)."""
+"""Backends: objects that speak the PyTRIO client API (the real service, or the local model)."""

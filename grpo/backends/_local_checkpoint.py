@@ -89,9 +89,14 @@ def write(
     staging = directory.parent / f".tmp-{directory.name}-{uuid.uuid4().hex}"
     staging.mkdir()
     try:
-        save_file({key: tensor.contiguous() for key, tensor in weights.tensors.items()}, staging / ADAPTER_FILE)
+        save_file(
+            {key: tensor.contiguous() for key, tensor in weights.tensors.items()},
+            staging / ADAPTER_FILE,
+        )
         config = host.lora_config(weights.spec)
-        config.base_model_name_or_path = host.model_id  # so PeftModel.from_pretrained knows the base
+        config.base_model_name_or_path = (
+            host.model_id
+        )  # so PeftModel.from_pretrained knows the base
         config.save_pretrained(str(staging))
         if optimizer_state is not None:
             torch.save(optimizer_state, staging / OPTIMIZER_FILE)
@@ -127,8 +132,14 @@ def _fsync(path: Path) -> None:
 
 
 def metadata_for(
-    *, kind: CheckpointKind, base_model: str, spec: LoraSpec, run_id: str, name: str,
-    ttl_seconds: int | None, optimizer_steps: int,
+    *,
+    kind: CheckpointKind,
+    base_model: str,
+    spec: LoraSpec,
+    run_id: str,
+    name: str,
+    ttl_seconds: int | None,
+    optimizer_steps: int,
 ) -> dict[str, object]:
     """The `grpo_local.json` record: what `create_training_client_from_state` needs."""
     return {

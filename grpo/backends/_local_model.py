@@ -93,8 +93,10 @@ class LoraSpec:
     train_unembed: bool
 
     def __attrs_post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not (
-            MIN_LORA_RANK <= self.rank <= MAX_LORA_RANK
+        if (
+            isinstance(self.rank, bool)
+            or not isinstance(self.rank, int)
+            or not (MIN_LORA_RANK <= self.rank <= MAX_LORA_RANK)
         ):
             raise ValidationError(
                 f"rank must be in [{MIN_LORA_RANK}, {MAX_LORA_RANK}]. Got {self.rank}",
@@ -276,7 +278,7 @@ class ModelHost:
     def target_logprobs(
         self, inputs: Sequence[Sequence[int]], targets: Sequence[np.ndarray], *, auto_shift: bool
     ) -> list[Tensor]:
-        """log p(target_t | input_<=t) per datum (autograd-connected), 0 where target is IGNORE_INDEX.
+        """log p(target_t | input_<=t) per datum (autograd-connected), 0 at IGNORE_INDEX targets.
 
         With ``auto_shift`` the targets are aligned with the inputs (HF labels): entry t is
         log p(target_t | input_<t) and entry 0 is 0.

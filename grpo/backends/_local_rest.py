@@ -158,9 +158,10 @@ class LocalRestClient:
     ) -> Future[CheckpointDownloadResult]:
         """Write checkpoint `checkpoint_id` as a tar file at `destination_path` (replaced whole)."""
         directory = (self._root / checkpoint_id).resolve()
-        if self._root.resolve() not in directory.parents or not (
-            directory / checkpoints.METADATA_FILE
-        ).is_file():
+        if (
+            self._root.resolve() not in directory.parents
+            or not (directory / checkpoints.METADATA_FILE).is_file()
+        ):
             raise ValidationError(
                 f"checkpoint_id {checkpoint_id!r} is no checkpoint under {self._root}; take ids "
                 "from list_checkpoints",
@@ -176,7 +177,11 @@ class LocalRestClient:
         size = destination.stat().st_size
         return _done(
             CheckpointDownloadResult(
-                checkpoint_id=checkpoint_id, path=str(destination), bytes_written=size,
-                file_size_bytes=size, status_code=200, resumed=False,
+                checkpoint_id=checkpoint_id,
+                path=str(destination),
+                bytes_written=size,
+                file_size_bytes=size,
+                status_code=200,
+                resumed=False,
             )
         )

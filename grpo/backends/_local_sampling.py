@@ -138,14 +138,21 @@ def validate_sample_request(
             top_k=params.top_k,
         )
     if params.seed is not None and not _is_int(params.seed):
-        raise _invalid(f"sampling_params.seed must be an int, got {params.seed!r}", seed=params.seed)
+        raise _invalid(
+            f"sampling_params.seed must be an int, got {params.seed!r}", seed=params.seed
+        )
     tokens = tuple(prompt.to_ints())
     for index, token in enumerate(tokens):
         if not 0 <= token < vocab_size:
             raise ValidationError(
                 "prompt token ID is outside the tokenizer vocabulary",
                 code="validation.token_id_out_of_range",
-                details={"field": "prompt", "token_index": index, "token_id": token, "vocab_size": vocab_size},
+                details={
+                    "field": "prompt",
+                    "token_index": index,
+                    "token_id": token,
+                    "vocab_size": vocab_size,
+                },
             )
     new_tokens = params.max_tokens if generate else 0
     if len(tokens) + new_tokens > max_positions:
@@ -154,7 +161,11 @@ def validate_sample_request(
             f"{len(tokens) + new_tokens}, over the model's {max_positions} positions; "
             "shorten the prompt or lower max_tokens",
             code="validation.sampling_request_too_long",
-            details={"prompt_tokens": len(tokens), "max_tokens": new_tokens, "max_positions": max_positions},
+            details={
+                "prompt_tokens": len(tokens),
+                "max_tokens": new_tokens,
+                "max_positions": max_positions,
+            },
         )
     stop_strings, stop_token_ids = _normalize_stop(params.stop, vocab_size)
     return SampleSpec(
@@ -187,7 +198,8 @@ def _normalize_stop(stop: object, vocab_size: int) -> tuple[tuple[str, ...], fro
         bad = [item for item in items if not 0 <= item < vocab_size]
         if bad:
             raise _invalid(
-                f"sampling_params.stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                f"sampling_params.stop token id {bad[0]} is outside the vocabulary "
+                f"[0, {vocab_size})",
                 stop=bad[0],
             )
         return (), frozenset(items)
@@ -289,18 +301,24 @@ class RowKVCache(RowAttention):
                 self.keys[layer] = keys.new_zeros(shape)
                 self.values[layer] = keys.new_zeros(shape)
             self.keys[layer][start:stop, :, first : self.width] = keys[:, :, : part.length]
-            self.values[layer][start:stop, :, first : self.width] = part.values[layer][:, :, : part.length]
+            self.values[layer][start:stop, :, first : self.width] = part.values[layer][
+                :, :, : part.length
+            ]
 
     def select(self, rows: Tensor) -> RowKVCache:
         """A cache holding only `rows` (an ascending index, so groups stay contiguous)."""
         selected = RowKVCache(self.prompt_lengths[rows], self.width, self.capacity)
         selected.length = self.length
         selected.keys = {layer: buffer.index_select(0, rows) for layer, buffer in self.keys.items()}
-        selected.values = {layer: buffer.index_select(0, rows) for layer, buffer in self.values.items()}
+        selected.values = {
+            layer: buffer.index_select(0, rows) for layer, buffer in self.values.items()
+        }
         return selected
 
 
-def _attention(query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scaling: float | None) -> Tensor:
+def _attention(
+    query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scaling: float | None
+) -> Tensor:
     """softmax(q·kᵀ·scale, masked)·v with grouped-query heads; mask is [rows, 1, q_len, keys].
 
     Written as two batched matmuls rather than scaled_dot_product_attention: PyTorch's
@@ -315,7 +333,9 @@ def _attention(query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scalin
     scores = (grouped @ keys.transpose(-1, -2)) * scale
     scores = scores.view(rows, kv_heads, per_kv_head, query_length, key_length)
     scores = scores.masked_fill(~mask.unsqueeze(1), -math.inf)
-    weights = torch.softmax(scores, dim=-1).view(rows, kv_heads, per_kv_head * query_length, key_length)
+    weights = torch.softmax(scores, dim=-1).view(
+        rows, kv_heads, per_kv_head * query_length, key_length
+    )
     return (weights @ values).view(rows, heads, query_length, dim)
 
 
@@ -639,7 +659,9 @@ class _Prefill:
     prompt_logprobs: dict[tuple[int, ...], Tensor]
     prompt_topk: dict[tuple[int, ...], tuple[Tensor, Tensor]]
 
-    def prompt_outputs(self, spec: SampleSpec) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    def prompt_outputs(
+        self, spec: SampleSpec
+    ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
         """SampleResponse.prompt_logprobs and topk_prompt_logprobs for one request."""
         logprobs: list[float | None] = []
         if spec.include_prompt_logprobs:
@@ -670,7 +692,9 @@ def _prefill(model: _Model, specs: Sequence[SampleSpec]) -> _Prefill:
     topk_by_prompt: dict[tuple[int, ...], int] = {}
     for spec in specs:
         if spec.topk_prompt_logprobs > 0:
-            topk_by_prompt[spec.prompt] = max(spec.topk_prompt_logprobs, topk_by_prompt.get(spec.prompt, 0))
+            topk_by_prompt[spec.prompt] = max(
+                spec.topk_prompt_logprobs, topk_by_prompt.get(spec.prompt, 0)
+            )
     last_hidden: list[Tensor] = []
     # Position t of a prompt predicts token t + 1: n - 1 predictions per prompt.
     prediction_hidden: dict[tuple[int, ...], Tensor] = {}
@@ -709,7 +733,11 @@ def _prefill(model: _Model, specs: Sequence[SampleSpec]) -> _Prefill:
 
 
 def _decode(
-    model: _Model, host: ModelHost, specs: Sequence[SampleSpec], prefill: _Prefill, stopping: threading.Event
+    model: _Model,
+    host: ModelHost,
+    specs: Sequence[SampleSpec],
+    prefill: _Prefill,
+    stopping: threading.Event,
 ) -> list[_Row]:
     """The KV-cached decode loop over every sequence of every generating request.
 
@@ -724,7 +752,9 @@ def _decode(
     ]
     if not rows:
         return rows
-    rows.sort(key=lambda row: row.prompt_length)  # stable: request and sample order kept within a length
+    rows.sort(
+        key=lambda row: row.prompt_length
+    )  # stable: request and sample order kept within a length
     spec_of = [specs[row.request] for row in rows]
     slot_rows = torch.tensor(list(range(len(rows))) + [len(rows) - 1] * _padding(len(rows)))
     filler = [slot >= len(rows) for slot in range(len(slot_rows))]
@@ -738,15 +768,26 @@ def _decode(
     top_p = torch.tensor([spec.top_p for spec in spec_of], dtype=torch.float64)
     horizon = max(spec.max_tokens for spec in spec_of)
     uniforms = torch.from_numpy(
-        np.stack([_uniforms(spec.seed, row.sample_index, horizon) for spec, row in zip(spec_of, rows, strict=True)])
+        np.stack(
+            [
+                _uniforms(spec.seed, row.sample_index, horizon)
+                for spec, row in zip(spec_of, rows, strict=True)
+            ]
+        )
     )
     for step in range(horizon):
         if stopping.is_set():
             raise RuntimeError("the local service stopped while this request was sampling")
         tokens, logprobs = choose_tokens(
-            logits, temperature[slot_rows], top_k[slot_rows], top_p[slot_rows], uniforms[slot_rows, step]
+            logits,
+            temperature[slot_rows],
+            top_k[slot_rows],
+            top_p[slot_rows],
+            uniforms[slot_rows, step],
         )
-        for slot, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist(), strict=True)):
+        for slot, (token, logprob) in enumerate(
+            zip(tokens.tolist(), logprobs.tolist(), strict=True)
+        ):
             row = rows[int(slot_rows[slot])]
             if filler[slot] or row.stop_reason is not None:
                 continue
@@ -784,7 +825,7 @@ def _uniforms(seed: int, sample_index: int, count: int) -> np.ndarray:
 
 
 def _stop_reason(row: _Row, spec: SampleSpec, host: ModelHost) -> str | None:
-    """"stop" at an end-of-turn token, a stop token id or a stop string; "length" at max_tokens."""
+    """ "stop" at an end-of-turn token, a stop token id or a stop string; "length" at max_tokens."""
     token = row.tokens[-1]
     if token in host.end_token_ids or token in spec.stop_token_ids:
         return "stop"
@@ -804,7 +845,11 @@ def _sequence(row: _Row, host: ModelHost, spec: SampleSpec) -> SampleSequence:
     """The SampleSequence of a finished row (text without a trailing end-of-turn token)."""
     text = None
     if spec.return_text:
-        shown = row.tokens[:-1] if row.tokens and row.tokens[-1] in host.end_token_ids else row.tokens
+        shown = (
+            row.tokens[:-1] if row.tokens and row.tokens[-1] in host.end_token_ids else row.tokens
+        )
         text = host.decoder.decode(shown, skip_special_tokens=False)  # type: ignore[attr-defined]
     assert row.stop_reason is not None
-    return SampleSequence(stop_reason=row.stop_reason, tokens=row.tokens, text=text, logprobs=row.logprobs)
+    return SampleSequence(
+        stop_reason=row.stop_reason, tokens=row.tokens, text=text, logprobs=row.logprobs
+    )

@@ -70,7 +70,10 @@ class Worker:
         return APIFuture(future)
 
     def sample(
-        self, key: object, run: Callable[[Sequence[PendingSample]], list[SampleResponse]], pending: PendingSample
+        self,
+        key: object,
+        run: Callable[[Sequence[PendingSample]], list[SampleResponse]],
+        pending: PendingSample,
     ) -> APIFuture[SampleResponse]:
         """Queue a sampling request; `run` executes a batch of requests sharing `key`."""
         self._put(_Sample(key, run, pending))
@@ -98,7 +101,9 @@ class Worker:
     def _put(self, job: _Call | _Sample) -> None:
         with self._condition:
             if self._closed:
-                raise RuntimeError("this local service client is closed; create a new LocalServiceClient")
+                raise RuntimeError(
+                    "this local service client is closed; create a new LocalServiceClient"
+                )
             self._queue.append(job)
             self._arrivals += 1
             self._condition.notify_all()
@@ -119,7 +124,7 @@ class Worker:
                 _run_batch(batch)
 
     def _take_batch(self, first: _Sample) -> list[_Sample]:
-        """Wait for stragglers (under the lock), then remove every queued request sharing the key."""
+        """Wait for stragglers (under the lock), then remove every queued request with the key."""
         started = time.monotonic()
         seen = self._arrivals
         while time.monotonic() - started < COALESCE_MAX_S:

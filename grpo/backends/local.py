@@ -95,7 +95,12 @@ from torch import Tensor, nn
 from grpo.backends import _local_checkpoint as checkpoints
 from grpo.backends._local_model import AdapterWeights, LoraSpec, ModelHost, load_host
 from grpo.backends._local_rest import LocalRestClient
-from grpo.backends._local_sampling import PendingSample, SampleSpec, sample_batch, validate_sample_request
+from grpo.backends._local_sampling import (
+    PendingSample,
+    SampleSpec,
+    sample_batch,
+    validate_sample_request,
+)
 from grpo.backends._local_worker import Worker
 from grpo.backends.tiny import TINY_MODEL_NAME
 from grpo.core.loss_spec import LossSpec
@@ -142,7 +147,11 @@ class _Engine:
 
     def host(self, base_model: str) -> ModelHost:
         """The loaded base model (loaded on first use); call on the worker."""
-        key = base_model if base_model == TINY_MODEL_NAME else str(Path(base_model).expanduser().resolve())
+        key = (
+            base_model
+            if base_model == TINY_MODEL_NAME
+            else str(Path(base_model).expanduser().resolve())
+        )
         if key not in self._hosts:
             self._hosts[key] = load_host(base_model)
         return self._hosts[key]
@@ -223,7 +232,7 @@ class LocalServiceClient:
         return await asyncio.to_thread(self.get_server_capabilities)
 
     def create_rest_client(self) -> LocalRestClient:
-        """Checkpoint listing and deletion under this service's root (pytrio's RestClient methods)."""
+        """Checkpoint listing and deletion under this service's root (pytrio's RestClient API)."""
         return LocalRestClient(self._engine.root)
 
     def create_lora_training_client(
@@ -257,16 +266,26 @@ class LocalServiceClient:
     ) -> LocalTrainingClient:
         """Async twin of `create_lora_training_client`."""
         return await asyncio.to_thread(
-            self.create_lora_training_client, base_model, rank, seed, train_mlp, train_attn, train_unembed
+            self.create_lora_training_client,
+            base_model,
+            rank,
+            seed,
+            train_mlp,
+            train_attn,
+            train_unembed,
         )
 
-    def create_sampling_client(self, base_model: str, model_path: str | None = None) -> LocalSamplingClient:
+    def create_sampling_client(
+        self, base_model: str, model_path: str | None = None
+    ) -> LocalSamplingClient:
         """A sampler of the base model, or of LoRA weights saved at `model_path`."""
         host = self._engine.run(lambda: self._engine.host(base_model))
         weights = None if model_path is None else _read_sampler_weights(model_path, host)
         return LocalSamplingClient(self._engine, host, weights)
 
-    async def create_sampling_client_async(self, base_model: str, model_path: str | None = None) -> LocalSamplingClient:
+    async def create_sampling_client_async(
+        self, base_model: str, model_path: str | None = None
+    ) -> LocalSamplingClient:
         """Async twin of `create_sampling_client`."""
         return await asyncio.to_thread(self.create_sampling_client, base_model, model_path)
 
@@ -282,7 +301,9 @@ class LocalServiceClient:
         """A training client with the checkpoint's weights and optimizer state."""
         return self._from_state(path, with_optimizer=True)
 
-    async def create_training_client_from_state_with_optimizer_async(self, path: str) -> LocalTrainingClient:
+    async def create_training_client_from_state_with_optimizer_async(
+        self, path: str
+    ) -> LocalTrainingClient:
         """Async twin of `create_training_client_from_state_with_optimizer`."""
         return await asyncio.to_thread(self.create_training_client_from_state_with_optimizer, path)
 
@@ -330,7 +351,9 @@ class LocalTrainingClient:
         self.lora = spec
         self.model_id = host.model_id
         self.training_run_cuid = f"run-{uuid.uuid4().hex[:12]}"
-        self._limits = TrainingLimits(max_batch_size=None, max_tokens_per_request=None, max_seq_len=host.max_positions)
+        self._limits = TrainingLimits(
+            max_batch_size=None, max_tokens_per_request=None, max_seq_len=host.max_positions
+        )
         self._started = False
         self._optimizer_steps = 0
         self._adapter, self._parameters, self._optimizer = engine.run(self._attach)
@@ -402,7 +425,8 @@ class LocalTrainingClient:
         loss_fn: CustomLossFn,
         loss_fn_config: dict[str, object] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        """Run `loss_fn(data, logprobs[, loss_fn_config])` on per-datum log-prob leaves; train on its gradient.
+        """Run `loss_fn(data, logprobs[, loss_fn_config])` on per-datum log-prob leaves; train on
+        its gradient.
 
         The gradient of the custom loss with respect to each log-prob is pushed through the
         model exactly (PyTRIO sends it as cross-entropy weights; the parameter gradient is the
@@ -410,7 +434,10 @@ class LocalTrainingClient:
         merged with the custom metrics.
         """
         plan_training_batch(
-            data, loss_fn="cross_entropy", auto_shift=False, limits=self._limits,
+            data,
+            loss_fn="cross_entropy",
+            auto_shift=False,
+            limits=self._limits,
             tokenizer_vocab_size=self._host.vocab_size,
         )
         _reject_images(data)
@@ -431,11 +458,18 @@ class LocalTrainingClient:
         return self.forward_backward_custom(data, loss_fn, loss_fn_config)
 
     def _prepare(
-        self, data: list[Datum], loss_fn: str, loss_fn_config: dict[str, object] | None, auto_shift: bool
+        self,
+        data: list[Datum],
+        loss_fn: str,
+        loss_fn_config: dict[str, object] | None,
+        auto_shift: bool,
     ) -> _LossBatch:
         """PyTRIO's validation, then the loss config, then flat arrays; all before any compute."""
         plan_training_batch(
-            data, loss_fn=loss_fn, auto_shift=auto_shift, limits=self._limits,
+            data,
+            loss_fn=loss_fn,
+            auto_shift=auto_shift,
+            limits=self._limits,
             tokenizer_vocab_size=self._host.vocab_size,
         )
         _reject_images(data)
@@ -443,7 +477,8 @@ class LocalTrainingClient:
             spec = LossSpec.from_loss_fn_config(loss_fn, loss_fn_config)
         except ValueError as error:
             raise ValidationError(
-                f"invalid loss_fn_config for {loss_fn!r}: {error}", code="validation.invalid_loss_config"
+                f"invalid loss_fn_config for {loss_fn!r}: {error}",
+                code="validation.invalid_loss_config",
             ) from None
         # One reader and masking rule for built-in and custom losses: grpo.datums.
         # Cross-entropy weights are optional (absent means 1), and it reports no ratios.
@@ -470,7 +505,11 @@ class LocalTrainingClient:
         """The kernel on the model's log-probs (worker thread); backward accumulates gradients."""
         self._host.activate_training(self._adapter)
         arrays, spec = batch.arrays, batch.spec
-        sampling = None if arrays.sampling_logprobs_N is None else torch.from_numpy(arrays.sampling_logprobs_N)
+        sampling = (
+            None
+            if arrays.sampling_logprobs_N is None
+            else torch.from_numpy(arrays.sampling_logprobs_N)
+        )
         weights, mask = torch.from_numpy(arrays.weights_N), torch.from_numpy(arrays.mask_N)
 
         def evaluate(logprobs: Tensor, loss: LossSpec) -> tuple[Tensor, dict[str, float]]:
@@ -491,7 +530,11 @@ class LocalTrainingClient:
             loss_sum = float(loss.detach())
         else:
             with torch.no_grad():
-                loss_sum = float(evaluate(logprobs.detach(), attrs.evolve(spec, reduction="sum", norm_length=None))[0])
+                loss_sum = float(
+                    evaluate(
+                        logprobs.detach(), attrs.evolve(spec, reduction="sum", norm_length=None)
+                    )[0]
+                )
         token_count = int(arrays.mask_N.sum())
         metrics: dict[str, float] = {
             "loss_sum": loss_sum,
@@ -511,7 +554,7 @@ class LocalTrainingClient:
         loss_fn: CustomLossFn,
         loss_fn_config: dict[str, object] | None,
     ) -> ForwardBackwardOutput:
-        """Custom loss on log-prob leaves, then their gradients pushed through the model (worker)."""
+        """Custom loss on log-prob leaves, their gradients pushed through the model (worker)."""
         self._host.activate_training(self._adapter)
         with torch.enable_grad():
             logprobs_list = self._host.target_logprobs(inputs, targets, auto_shift=False)
@@ -533,11 +576,14 @@ class LocalTrainingClient:
             for leaf, target in zip(leaves, targets, strict=True):
                 if leaf.grad is None:
                     raise ValidationError(
-                        "Custom loss output has no gradients. Ensure loss_fn returns a tensor with gradients.",
+                        "Custom loss output has no gradients. "
+                        "Ensure loss_fn returns a tensor with gradients.",
                         code="validation.missing_custom_loss_gradient",
                     )
                 # The service trains ignored targets on nothing, whatever the gradient.
-                gradients.append(torch.where(torch.from_numpy(target) == IGNORE_INDEX, 0.0, leaf.grad))
+                gradients.append(
+                    torch.where(torch.from_numpy(target) == IGNORE_INDEX, 0.0, leaf.grad)
+                )
             for index, gradient in enumerate(gradients):
                 bad = ~torch.isfinite(gradient)
                 if bool(bad.any()):
@@ -558,7 +604,9 @@ class LocalTrainingClient:
             "loss_mean": loss_sum / token_count if token_count else 0.0,
             "token_count": token_count,
         }
-        return ForwardBackwardOutput(loss_fn_outputs=_outputs(logprobs_list), metrics={**metrics, **custom_metrics})
+        return ForwardBackwardOutput(
+            loss_fn_outputs=_outputs(logprobs_list), metrics={**metrics, **custom_metrics}
+        )
 
     # --- optimizer ---------------------------------------------------------------------
 
@@ -592,7 +640,9 @@ class LocalTrainingClient:
             weight_decay=adam_params.weight_decay,
         )
         if adam_params.grad_clip_norm > 0 and gradients:
-            torch.nn.utils.clip_grads_with_norm_(self._parameters, adam_params.grad_clip_norm, grad_norm)
+            torch.nn.utils.clip_grads_with_norm_(
+                self._parameters, adam_params.grad_clip_norm, grad_norm
+            )
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self._optimizer_steps += 1
@@ -625,7 +675,8 @@ class LocalTrainingClient:
     def save_weights_for_sampler(
         self, name: str, ttl_seconds: int | None = None
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        """Save LoRA weights (no optimizer) for `create_sampling_client(model_path)`; replaces a same-named save."""
+        """Save LoRA weights (no optimizer) for `create_sampling_client(model_path)`; replaces a
+        save of the same name."""
         payload = build_trainer_save_payload(name, ttl_seconds)
         self._started = True
         return self._engine.worker.call(
@@ -639,15 +690,27 @@ class LocalTrainingClient:
         return self.save_weights_for_sampler(name, ttl_seconds)
 
     def _save(
-        self, kind: checkpoints.CheckpointKind, name: str, ttl_seconds: int | None, *, overwrite: bool
+        self,
+        kind: checkpoints.CheckpointKind,
+        name: str,
+        ttl_seconds: int | None,
+        *,
+        overwrite: bool,
     ) -> Any:
-        directory = checkpoints.checkpoint_directory(self._engine.root, self.training_run_cuid, kind, name)
+        directory = checkpoints.checkpoint_directory(
+            self._engine.root, self.training_run_cuid, kind, name
+        )
         weights = self._host.snapshot(self._adapter, self.lora)
         if kind == "state":
             self._require_sound_weights(name, weights)
         metadata = checkpoints.metadata_for(
-            kind=kind, base_model=self.model_id, spec=self.lora, run_id=self.training_run_cuid,
-            name=name, ttl_seconds=ttl_seconds, optimizer_steps=self._optimizer_steps,
+            kind=kind,
+            base_model=self.model_id,
+            spec=self.lora,
+            run_id=self.training_run_cuid,
+            name=name,
+            ttl_seconds=ttl_seconds,
+            optimizer_steps=self._optimizer_steps,
         )
         size = checkpoints.write(
             directory,
@@ -731,7 +794,9 @@ class LocalTrainingClient:
             )
         self._restore(directory, metadata, with_optimizer=with_optimizer)
 
-    def _restore(self, directory: Path, metadata: dict[str, object], *, with_optimizer: bool) -> None:
+    def _restore(
+        self, directory: Path, metadata: dict[str, object], *, with_optimizer: bool
+    ) -> None:
         weights = checkpoints.read_weights(directory, self.lora)
         optimizer_state = checkpoints.read_optimizer(directory) if with_optimizer else None
 
@@ -758,7 +823,9 @@ class LocalTrainingClient:
 
     def create_sampling_client(self, model_path: str) -> LocalSamplingClient:
         """A sampler of LoRA weights saved at `model_path` (same base model)."""
-        return LocalSamplingClient(self._engine, self._host, _read_sampler_weights(model_path, self._host))
+        return LocalSamplingClient(
+            self._engine, self._host, _read_sampler_weights(model_path, self._host)
+        )
 
     async def create_sampling_client_async(self, model_path: str) -> LocalSamplingClient:
         """Async twin of `create_sampling_client`."""
@@ -834,7 +901,9 @@ def sample_memory_bytes(host: ModelHost, num_samples: int, prompt_len: int, max_
     return 4 * num_samples * (per_position * positions + host.vocab_size)
 
 
-def _check_sample_memory(host: ModelHost, num_samples: int, prompt_len: int, max_tokens: int) -> None:
+def _check_sample_memory(
+    host: ModelHost, num_samples: int, prompt_len: int, max_tokens: int
+) -> None:
     needed = sample_memory_bytes(host, num_samples, prompt_len, max_tokens)
     if needed > SAMPLE_MEMORY_LIMIT_BYTES:
         raise ValidationError(
@@ -867,7 +936,10 @@ def _non_finite_loss(batch: _LossBatch, logprobs: Tensor, value: float) -> Valid
 
 
 def _call_custom_loss(
-    loss_fn: CustomLossFn, data: list[Datum], logprobs: list[Tensor], config: dict[str, object] | None
+    loss_fn: CustomLossFn,
+    data: list[Datum],
+    logprobs: list[Tensor],
+    config: dict[str, object] | None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PyTRIO's rule: pass `config` only when given and the function accepts a third argument."""
     if config is None:
@@ -933,7 +1005,9 @@ class LocalSamplingClient:
             max_positions=self._host.max_positions,
             draw_seed=self._engine.draw_seed,
         )
-        _check_sample_memory(self._host, num_samples, len(prompt.to_ints()), sampling_params.max_tokens)
+        _check_sample_memory(
+            self._host, num_samples, len(prompt.to_ints()), sampling_params.max_tokens
+        )
         return self._submit(spec)
 
     async def sample_async(
@@ -947,7 +1021,12 @@ class LocalSamplingClient:
     ) -> SampleResponse:
         """Async twin of `sample` (returns the response, as PyTRIO's does)."""
         return await self.sample(
-            prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs, return_text
+            prompt,
+            num_samples,
+            sampling_params,
+            include_prompt_logprobs,
+            topk_prompt_logprobs,
+            return_text,
         )
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:

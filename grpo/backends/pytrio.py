@@ -129,8 +129,7 @@ def check_capabilities(
         if Path(base_model).expanduser().is_dir():
             return
         raise CapabilityError(
-            f"--base-model {base_model!r} is not served by this service; it serves "
-            f"{sorted(models)}"
+            f"--base-model {base_model!r} is not served by this service; it serves {sorted(models)}"
         )
     limits = [
         value
@@ -177,7 +176,7 @@ def call_with_retries(
     base_delay_s: float = 1.0,
     on_retry: Callable[[str], None] | None = None,
 ) -> T:
-    """Run `call`; on a transient failure retry up to `max_retries` times with exponential backoff."""
+    """Run `call`; on a transient failure retry up to `max_retries` times, with backoff."""
     for attempt in range(max_retries + 1):
         try:
             return call()
@@ -186,10 +185,14 @@ def call_with_retries(
                 raise
             if attempt == max_retries:
                 raise RetriesExhaustedError(
-                    f"{what} failed {max_retries + 1} times; last error: {type(error).__name__}: {error}"
+                    f"{what} failed {max_retries + 1} times; last error: "
+                    f"{type(error).__name__}: {error}"
                 ) from error
             delay = base_delay_s * 2**attempt
             if on_retry is not None:
-                on_retry(f"{what} failed ({type(error).__name__}: {error}); retry {attempt + 1}/{max_retries} in {delay:.1f}s")
+                on_retry(
+                    f"{what} failed ({type(error).__name__}: {error}); "
+                    f"retry {attempt + 1}/{max_retries} in {delay:.1f}s"
+                )
             time.sleep(delay)
     raise AssertionError("unreachable")

@@ -14,8 +14,9 @@ set as it prints. The wire protocol is the part of PyTRIO's that the SDK's
   and ``POST v1/sampling-runs/{id}/sample`` (JSON).
 
 What each operation does is `serve_state`'s business (`serve_wire` converts, `serve_routes`
-maps paths to operations); this module is the HTTP shell: dispatch, authentication (``--api-key``: a request without it gets 401), fault injection
-(`serve_faults`) and error statuses. A request the backend refuses is a 4xx (or a failed
+maps paths to operations); this module is the HTTP shell: dispatch, authentication
+(``--api-key``: a request without it gets 401), fault injection (`serve_faults`) and error
+statuses. A request the backend refuses is a 4xx (or a failed
 event) that the SDK raises at once, never a 5xx it would retry for 15 minutes.
 
 The server is the standard library's ``ThreadingHTTPServer`` (HTTP/1.1, keep-alive, one
@@ -263,8 +264,14 @@ def serve_in_thread(
     `sampler_dtype` "bfloat16" samples in reduced precision (a sampler-trainer mismatch).
     """
     server, local = start_server(
-        root=root, api_key=api_key, faults=faults, host=host, port=port, seed=seed,
-        aliases=aliases, sampler_dtype=sampler_dtype,
+        root=root,
+        api_key=api_key,
+        faults=faults,
+        host=host,
+        port=port,
+        seed=seed,
+        aliases=aliases,
+        sampler_dtype=sampler_dtype,
     )
     thread = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="grpo-serve", daemon=True

@@ -20,6 +20,7 @@ from grpo.core.losses import LossKernel, get_loss, validate_reduction
 
 __all__ = ["LossSpec"]
 
+
 def _frozen_config(config: Mapping[str, float | None]) -> Mapping[str, float | None]:
     return MappingProxyType(dict(config))
 
@@ -46,7 +47,7 @@ class LossSpec:
         reduction: str = "sum",
         norm_length: float | None = None,
     ) -> LossSpec:
-        """The spec of kernel ``loss`` with ``config`` merged over its defaults; ValueError if invalid."""
+        """Kernel ``loss`` with ``config`` merged over its defaults; ValueError if invalid."""
         kernel = loss if isinstance(loss, LossKernel) else get_loss(loss)
         resolved = kernel.resolve(dict(config or {}))
         validate_reduction(reduction, norm_length)
@@ -86,7 +87,9 @@ class LossSpec:
 
     def to_loss_fn_config(self) -> dict[str, Any]:
         """PyTRIO's ``loss_fn_config``: non-None kernel keys, then the reduction if not sum."""
-        wire: dict[str, Any] = {key: value for key, value in self.config.items() if value is not None}
+        wire: dict[str, Any] = {
+            key: value for key, value in self.config.items() if value is not None
+        }
         if self.reduction != "sum":
             wire["reduction"] = self.reduction
             if self.norm_length is not None:

@@ -847,7 +847,7 @@ class LossKernel:
     fused_form: Callable[..., FusedTerms] | None = attrs.field(default=None, repr=False)
     """The single-pass form for torch.compile (``fused_losses``), None if there is none."""
     service_builtin: bool = True
-    """Whether PyTRIO's ``forward_backward`` has this loss built in (else it runs as a custom loss)."""
+    """Whether PyTRIO's ``forward_backward`` has this loss built in (else: as a custom loss)."""
 
     def __attrs_post_init__(self) -> None:
         # The instance's docstring is its formula, so help(losses.ppo) states the math.
@@ -1065,6 +1065,7 @@ def get_loss(name: str) -> LossKernel:
 def resolve_config(name: str, config: Mapping[str, object]) -> LossConfig:
     """Kernel ``name``'s defaults merged with ``config`` after validating keys and thresholds."""
     return get_loss(name).resolve(config)
+
 
 # --- KL to a reference policy ------------------------------------------------------------
 

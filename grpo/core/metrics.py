@@ -59,7 +59,9 @@ def batch_metrics(batch: TokenBatch) -> dict[str, float]:
     }
 
 
-def update_metrics(spec: LossSpec, logprobs_N: npt.ArrayLike, batch: TokenBatch) -> dict[str, float]:
+def update_metrics(
+    spec: LossSpec, logprobs_N: npt.ArrayLike, batch: TokenBatch
+) -> dict[str, float]:
     """The kernel's metrics (prefixed with its name), ``loss``, and the log-ratio statistics.
 
     ``ratio/max_abs_log`` = max |lp − lp_old| and ``ratio/mean`` = mean exp(lp − lp_old) over
@@ -114,8 +116,13 @@ def mismatch_metrics(
         )
     if not mask.any():
         return {
-            "kl_k1": 0.0, "kl_k3": 0.0, "max_abs_log_ratio": 0.0, "frac_off_by_2x": 0.0,
-            "seq_ratio_std": 0.0, "seq_ratio_min": 1.0, "seq_ratio_max": 1.0,
+            "kl_k1": 0.0,
+            "kl_k3": 0.0,
+            "max_abs_log_ratio": 0.0,
+            "frac_off_by_2x": 0.0,
+            "seq_ratio_std": 0.0,
+            "seq_ratio_min": 1.0,
+            "seq_ratio_max": 1.0,
         }
     selected = delta[mask]
     segments = np.repeat(np.arange(lengths.size), lengths)[mask]
@@ -134,7 +141,7 @@ def mismatch_metrics(
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
-    """Unbiased pass@k = 1 − C(n − c, k) / C(n, k) for c correct of n samples (Chen et al., 2021)."""
+    """Unbiased pass@k = 1 − C(n − c, k) / C(n, k), c correct of n samples (Chen et al., 2021)."""
     if not 0 <= num_correct <= num_samples or not 1 <= k <= num_samples:
         raise ValueError(
             f"pass_at_k needs 0 <= num_correct <= num_samples and 1 <= k <= num_samples, got "

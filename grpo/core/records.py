@@ -397,7 +397,7 @@ class TokenBatch:
         return np.concatenate(([0], np.cumsum(self.seq_lens)))
 
     def sequence_range(self, start: int, stop: int) -> TokenBatch:
-        """The batch of sequences ``start..stop-1`` (a contiguous run), arrays sliced, not copied."""
+        """The batch of sequences ``start..stop-1``; arrays sliced, not copied."""
         if not 0 <= start < stop <= self.num_sequences:
             raise ValueError(
                 f"sequence_range({start}, {stop}) is not a non-empty run of this batch's "

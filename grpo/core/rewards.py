@@ -161,9 +161,7 @@ def extract_gold(answer_text: str, rule: str = "####") -> str:
             raise ValueError("answer is empty; --gold-rule whole needs a non-empty answer field")
         return gold
     if not rule.startswith("regex:"):
-        raise ValueError(
-            f"gold rule {rule!r} is not one of '####', 'whole' or 'regex:PATTERN'"
-        )
+        raise ValueError(f"gold rule {rule!r} is not one of '####', 'whole' or 'regex:PATTERN'")
     pattern = re.compile(rule.removeprefix("regex:"))
     matches = list(pattern.finditer(answer_text))
     if not matches:

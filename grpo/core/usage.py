@@ -58,9 +58,7 @@ class TokenUsage:
     forward_tokens: int = attrs.field(default=0, validator=_count)
 
     def __add__(self, other: TokenUsage) -> TokenUsage:
-        return TokenUsage(
-            *(getattr(self, kind) + getattr(other, kind) for kind in USAGE_KINDS)
-        )
+        return TokenUsage(*(getattr(self, kind) + getattr(other, kind) for kind in USAGE_KINDS))
 
     @property
     def total(self) -> int:
@@ -122,9 +120,7 @@ def reference_usage(groups: Sequence[ScoredGroup]) -> TokenUsage:
     )
 
 
-def training_usage(
-    parts: Sequence[TokenBatch], *, passes: int, extra_forward: bool
-) -> TokenUsage:
+def training_usage(parts: Sequence[TokenBatch], *, passes: int, extra_forward: bool) -> TokenUsage:
     """``passes`` × Σ positions of the minibatches (as many forward-only with extra_forward)."""
     positions = passes * sum(part.num_tokens for part in parts)
     return TokenUsage(trained_tokens=positions, forward_tokens=positions if extra_forward else 0)

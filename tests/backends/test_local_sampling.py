@@ -49,7 +49,9 @@ def as_datum(prompt: list[int], completion: list[int]) -> Datum:
     tokens = prompt + completion
     return Datum(
         model_input=ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": TensorData.from_numpy(np.array(tokens[1:], dtype=np.int64))},
+        loss_fn_inputs={
+            "target_tokens": TensorData.from_numpy(np.array(tokens[1:], dtype=np.int64))
+        },
     )
 
 
@@ -74,7 +76,9 @@ def test_sampled_logprobs_match_training_forward_at_temperature_one(service):
     client = trained_client(service)
     sampler = client.save_weights_and_get_sampling_client()
     prompt = prompt_tokens(30, 3)
-    response = sampler.sample(ModelInput.from_ints(prompt), num_samples=6, sampling_params=params(5, 16)).result()
+    response = sampler.sample(
+        ModelInput.from_ints(prompt), num_samples=6, sampling_params=params(5, 16)
+    ).result()
     datums = [as_datum(prompt, sequence.tokens) for sequence in response.sequences]
     forward = client.forward(datums).result()
     for sequence, output in zip(response.sequences, forward.loss_fn_outputs, strict=True):
@@ -93,9 +97,13 @@ def test_logprobs_stay_exact_when_finished_rows_leave_the_batch(service):
     response = sampler.sample(ModelInput.from_ints(prompt), 40, sampling).result()
     lengths = [len(sequence.tokens) for sequence in response.sequences]
     assert min(lengths) < 4 and max(lengths) > 12
-    forward = client.forward([as_datum(prompt, sequence.tokens) for sequence in response.sequences]).result()
+    forward = client.forward(
+        [as_datum(prompt, sequence.tokens) for sequence in response.sequences]
+    ).result()
     for sequence, output in zip(response.sequences, forward.loss_fn_outputs, strict=True):
-        np.testing.assert_allclose(sequence.logprobs, output["logprobs"].data[len(prompt) - 1 :], atol=1e-4)
+        np.testing.assert_allclose(
+            sequence.logprobs, output["logprobs"].data[len(prompt) - 1 :], atol=1e-4
+        )
     few = sampler.sample(ModelInput.from_ints(prompt), 2, sampling).result()
     assert few.sequences == response.sequences[:2]
 
@@ -127,7 +135,9 @@ def _check_batch_invariance(service, monkeypatch) -> None:
     futures = [
         sampler.sample(other, num_samples=5, sampling_params=params(1, 20)),
         sampler.sample(prompt, 3, params(7), include_prompt_logprobs=True),
-        sampler.sample(ModelInput.from_ints(prompt_tokens(9, 6)), num_samples=2, sampling_params=params(2, 4)),
+        sampler.sample(
+            ModelInput.from_ints(prompt_tokens(9, 6)), num_samples=2, sampling_params=params(2, 4)
+        ),
         sampler.compute_logprobs(other),
     ]
     batched = futures[1].result()
@@ -153,7 +163,11 @@ def test_unseeded_requests_follow_the_service_seed(tmp_path):
         with LocalServiceClient(root=tmp_path, seed=seed) as service:
             sampler = service.create_sampling_client(MODEL)
             prompt = ModelInput.from_ints(prompt_tokens(15, 8))
-            return [s.tokens for _ in range(2) for s in sampler.sample(prompt, 2, params(None, 6)).result().sequences]
+            return [
+                s.tokens
+                for _ in range(2)
+                for s in sampler.sample(prompt, 2, params(None, 6)).result().sequences
+            ]
 
     assert draws(5) == draws(5)
     assert draws(5) != draws(6)
@@ -162,7 +176,9 @@ def test_unseeded_requests_follow_the_service_seed(tmp_path):
 def test_greedy_follows_the_argmax_with_logprob_zero(service):
     sampler = service.create_sampling_client(MODEL)
     prompt = prompt_tokens(20, 9)
-    greedy = sampler.sample(ModelInput.from_ints(prompt), 2, params(None, 8, temperature=0.0)).result()
+    greedy = sampler.sample(
+        ModelInput.from_ints(prompt), 2, params(None, 8, temperature=0.0)
+    ).result()
     tokens = greedy.sequences[0].tokens
     logits = oracle_logits(prompt + tokens)
     end = tiny.build_tokenizer().convert_tokens_to_ids(tiny.IM_END)
@@ -179,13 +195,17 @@ def test_greedy_follows_the_argmax_with_logprob_zero(service):
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p"), [(0.7, 5, 1.0), (1.3, -1, 0.5), (1.0, 10, 0.3)]
 )
-def test_logprobs_are_those_of_the_filtered_renormalised_distribution(service, temperature, top_k, top_p):
+def test_logprobs_are_those_of_the_filtered_renormalised_distribution(
+    service, temperature, top_k, top_p
+):
     sampler = service.create_sampling_client(MODEL)
     prompt = prompt_tokens(12, 10)
     sampling = params(21, 10, temperature=temperature, top_k=top_k, top_p=top_p)
     for sequence in sampler.sample(ModelInput.from_ints(prompt), 3, sampling).result().sequences:
         logits = oracle_logits(prompt + sequence.tokens)[len(prompt) - 1 :]
-        for step, (token, logprob) in enumerate(zip(sequence.tokens, sequence.logprobs, strict=True)):
+        for step, (token, logprob) in enumerate(
+            zip(sequence.tokens, sequence.logprobs, strict=True)
+        ):
             logprobs = torch.log_softmax(logits[step] / temperature, -1)
             order = logprobs.argsort(descending=True)
             kept = order[: top_k if top_k > 0 else len(order)]
@@ -207,7 +227,9 @@ def test_stop_reasons_tokens_and_text(service):
     for sequence in response.sequences:
         if sequence.stop_reason == "stop":
             assert sequence.tokens[-1] == end and end not in sequence.tokens[:-1]
-            assert sequence.text == tokenizer.decode(sequence.tokens[:-1], skip_special_tokens=False)
+            assert sequence.text == tokenizer.decode(
+                sequence.tokens[:-1], skip_special_tokens=False
+            )
         else:
             assert len(sequence.tokens) == 40 and end not in sequence.tokens
             assert sequence.text == tokenizer.decode(sequence.tokens, skip_special_tokens=False)
@@ -235,13 +257,19 @@ def test_prompt_logprobs_match_the_forward_and_start_with_none(service):
     sampler = client.save_weights_and_get_sampling_client()
     tokens = prompt_tokens(33, 12)
     response = sampler.sample(
-        ModelInput.from_ints(tokens), 1, params(1, 2), include_prompt_logprobs=True, topk_prompt_logprobs=3
+        ModelInput.from_ints(tokens),
+        1,
+        params(1, 2),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
     ).result()
     forward = client.forward([as_datum(tokens[:1], tokens[1:])]).result()
     expected = np.asarray(forward.loss_fn_outputs[0]["logprobs"].data)
     assert response.prompt_logprobs[0] is None and len(response.prompt_logprobs) == len(tokens)
     np.testing.assert_allclose(response.prompt_logprobs[1:], expected, atol=1e-4)
-    assert sampler.compute_logprobs(ModelInput.from_ints(tokens)).result() == response.prompt_logprobs
+    assert (
+        sampler.compute_logprobs(ModelInput.from_ints(tokens)).result() == response.prompt_logprobs
+    )
     assert response.topk_prompt_logprobs[0] is None
     for position, candidates in enumerate(response.topk_prompt_logprobs[1:]):
         values = [value for _, value in candidates]
@@ -273,14 +301,22 @@ def test_saved_sampler_weights_sample_like_the_snapshot(service):
     prompt = ModelInput.from_ints(prompt_tokens(18, 16))
     snapshot = client.save_weights_and_get_sampling_client().sample(prompt, 2, params(6)).result()
     from_path = client.create_sampling_client(saved.path).sample(prompt, 2, params(6)).result()
-    from_service = service.create_sampling_client(MODEL, model_path=saved.path).sample(prompt, 2, params(6)).result()
+    from_service = (
+        service.create_sampling_client(MODEL, model_path=saved.path)
+        .sample(prompt, 2, params(6))
+        .result()
+    )
     assert from_path == snapshot == from_service
 
 
 def test_threads_and_asyncio_get_the_same_results_as_sequential_calls(service):
     sampler = service.create_sampling_client(MODEL)
-    prompts = [ModelInput.from_ints(prompt_tokens(10 + 7 * index, 20 + index)) for index in range(4)]
-    sequential = [sampler.sample(prompt, 2, params(index)).result() for index, prompt in enumerate(prompts)]
+    prompts = [
+        ModelInput.from_ints(prompt_tokens(10 + 7 * index, 20 + index)) for index in range(4)
+    ]
+    sequential = [
+        sampler.sample(prompt, 2, params(index)).result() for index, prompt in enumerate(prompts)
+    ]
     threaded: list[object] = [None] * len(prompts)
 
     def run(index: int) -> None:
@@ -294,7 +330,10 @@ def test_threads_and_asyncio_get_the_same_results_as_sequential_calls(service):
 
     async def gather() -> list[object]:
         return await asyncio.gather(
-            *(sampler.sample_async(prompt, 2, params(index)) for index, prompt in enumerate(prompts)),
+            *(
+                sampler.sample_async(prompt, 2, params(index))
+                for index, prompt in enumerate(prompts)
+            ),
             sampler.compute_logprobs_async(prompts[0]),
         )
 
@@ -310,7 +349,11 @@ def test_threads_and_asyncio_get_the_same_results_as_sequential_calls(service):
         ([5, 6], {"sampling_params": SamplingParams()}, "validation.invalid_sampling_request"),
         ([5, 6], {"num_samples": 0}, "validation.invalid_sampling_request"),
         ([5, 6], {"sampling_params": params(max_tokens=0)}, "validation.invalid_sampling_request"),
-        ([5, 6], {"sampling_params": params(temperature=-0.1)}, "validation.invalid_sampling_request"),
+        (
+            [5, 6],
+            {"sampling_params": params(temperature=-0.1)},
+            "validation.invalid_sampling_request",
+        ),
         ([5, 6], {"sampling_params": params(top_p=0.0)}, "validation.invalid_sampling_request"),
         ([5, 6], {"sampling_params": params(top_p=1.5)}, "validation.invalid_sampling_request"),
         ([5, 6], {"sampling_params": params(top_k=0)}, "validation.invalid_sampling_request"),
@@ -347,19 +390,26 @@ tiny.load_tiny_model = lambda: tiny.init_tiny_model(0)
 from grpo.backends.local import LocalServiceClient
 from pytrio.types import ModelInput, SamplingParams
 sampler = LocalServiceClient(root={str(tmp_path)!r}).create_sampling_client(tiny.TINY_MODEL_NAME)
-futures = [sampler.sample(ModelInput.from_ints(list(range(5, 90))), 64, SamplingParams(max_tokens=150))
+futures = [sampler.sample(ModelInput.from_ints(list(range(5, 90))), 64,
+                          SamplingParams(max_tokens=150))
            for _ in range(3)]
 """
     # A daemon thread still inside torch at interpreter teardown aborts the process (rc 134).
-    finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    finished = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert finished.returncode == 0, finished.stderr[-2000:]
 
 
 def test_a_request_too_large_for_memory_is_refused_before_any_allocation(service):
     sampler = service.create_sampling_client(MODEL)
-    with pytest.raises(ValidationError, match=r"sampling 1000000 x 10 positions needs about .* GiB"):
+    with pytest.raises(
+        ValidationError, match=r"sampling 1000000 x 10 positions needs about .* GiB"
+    ):
         sampler.sample(
-            ModelInput.from_ints([1, 2]), num_samples=10**6, sampling_params=SamplingParams(max_tokens=8)
+            ModelInput.from_ints([1, 2]),
+            num_samples=10**6,
+            sampling_params=SamplingParams(max_tokens=8),
         )
 
 

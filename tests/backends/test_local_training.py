@@ -61,7 +61,10 @@ def policy_datums(count: int = 3, seed: int = 0, prompt_length: int = 12) -> lis
 
 
 def lora_state(client: LocalTrainingClient) -> dict[str, torch.Tensor]:
-    return {key: tensor.detach().clone() for key, tensor in client._host.adapter_parameters(client._adapter).items()}
+    return {
+        key: tensor.detach().clone()
+        for key, tensor in client._host.adapter_parameters(client._adapter).items()
+    }
 
 
 def gradients(client: LocalTrainingClient) -> list[torch.Tensor | None]:
@@ -87,7 +90,9 @@ def train(client: LocalTrainingClient, datums: list[Datum], steps: int, loss: st
 )
 def test_builtin_loss_and_custom_loss_give_the_same_loss_and_gradients(tmp_path, loss, config):
     datums = policy_datums()
-    kernel_config = {key: value for key, value in config.items() if key not in ("reduction", "norm_length")}
+    kernel_config = {
+        key: value for key, value in config.items() if key not in ("reduction", "norm_length")
+    }
     results = []
     for path in ("builtin", "custom"):
         with LocalServiceClient(root=tmp_path, seed=0, kernel_metrics=True) as service:
@@ -97,13 +102,18 @@ def test_builtin_loss_and_custom_loss_give_the_same_loss_and_gradients(tmp_path,
                 output = client.forward_backward(datums, loss, config).result()
             else:
                 custom = as_custom_loss(
-                    loss, datums, reduction=config.get("reduction", "sum"),
-                    norm_length=config.get("norm_length"), **kernel_config,
+                    loss,
+                    datums,
+                    reduction=config.get("reduction", "sum"),
+                    norm_length=config.get("norm_length"),
+                    **kernel_config,
                 )
                 output = client.forward_backward_custom(datums, custom).result()
             results.append((output, gradients(client)))
     (builtin, builtin_grads), (custom, custom_grads) = results
-    assert builtin.metrics[f"{loss}/loss"] == pytest.approx(custom.metrics[f"{loss}/loss"], rel=1e-6, abs=1e-6)
+    assert builtin.metrics[f"{loss}/loss"] == pytest.approx(
+        custom.metrics[f"{loss}/loss"], rel=1e-6, abs=1e-6
+    )
     # Every kernel metric (ratios, clip shares, tokens) appears on both paths, with one value.
     prefix = f"{loss}/"
     builtin_kernel = {k: v for k, v in builtin.metrics.items() if k.startswith(prefix)}
@@ -133,15 +143,26 @@ def test_gradients_accumulate_until_optim_step(service):
 
 def test_training_moves_only_the_lora_weights(service):
     client = service.create_lora_training_client(MODEL, rank=8, seed=0)
-    base = {name: p.clone() for name, p in client._host.model.named_parameters() if "lora_" not in name}
+    base = {
+        name: p.clone() for name, p in client._host.model.named_parameters() if "lora_" not in name
+    }
     before = lora_state(client)
     train(client, policy_datums(), steps=3)
-    after_base = {name: p for name, p in client._host.model.named_parameters() if "lora_" not in name}
+    after_base = {
+        name: p for name, p in client._host.model.named_parameters() if "lora_" not in name
+    }
     assert base.keys() == after_base.keys()
     assert all(torch.equal(base[name], after_base[name]) for name in base)
     assert any(not torch.equal(before[key], value) for key, value in lora_state(client).items())
     assert {key.split(".lora_")[0].rsplit(".", 1)[-1] for key in before} == {
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "lm_head",
     }
 
 
@@ -150,20 +171,35 @@ def test_a_fresh_adapter_leaves_the_model_unchanged_and_its_seed_fixes_it(servic
     client = service.create_lora_training_client(MODEL, rank=4, seed=9)
     same = service.create_lora_training_client(MODEL, rank=4, seed=9)
     other = service.create_lora_training_client(MODEL, rank=4, seed=10)
-    assert all(torch.equal(a, b) for a, b in zip(lora_state(client).values(), lora_state(same).values()))
-    assert any(not torch.equal(a, b) for a, b in zip(lora_state(client).values(), lora_state(other).values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(lora_state(client).values(), lora_state(same).values())
+    )
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(lora_state(client).values(), lora_state(other).values())
+    )
     tokens = datums[0].model_input.to_ints() + [datums[0].loss_fn_inputs["target_tokens"].data[-1]]
-    base = service.create_sampling_client(MODEL).compute_logprobs(ModelInput.from_ints(tokens)).result()
-    trained = np.asarray(client.forward(datums[:1], "ppo").result().loss_fn_outputs[0]["logprobs"].data)
+    base = (
+        service.create_sampling_client(MODEL)
+        .compute_logprobs(ModelInput.from_ints(tokens))
+        .result()
+    )
+    trained = np.asarray(
+        client.forward(datums[:1], "ppo").result().loss_fn_outputs[0]["logprobs"].data
+    )
     np.testing.assert_allclose(base[1:], trained, atol=1e-5)
 
 
 def test_lora_options_choose_the_target_modules(service):
-    client = service.create_lora_training_client(MODEL, rank=4, seed=0, train_mlp=False, train_unembed=False)
+    client = service.create_lora_training_client(
+        MODEL, rank=4, seed=0, train_mlp=False, train_unembed=False
+    )
     modules = {key.split(".lora_")[0].rsplit(".", 1)[-1] for key in lora_state(client)}
     assert modules == {"q_proj", "k_proj", "v_proj", "o_proj"}
     with pytest.raises(ValidationError) as error:
-        service.create_lora_training_client(MODEL, train_mlp=False, train_attn=False, train_unembed=False)
+        service.create_lora_training_client(
+            MODEL, train_mlp=False, train_attn=False, train_unembed=False
+        )
     assert error.value.code == "validation.invalid_lora_config"
     with pytest.raises(ValidationError) as error:
         service.create_lora_training_client(MODEL, rank=3)
@@ -191,7 +227,10 @@ def test_save_then_resume_with_optimizer_continues_bit_for_bit(service):
     weights_only = service.create_training_client_from_state(saved.path)
     assert all(torch.equal(at_save[key], value) for key, value in lora_state(weights_only).items())
     train(weights_only, datums, steps=2)  # a fresh Adam state takes other steps
-    assert any(not torch.equal(uninterrupted[key], value) for key, value in lora_state(weights_only).items())
+    assert any(
+        not torch.equal(uninterrupted[key], value)
+        for key, value in lora_state(weights_only).items()
+    )
     assert saved.path.startswith("local://") and saved.model == MODEL and saved.size > 0
 
 
@@ -203,9 +242,12 @@ def test_checkpoints_are_peft_adapter_directories(service):
     client = service.create_lora_training_client(MODEL, rank=4, seed=1)
     train(client, datums, steps=1)
     directory = Path(client.save_state("peft").result().path.removeprefix("local://"))
-    assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt", "grpo_local.json"} <= {
-        file.name for file in directory.iterdir()
-    }
+    assert {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "optimizer.pt",
+        "grpo_local.json",
+    } <= {file.name for file in directory.iterdir()}
     assert json.loads((directory / "adapter_config.json").read_text())["lora_alpha"] == 32
     model, _ = tiny.init_tiny_model(0)
     peft_model = PeftModel.from_pretrained(model, str(directory))
@@ -214,7 +256,9 @@ def test_checkpoints_are_peft_adapter_directories(service):
     with torch.no_grad():
         logprobs = torch.log_softmax(peft_model(input_ids=torch.tensor([tokens])).logits[0], -1)
     expected = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).numpy()
-    local_logprobs = np.asarray(client.forward(datums[:1], "ppo").result().loss_fn_outputs[0]["logprobs"].data)
+    local_logprobs = np.asarray(
+        client.forward(datums[:1], "ppo").result().loss_fn_outputs[0]["logprobs"].data
+    )
     np.testing.assert_allclose(local_logprobs, expected, atol=1e-5)
 
 
@@ -236,7 +280,9 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(service, monkeypatc
     parent = Path(first.path.removeprefix("local://")).parent
     assert [path.name for path in parent.iterdir()] == ["latest"]  # no half-written directory left
     restored = service.create_training_client_from_state_with_optimizer(first.path)
-    assert all(torch.equal(at_first_save[key], value) for key, value in lora_state(restored).items())
+    assert all(
+        torch.equal(at_first_save[key], value) for key, value in lora_state(restored).items()
+    )
 
     with pytest.raises(ValidationError) as error:
         client.save_state("latest").result()
@@ -256,7 +302,9 @@ def test_load_state_only_before_training_and_only_a_matching_config(service):
     mismatched = service.create_lora_training_client(MODEL, rank=8, seed=1)
     with pytest.raises(ValidationError) as error:
         mismatched.load_state(saved.path)
-    assert error.value.code == "validation.checkpoint_config_mismatch" and "lora_rank" in str(error.value)
+    assert error.value.code == "validation.checkpoint_config_mismatch" and "lora_rank" in str(
+        error.value
+    )
     sampler_only = client.save_weights_for_sampler("s").result()
     fresh = service.create_lora_training_client(MODEL, rank=4, seed=1)
     with pytest.raises(ValidationError) as error:
@@ -274,7 +322,9 @@ def test_the_same_seed_gives_the_same_trajectory(tmp_path):
             sampler = client.save_weights_and_get_sampling_client()
             prompt = list(range(10, 30))
             for _ in range(2):
-                response = sampler.sample(ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=6)).result()
+                response = sampler.sample(
+                    ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=6)
+                ).result()
                 datums = []
                 for index, sequence in enumerate(response.sequences):
                     tokens = prompt + sequence.tokens
@@ -282,14 +332,18 @@ def test_the_same_seed_gives_the_same_trajectory(tmp_path):
                     advantages[len(prompt) - 1 :] = index - 1.0
                     logprobs = np.zeros(len(tokens) - 1, dtype=np.float32)
                     logprobs[len(prompt) - 1 :] = sequence.logprobs
-                    datums.append(Datum(
-                        model_input=ModelInput.from_ints(tokens[:-1]),
-                        loss_fn_inputs={
-                            "target_tokens": TensorData.from_numpy(np.array(tokens[1:], dtype=np.int64)),
-                            "logprobs": TensorData.from_numpy(logprobs),
-                            "advantages": TensorData.from_numpy(advantages),
-                        },
-                    ))
+                    datums.append(
+                        Datum(
+                            model_input=ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={
+                                "target_tokens": TensorData.from_numpy(
+                                    np.array(tokens[1:], dtype=np.int64)
+                                ),
+                                "logprobs": TensorData.from_numpy(logprobs),
+                                "advantages": TensorData.from_numpy(advantages),
+                            },
+                        )
+                    )
                 train(client, datums, steps=1)
                 sampler = client.save_weights_and_get_sampling_client()
             return lora_state(client)
@@ -313,14 +367,46 @@ def _sized(datum: Datum, value: float, dtype: type) -> np.ndarray:
     ("corrupt", "loss", "config", "error_type"),
     [
         (lambda d: _with_input(d, "advantages", [1.0, 2.0]), "ppo", None, ValueError),
-        (lambda d: _with_input(d, "target_tokens", _sized(d, 10_000, np.int64)), "ppo", None, ValidationError),
-        (lambda d: _with_input(d, "target_tokens", _sized(d, 1, np.float32)), "ppo", None, ValueError),
-        (lambda d: _with_input(d, "logprobs", _sized(d, np.nan, np.float32)), "ppo", None, ValueError),
-        (lambda d: _with_input(d, "mask", _sized(d, 0.5, np.float32)), "ppo", None, ValidationError),
-        (lambda d: Datum(model_input=ModelInput.from_ints([5, 999]), loss_fn_inputs=d.loss_fn_inputs),
-         "ppo", None, ValidationError),
-        (lambda d: Datum(model_input=ModelInput.from_ints([5] * 2100), loss_fn_inputs=d.loss_fn_inputs),
-         "ppo", None, ValidationError),
+        (
+            lambda d: _with_input(d, "target_tokens", _sized(d, 10_000, np.int64)),
+            "ppo",
+            None,
+            ValidationError,
+        ),
+        (
+            lambda d: _with_input(d, "target_tokens", _sized(d, 1, np.float32)),
+            "ppo",
+            None,
+            ValueError,
+        ),
+        (
+            lambda d: _with_input(d, "logprobs", _sized(d, np.nan, np.float32)),
+            "ppo",
+            None,
+            ValueError,
+        ),
+        (
+            lambda d: _with_input(d, "mask", _sized(d, 0.5, np.float32)),
+            "ppo",
+            None,
+            ValidationError,
+        ),
+        (
+            lambda d: Datum(
+                model_input=ModelInput.from_ints([5, 999]), loss_fn_inputs=d.loss_fn_inputs
+            ),
+            "ppo",
+            None,
+            ValidationError,
+        ),
+        (
+            lambda d: Datum(
+                model_input=ModelInput.from_ints([5] * 2100), loss_fn_inputs=d.loss_fn_inputs
+            ),
+            "ppo",
+            None,
+            ValidationError,
+        ),
         (lambda d: d, "gspo", None, ValueError),
         (lambda d: d, "ppo", {"clip_epsilon": 0.2}, ValidationError),
         (lambda d: d, "ppo", {"reduction": "mean"}, ValidationError),
@@ -340,8 +426,16 @@ def test_forward_reports_logprobs_and_metrics_without_gradients(service):
     client = service.create_lora_training_client(MODEL, rank=4, seed=0)
     output = client.forward(datums, "cispo").result()
     assert gradients(client) == [None] * len(client._parameters)
-    assert [len(o["logprobs"].data) for o in output.loss_fn_outputs] == [len(d.model_input) for d in datums]
-    assert {"loss_sum", "loss_mean", "token_count", "cispo/clip_fraction", "cispo/ratio_mean"} <= set(output.metrics)
+    assert [len(o["logprobs"].data) for o in output.loss_fn_outputs] == [
+        len(d.model_input) for d in datums
+    ]
+    assert {
+        "loss_sum",
+        "loss_mean",
+        "token_count",
+        "cispo/clip_fraction",
+        "cispo/ratio_mean",
+    } <= set(output.metrics)
     trained = sum(int(np.count_nonzero(d.loss_fn_inputs["advantages"].data)) for d in datums)
     assert output.metrics["token_count"] == trained
     assert output.metrics["loss_mean"] == pytest.approx(output.metrics["loss_sum"] / trained)
@@ -355,7 +449,9 @@ def test_auto_shift_aligns_targets_with_inputs(service):
     )
     shifted = Datum(
         model_input=ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": TensorData.from_numpy(np.array(tokens[1:], dtype=np.int64))},
+        loss_fn_inputs={
+            "target_tokens": TensorData.from_numpy(np.array(tokens[1:], dtype=np.int64))
+        },
     )
     client = service.create_lora_training_client(MODEL, rank=4, seed=0)
     auto = client.forward([datum], auto_shift=True).result()
@@ -375,9 +471,19 @@ def test_optim_step_clips_gradients_and_validates_its_parameters(service):
         client.forward_backward(datums, "importance_sampling").result()
         # A large eps makes the step proportional to the gradient, so clipping shows.
         client.optim_step(AdamParams(learning_rate=1.0, eps=1.0, grad_clip_norm=clip)).result()
-        changes.append(sum(float((value - before[key]).abs().sum()) for key, value in lora_state(client).items()))
+        changes.append(
+            sum(
+                float((value - before[key]).abs().sum())
+                for key, value in lora_state(client).items()
+            )
+        )
     assert changes[1] < changes[0] * 1e-3
-    for bad in ({"learning_rate": -1.0}, {"beta1": 1.0}, {"eps": 0.0}, {"grad_clip_norm": float("nan")}):
+    for bad in (
+        {"learning_rate": -1.0},
+        {"beta1": 1.0},
+        {"eps": 0.0},
+        {"grad_clip_norm": float("nan")},
+    ):
         with pytest.raises(ValidationError) as error:
             client.optim_step(AdamParams(**bad))
         assert error.value.code == "validation.invalid_adam_params"
@@ -395,10 +501,14 @@ def test_custom_loss_without_gradient_is_rejected(service):
     assert error.value.code == "validation.missing_custom_loss_gradient"
 
     def with_config(data, logprobs, config):
-        return -config["scale"] * sum(lp.sum() for lp in logprobs), {"custom/scale": config["scale"]}
+        return -config["scale"] * sum(lp.sum() for lp in logprobs), {
+            "custom/scale": config["scale"]
+        }
 
     output = client.forward_backward_custom(datums, with_config, {"scale": 2.0}).result()
-    assert output.metrics["custom/scale"] == 2.0 and {"loss_sum", "token_count"} <= set(output.metrics)
+    assert output.metrics["custom/scale"] == 2.0 and {"loss_sum", "token_count"} <= set(
+        output.metrics
+    )
 
 
 def test_unknown_base_model_names_the_choices(service):
@@ -416,9 +526,11 @@ def test_a_local_hugging_face_directory_is_a_base_model(service, tmp_path):
     client = service.create_lora_training_client(str(directory), rank=4, seed=0)
     assert client.model_id == str(directory.resolve())
     train(client, policy_datums(2), steps=1)
-    response = client.save_weights_and_get_sampling_client().sample(
-        ModelInput.from_ints(list(range(10, 20))), 2, SamplingParams(max_tokens=5, seed=1)
-    ).result()
+    response = (
+        client.save_weights_and_get_sampling_client()
+        .sample(ModelInput.from_ints(list(range(10, 20))), 2, SamplingParams(max_tokens=5, seed=1))
+        .result()
+    )
     assert len(response.sequences) == 2 and all(1 <= len(s.tokens) <= 5 for s in response.sequences)
     saved = client.save_state("hf").result()
     assert service.create_training_client_from_state(saved.path).model_id == client.model_id

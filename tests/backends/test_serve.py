@@ -24,8 +24,8 @@ from grpo.backends.local import LocalServiceClient
 from grpo.backends.serve_faults import Fault, FaultPlan, parse_fault
 from grpo.backends.tiny import TINY_MODEL_NAME
 from grpo.config import TrainConfig
-from grpo.run_dir import read_metrics
 from grpo.loop import train
+from grpo.run_dir import read_metrics
 
 TINY = dict(
     steps=2,
@@ -327,7 +327,7 @@ def test_the_loop_through_the_server_equals_the_local_backend(
     local = run_rows(tmp_path, "local", backend="local", **options)
     # Same seed, same numbers: the server runs the same local-backend code. Only the usage
     # differs: pytrio's SDK runs a custom loss as a forward, then a forward_backward.
-    extra = [r["usage/forward_tokens"] - l["usage/forward_tokens"] for r, l in zip(remote, local)]
+    extra = [r["usage/forward_tokens"] - lo["usage/forward_tokens"] for r, lo in zip(remote, local)]
     assert extra == [row["usage/trained_tokens"] if custom_loss else 0 for row in remote]
     assert without_forward_usage(remote) == without_forward_usage(local)
     assert [row["step"] for row in remote] == [0, 1, 2] and "test/reward" in remote[-1]

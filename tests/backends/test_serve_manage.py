@@ -13,8 +13,16 @@ from grpo.config import TrainConfig
 from grpo.loop import train
 
 TINY = dict(
-    steps=2, batch_size=2, group_size=4, max_tokens=24, eval_every=0, save_every=1,
-    concurrency=4, num_substeps=1, learning_rate=5e-3, backend="pytrio",
+    steps=2,
+    batch_size=2,
+    group_size=4,
+    max_tokens=24,
+    eval_every=0,
+    save_every=1,
+    concurrency=4,
+    num_substeps=1,
+    learning_rate=5e-3,
+    backend="pytrio",
 )
 
 
@@ -34,13 +42,19 @@ def test_runs_checkpoints_and_export_through_the_rest_client(
     listed = _cli(capsys, "checkpoints", "list", "--backend", "pytrio")
     assert summary["sampler_path"] in listed and "checkpoint(s)," in listed
     archive = tmp_path / "final.tar"
-    _cli(capsys, "checkpoints", "download", summary["sampler_path"], "--backend", "pytrio",
-         "--out", str(archive))
+    _cli(
+        capsys,
+        "checkpoints",
+        "download",
+        summary["sampler_path"],
+        "--backend",
+        "pytrio",
+        "--out",
+        str(archive),
+    )
     _cli(capsys, "export", str(archive), "--out", str(tmp_path / "adapter"))
     served_copies = sorted((served.state.root).rglob("adapter_model.safetensors"))
     exported = (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
     assert any(copy.read_bytes() == exported for copy in served_copies)
     _cli(capsys, "checkpoints", "delete", summary["sampler_path"], "--backend", "pytrio")
-    assert summary["sampler_path"] not in _cli(
-        capsys, "checkpoints", "list", "--backend", "pytrio"
-    )
+    assert summary["sampler_path"] not in _cli(capsys, "checkpoints", "list", "--backend", "pytrio")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pytrio.types import ModelInput, SamplingParams
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
@@ -25,7 +26,6 @@ from grpo.backends.tiny import (
 )
 from grpo.data import load_problems
 from grpo.prompts import FEWSHOT_PREFIX, QUESTION_SUFFIX, build_prompt_tokens
-from pytrio.types import ModelInput, SamplingParams
 
 WEIGHTS = TINY_MODEL_DIR / "model.safetensors"
 BACKENDS = Path(warm_start.__file__).parent / "backends"

@@ -79,8 +79,13 @@ def test_call_runs_the_kernel_with_the_spec_config_and_reduction() -> None:
     advantages = torch.tensor([1.0, -1.0, 0.5])
     loss, metrics = spec(logprobs, sampling, advantages, seq_lens=[3])
     expected, expected_metrics = LOSSES["ppo"](
-        logprobs, sampling, advantages, seq_lens=[3], reduction="token_mean",
-        clip_low_threshold=0.8, clip_high_threshold=1.1,
+        logprobs,
+        sampling,
+        advantages,
+        seq_lens=[3],
+        reduction="token_mean",
+        clip_low_threshold=0.8,
+        clip_high_threshold=1.1,
     )
     assert torch.equal(loss, expected)
     assert metrics == expected_metrics

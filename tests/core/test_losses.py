@@ -374,7 +374,9 @@ def test_ppo_dual_clip_caps_negative_advantage_loss_at_c_times_advantage(
     advantages = batch.advantages
     dual_active = batch.mask & (advantages < 0) & (np.maximum(ratio, low) > dual_clip)
     plain_loss, plain_gradient, _ = _run("ppo", batch, **plain, fused=fused)
-    dual_loss, dual_gradient, _ = _run("ppo", batch, **(plain | {"dual_clip": dual_clip}), fused=fused)
+    dual_loss, dual_gradient, _ = _run(
+        "ppo", batch, **(plain | {"dual_clip": dual_clip}), fused=fused
+    )
     assert np.all(dual_gradient[dual_active] == 0.0)
     np.testing.assert_array_equal(dual_gradient[~dual_active], plain_gradient[~dual_active])
     # The loss is −Σ o, so replacing max(r, lo)·A by c·A on active tokens shifts it by:
@@ -527,7 +529,9 @@ def test_sum_is_additive_over_any_split_of_the_batch_into_sequences(
 
 @PATHS
 @given(data=st.data())
-def test_empty_selection_gives_zero_loss_and_zero_gradient(fused: bool, data: st.DataObject) -> None:
+def test_empty_selection_gives_zero_loss_and_zero_gradient(
+    fused: bool, data: st.DataObject
+) -> None:
     batch = data.draw(packed_loss_batches(), label="batch")
     nothing_trains = data.draw(
         masked_perturbations(attrs.evolve(batch, mask=np.zeros_like(batch.mask))), label="batch"

@@ -2,11 +2,10 @@
 
 from decimal import Decimal
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import numpy as np
 
 from grpo.core import rewards as core_rewards
 from grpo.core.rewards import extract_boxed, grade, gsm8k_gold, normalize_answer
@@ -140,8 +139,6 @@ def test_gsm8k_gold_with_nothing_after_the_marker_is_an_error():
 # --- gold rules, built-in reward callables, weighted totals -----------------------------------
 
 
-
-
 @pytest.mark.parametrize(
     "answer, rule, gold",
     [
@@ -157,17 +154,19 @@ def test_extract_gold_follows_its_rule(answer, rule, gold):
 
 @pytest.mark.parametrize(
     "answer, rule, message",
-    [("no marker", "####", "no '####' marker"), ("  ", "whole", "empty"),
-     ("abc", r"regex:(\d+)", "finds nothing"), ("x", "bogus", "not one of")],
+    [
+        ("no marker", "####", "no '####' marker"),
+        ("  ", "whole", "empty"),
+        ("abc", r"regex:(\d+)", "finds nothing"),
+        ("x", "bogus", "not one of"),
+    ],
 )
 def test_extract_gold_errors_name_the_rule(answer, rule, message):
     with pytest.raises(ValueError, match=message):
         core_rewards.extract_gold(answer, rule)
 
 
-@given(
-    max_tokens=st.integers(1, 200), buffer=st.integers(1, 200), data=st.data()
-)
+@given(max_tokens=st.integers(1, 200), buffer=st.integers(1, 200), data=st.data())
 def test_soft_overlong_penalty_is_zero_then_linear_down_to_minus_one(max_tokens, buffer, data):
     length = data.draw(st.integers(1, max_tokens))
     penalty = core_rewards.soft_overlong_penalty(length, max_tokens, buffer)
@@ -188,8 +187,9 @@ def test_soft_overlong_penalty_of_dapo_numbers():
 
 
 def _sample(**overrides):
-    values = dict(index=0, gold="7", num_tokens=5, max_tokens=24, stop_reason="stop",
-                  overlong_buffer=6)
+    values = dict(
+        index=0, gold="7", num_tokens=5, max_tokens=24, stop_reason="stop", overlong_buffer=6
+    )
     return core_rewards.RewardInput(**{**values, **overrides})
 
 

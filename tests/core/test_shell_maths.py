@@ -56,13 +56,17 @@ def test_kl_shaping_with_zero_coef_keeps_trained_advantages(
     inputs: tuple[np.ndarray, ...], estimator: str
 ) -> None:
     advantages, sampled, reference, mask = inputs
-    shaped, _ = kl_shaped_advantages(advantages, sampled, reference, mask, kl_coef=0.0, estimator=estimator)
+    shaped, _ = kl_shaped_advantages(
+        advantages, sampled, reference, mask, kl_coef=0.0, estimator=estimator
+    )
     np.testing.assert_array_equal(shaped, np.where(mask.astype(bool), advantages, 0.0))
 
 
 def test_kl_shaping_rejects_mismatched_shapes() -> None:
     with pytest.raises(ValueError, match="must have one shape"):
-        kl_shaped_advantages(np.zeros(3), np.zeros(3), np.zeros(2), np.ones(3), kl_coef=1.0, estimator="k1")
+        kl_shaped_advantages(
+            np.zeros(3), np.zeros(3), np.zeros(2), np.ones(3), kl_coef=1.0, estimator="k1"
+        )
 
 
 def _pass_at_k_by_enumeration(n: int, c: int, k: int) -> float:
@@ -71,7 +75,9 @@ def _pass_at_k_by_enumeration(n: int, c: int, k: int) -> float:
     return sum(outcomes) / len(outcomes)
 
 
-@given(st.integers(1, 8).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))
+@given(
+    st.integers(1, 8).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n)))
+)
 def test_pass_at_k_equals_the_probability_over_all_k_subsets(nck: tuple[int, int, int]) -> None:
     n, c, k = nck
     assert pass_at_k(n, c, k) == pytest.approx(_pass_at_k_by_enumeration(n, c, k), abs=1e-12)
@@ -97,7 +103,14 @@ def test_minibatches_are_contiguous_near_equal_and_cover_the_batch(groups, parts
     assert sum(sizes) == batch.num_sequences
     assert len(pieces) == min(parts, batch.num_sequences)
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
-    for name in ("input_tokens", "target_tokens", "sampling_logprobs", "advantages", "mask", "seq_lens"):
+    for name in (
+        "input_tokens",
+        "target_tokens",
+        "sampling_logprobs",
+        "advantages",
+        "mask",
+        "seq_lens",
+    ):
         joined = np.concatenate([getattr(piece, name) for piece in pieces])
         np.testing.assert_array_equal(joined, getattr(batch, name))
 
@@ -117,7 +130,9 @@ def test_update_metrics_ratio_statistics_over_trained_tokens(groups, shift: floa
     metrics = update_metrics(LossSpec.build("ppo"), current, batch)
     log_ratio = (current - np.asarray(batch.sampling_logprobs, dtype=np.float32))[trained]
     if trained.any():
-        assert metrics["ratio/max_abs_log"] == pytest.approx(float(np.abs(log_ratio).max()), abs=1e-6)
+        assert metrics["ratio/max_abs_log"] == pytest.approx(
+            float(np.abs(log_ratio).max()), abs=1e-6
+        )
         assert metrics["ratio/mean"] == pytest.approx(float(np.exp(log_ratio).mean()), rel=1e-5)
     else:
         assert metrics["ratio/max_abs_log"] == 0.0 and metrics["ratio/mean"] == 1.0
