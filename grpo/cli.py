@@ -202,7 +202,7 @@ def run_eval(args: argparse.Namespace) -> int:
         columns=columns_of(config),
     )
     with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-        metrics = evaluate(
+        metrics, _usage = evaluate(
             pool,
             sampler,
             problems,

@@ -62,7 +62,7 @@ from grpo.rollouts import (
     Problem,
     RolloutJob,
     StepRollouts,
-    evaluate_with_usage,
+    evaluate,
     extra_batch,
     extra_sampling_seed,
     grade_rollouts,
@@ -451,7 +451,7 @@ def evaluate_now(run: Run, state: RunState) -> dict[str, float]:
     """Test accuracy of the current weights (one sample per problem at the run's temperature)."""
     config = run.config
     fault_point("eval")
-    metrics, usage = evaluate_with_usage(
+    metrics, usage = evaluate(
         run.pool,
         current_sampler(run, state),
         run.test_problems,

@@ -308,36 +308,9 @@ def evaluate(
     seed: int,
     max_retries: int,
     log: Log,
-) -> dict[str, float]:
-    """Accuracy (mean reward over all samples) and pass@k for k = 1, 2, 4, ... <= num_samples."""
-    return evaluate_with_usage(
-        pool,
-        sampler,
-        problems,
-        tokenizer,
-        num_samples=num_samples,
-        temperature=temperature,
-        max_tokens=max_tokens,
-        seed=seed,
-        max_retries=max_retries,
-        log=log,
-    )[0]
-
-
-def evaluate_with_usage(
-    pool: ThreadPoolExecutor,
-    sampler: Any,
-    problems: Sequence[Problem],
-    tokenizer: Any,
-    *,
-    num_samples: int,
-    temperature: float,
-    max_tokens: int,
-    seed: int,
-    max_retries: int,
-    log: Log,
 ) -> tuple[dict[str, float], TokenUsage]:
-    """`evaluate`'s metrics and the tokens its sampling sent and sampled."""
+    """Accuracy (mean reward over all samples), pass@k for k = 1, 2, 4, ... <= num_samples, and
+    the tokens the evaluation's sampling sent and sampled."""
 
     def params(index: int) -> SamplingParams:
         return SamplingParams(

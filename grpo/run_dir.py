@@ -282,17 +282,24 @@ def scan_metrics(path: Path) -> MetricsRead:
     return MetricsRead(rows=rows, bad_lines=tuple(bad), truncated_tail=truncated)
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The rows of a run's metrics.jsonl, a cut-off tail skipped; RunDirError names a bad line."""
-    path = run_dir / METRICS_FILE
+def _read_rows(path: Path, what: str) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file of the run; RunDirError names a damaged line.
+
+    A cut-off last line (what a crash mid-write leaves) is skipped, not reported.
+    """
     scanned = scan_metrics(path)
     damaged = scanned.bad_lines[:-1] if scanned.truncated_tail else scanned.bad_lines
     if damaged:
         raise RunDirError(
-            f"{path} line {damaged[0]} is not a metrics row (JSON with an integer 'step'); "
+            f"{path} line {damaged[0]} is not a {what} (JSON with an integer 'step'); "
             "repair or delete that line"
         )
     return scanned.rows
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of a run's metrics.jsonl (see `_read_rows`)."""
+    return _read_rows(run_dir / METRICS_FILE, "metrics row")
 
 
 def merge_rows_by_step(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -354,16 +361,8 @@ def prepare_metrics_for_resume(run_dir: Path, checkpoint_step: int | None) -> in
 
 
 def read_rollouts(run_dir: Path) -> list[dict[str, Any]]:
-    """The groups of a run's rollouts.jsonl ([] when absent); a cut-off last line is skipped."""
-    path = run_dir / ROLLOUTS_FILE
-    scanned = scan_metrics(path)
-    damaged = scanned.bad_lines[:-1] if scanned.truncated_tail else scanned.bad_lines
-    if damaged:
-        raise RunDirError(
-            f"{path} line {damaged[0]} is not a rollout record (JSON with an integer 'step'); "
-            "repair or delete that line"
-        )
-    return scanned.rows
+    """The groups of a run's rollouts.jsonl ([] when absent; see `_read_rows`)."""
+    return _read_rows(run_dir / ROLLOUTS_FILE, "rollout record")
 
 
 def prepare_rollouts_for_resume(run_dir: Path, checkpoint_step: int | None) -> int:
