@@ -221,15 +221,6 @@ class ConfigSummary:
     ratio_mean: Stat
     ratio_min: float | None
     ratio_max: float | None
-    tokens: float | None = None
-    """Every token the run used (usage/cum_tokens; summary.json's total once finished)."""
-    cost: float | None = None
-    """Its cost in `currency`, from the prices the user gave the run (None without prices)."""
-    currency: str | None = None
-    mismatch_max_abs_log: float | None = None
-    """max over steps of `mismatch/max_abs_log_ratio` (fresh rollouts, before any update)."""
-    mismatch_kl: float | None = None
-    """mean over steps of `mismatch/kl_k3`."""
 
     @property
     def finished(self) -> int:
