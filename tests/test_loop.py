@@ -21,32 +21,7 @@ from grpo.core import losses
 from grpo.loop import ConfigError, RunStopped, train
 from grpo.rollouts import pick_batch
 from grpo.run_dir import read_metrics
-
-TINY = dict(
-    steps=2,
-    batch_size=2,
-    group_size=4,
-    max_tokens=24,
-    eval_every=0,
-    save_every=0,
-    concurrency=4,
-    num_substeps=1,
-)
-
-
-def tiny_config(tmp_path: Path, name: str = "run", **overrides: Any) -> TrainConfig:
-    """A seconds-long run on the built-in model."""
-    return TrainConfig(**{**TINY, "run_dir": str(tmp_path / name), **overrides})
-
-
-def quiet_train(config: TrainConfig, **kwargs: Any):
-    """Train without console output."""
-    return train(config, echo=lambda _line: None, progress=False, **kwargs)
-
-
-def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Metrics rows without wall-clock timings."""
-    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+from tests.runs import comparable, quiet_train, tiny_config
 
 
 @pytest.mark.parametrize("loss_fn", sorted(losses.LOSSES))

@@ -15,31 +15,9 @@ import pytest
 from grpo import run_dir as rundir
 from grpo.cli import main
 from grpo.config import TrainConfig
-from grpo.loop import RunStopped, train
+from grpo.loop import RunStopped
 from grpo.run_dir import read_metrics, read_rollouts
-
-TINY = dict(
-    steps=2,
-    batch_size=2,
-    group_size=4,
-    max_tokens=24,
-    eval_every=0,
-    save_every=0,
-    concurrency=4,
-    num_substeps=1,
-)
-
-
-def config_for(tmp_path: Path, name: str, **overrides: Any) -> TrainConfig:
-    return TrainConfig(**{**TINY, "run_dir": str(tmp_path / name), **overrides})
-
-
-def quiet_train(config: TrainConfig, **kwargs: Any):
-    return train(config, echo=lambda _line: None, progress=False, **kwargs)
-
-
-def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+from tests.runs import comparable, quiet_train, tiny_config
 
 
 def reward_file(tmp_path: Path, body: str) -> Path:
@@ -65,7 +43,7 @@ def test_weighted_rewards_are_logged_per_component_and_rollouts_agree_with_metri
             return 1.0 if len(completion) <= 18 else 0.0
         """,
     )
-    config = config_for(
+    config = tiny_config(
         tmp_path,
         "weighted",
         steps=3,
@@ -113,7 +91,7 @@ def test_a_raising_reward_stops_the_run_with_a_checkpoint_naming_row_and_complet
             return float(len(completion) % 2)
         """,
     )
-    config = config_for(tmp_path, "flaky", steps=3, reward=(f"{path}:flaky",))
+    config = tiny_config(tmp_path, "flaky", steps=3, reward=(f"{path}:flaky",))
     with pytest.raises(RunStopped) as stopped:
         quiet_train(config)
     message = str(stopped.value)
@@ -133,7 +111,7 @@ def test_a_nan_reward_under_reward_errors_zero_scores_zero_and_is_counted(tmp_pa
             return float("nan") if sample.index % 2 else 1.0
         """,
     )
-    config = config_for(
+    config = tiny_config(
         tmp_path, "nan", reward=(f"{path}:odd_rows_nan",), reward_errors="zero", batch_size=4
     )
     run_dir = quiet_train(config).run_dir
@@ -165,7 +143,7 @@ def _dynamic(tmp_path: Path, name: str, reward: str | None, **overrides: Any) ->
         reward=(f"{path}:{reward}",) if reward else (),
         log_rollouts=0,
     )
-    return config_for(tmp_path, name, **{**values, **overrides})
+    return tiny_config(tmp_path, name, **{**values, **overrides})
 
 
 def _check_dynamic_invariants(
@@ -236,7 +214,7 @@ def test_mask_truncated_trains_only_the_completions_that_finished(tmp_path: Path
     path = reward_file(
         tmp_path, "def cut(completion, row, sample):\n    return float(sample.truncated)\n"
     )
-    config = config_for(
+    config = tiny_config(
         tmp_path,
         "masked",
         steps=3,
@@ -268,7 +246,7 @@ def test_mask_truncated_trains_only_the_completions_that_finished(tmp_path: Path
 
 
 def test_overlong_penalty_is_a_reward_component(tmp_path: Path) -> None:
-    config = config_for(
+    config = tiny_config(
         tmp_path,
         "overlong",
         steps=1,
@@ -285,7 +263,7 @@ def test_overlong_penalty_is_a_reward_component(tmp_path: Path) -> None:
 
 
 def test_grpo_show_prints_a_step_and_writes_html(tmp_path: Path, capsys) -> None:
-    run_dir = quiet_train(config_for(tmp_path, "shown", log_rollouts=1)).run_dir
+    run_dir = quiet_train(tiny_config(tmp_path, "shown", log_rollouts=1)).run_dir
     (group,) = [g for g in read_rollouts(run_dir) if g["step"] == 1]
     assert main(["show", str(run_dir), "--step", "1"]) == 0
     out = capsys.readouterr().out

@@ -26,17 +26,8 @@ from grpo.backends.tiny import TINY_MODEL_NAME
 from grpo.config import TrainConfig
 from grpo.loop import train
 from grpo.run_dir import read_metrics
+from tests.runs import TINY
 
-TINY = dict(
-    steps=2,
-    batch_size=2,
-    group_size=4,
-    max_tokens=24,
-    eval_every=0,
-    save_every=0,
-    concurrency=4,
-    num_substeps=1,
-)
 ADAM = AdamParams(learning_rate=1e-3)
 TEXT = "12+34=46"
 
