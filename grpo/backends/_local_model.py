@@ -154,6 +154,9 @@ class ModelHost:
         self._adapter_count = 0
         self._slots: dict[tuple[int, bool, bool, bool], str] = {}
         self._slot_contents: dict[str, AdapterWeights] = {}
+        # The sampler's merged decode step for the weights it last sampled with (kept by
+        # grpo.backends._local_sampling): (weights, peft model then, step).
+        self.merged_sampler: tuple[AdapterWeights | None, PeftModel | None, object] | None = None
 
     # --- adapters -------------------------------------------------------------------
 

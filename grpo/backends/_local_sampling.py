@@ -16,6 +16,12 @@ So a request with an explicit seed gives bit-identical tokens and log-probs alon
 batched with any other requests, with one thread or several (measured on this CPU build
 of PyTorch; the tests check it).
 
+Speed: for the architectures `_DecodeStep` knows (Qwen3, Qwen2, Llama), prefill and
+decode run plain tensor ops over the weights with the active LoRA merged in, built once
+per sampler weights and reused by every batch until other weights are sampled; other
+architectures run the Hugging Face forward with the adapter. benchmarks/README.md has
+the sampler's tokens/s against its compute limit.
+
 Semantics (documented for users of the local backend):
 
 - Log-probs are those of the distribution actually sampled from: logits / temperature,
@@ -34,10 +40,12 @@ Semantics (documented for users of the local backend):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import cast
 
 import attrs
 import numpy as np
@@ -53,8 +61,11 @@ from grpo.backends._local_model import AdapterWeights, ModelHost, RowAttention
 # thread's share, it switches kernels and results change in the last bits.
 ROW_MULTIPLE = 8
 # Prompts are aligned to spans of a multiple of this many positions: rows whose spans match
-# share one attention call (fewer calls), and a row's span never depends on its batch.
-SPAN_BUCKET = 32
+# share one attention call, and a row's span never depends on its batch. Smaller buckets
+# mean fewer padded positions to prefill and attend over, but more calls; at 8, 64
+# sequences of the built-in prompts (28-36 tokens) sample ~6-15% faster than at 32, and
+# few-shot prompts (200+ tokens) about as fast.
+SPAN_BUCKET = 8
 assert SPAN_BUCKET % ROW_MULTIPLE == 0
 
 
@@ -241,6 +252,7 @@ class RowKVCache(RowAttention):
         self.keys: dict[int, Tensor] = {}
         self.values: dict[int, Tensor] = {}
         self._prefill_masks: dict[int, Tensor] = {}
+        self._decode_biases: dict[int, Tensor] = {}
         spans = _bucket(prompt_lengths)
         self.groups: list[tuple[int, int, int, Tensor]] = []
         for start, stop, span in _runs(spans):
@@ -270,13 +282,29 @@ class RowKVCache(RowAttention):
             keys = self.keys[layer_index][start:stop, :, first:end]
             values = self.values[layer_index][start:stop, :, first:end]
             if query_length == 1:
-                mask = valid[:, None, None, : end - first]
-                output[start:stop] = _attention(query[start:stop], keys, values, mask, scaling)
+                bias = self._decode_bias(group, end - first, key.shape[1])
+                output[start:stop] = _decode_attention(
+                    query[start:stop], keys, values, bias, scaling
+                )
             else:  # the prefill: queries cover the same positions as keys
                 output[start:stop, :, first:] = _attention(
                     query[start:stop, :, first:], keys, values, self._prefill_mask(group), scaling
                 )
         return output.transpose(1, 2)
+
+    def _decode_bias(self, group: int, key_length: int, kv_heads: int) -> Tensor:
+        """0 at the group's valid keys, -inf at its pads: [rows * kv_heads, 1, key_length].
+
+        Built once per decode step (the key length grows by one a step) and shared by every
+        layer.
+        """
+        cached = self._decode_biases.get(group)
+        if cached is None or cached.shape[-1] != key_length:
+            _, _, _, valid = self.groups[group]
+            bias = torch.zeros(valid.shape[0], kv_heads, 1, key_length)
+            bias.masked_fill_(~valid[:, None, None, :key_length], -math.inf)
+            cached = self._decode_biases[group] = bias.view(-1, 1, key_length)
+        return cached
 
     def _prefill_mask(self, group: int) -> Tensor:
         """Causal over the group's span, pads hidden; a pad attends to itself so it stays finite."""
@@ -339,6 +367,26 @@ def _attention(
     return (weights @ values).view(rows, heads, query_length, dim)
 
 
+def _decode_attention(
+    query: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scaling: float | None
+) -> Tensor:
+    """`_attention` for one query per row, the mask given as an additive bias (0 or -inf).
+
+    bias is [rows * kv_heads, 1, keys]: a decode step runs four kernels a group and layer
+    instead of six. (`baddbmm` would fold the scale and bias into the product, but its
+    split across threads depends on the batch, so a row's result would too.)
+    """
+    rows, heads, _, dim = query.shape
+    kv_heads, key_length = keys.shape[1], keys.shape[2]
+    scale = dim**-0.5 if scaling is None else scaling
+    grouped = query.reshape(rows * kv_heads, heads // kv_heads, dim)
+    products = torch.bmm(grouped, keys.reshape(rows * kv_heads, key_length, dim).transpose(1, 2))
+    weights = torch.softmax(torch.add(bias, products, alpha=scale), dim=-1)
+    return torch.bmm(weights, values.reshape(rows * kv_heads, key_length, dim)).view(
+        rows, heads, 1, dim
+    )
+
+
 def _bucket(prompt_lengths: Tensor) -> Tensor:
     """The span a prompt of each length owns: its length rounded up to a multiple of SPAN_BUCKET."""
     return (prompt_lengths + SPAN_BUCKET - 1) // SPAN_BUCKET * SPAN_BUCKET
@@ -366,45 +414,55 @@ def choose_tokens(
     logits = logits_RV.to(torch.float64)
     greedy = temperature_R == 0
     scaled = logits / torch.where(greedy, 1.0, temperature_R).unsqueeze(-1)
-    logprobs = torch.log_softmax(scaled, dim=-1)
     vocab = logits.shape[-1]
     filtered = (top_k_R < vocab) | (top_p_R < 1)
     tokens = torch.empty(len(logits), dtype=torch.long)
     chosen = torch.zeros(len(logits), dtype=torch.float64)
 
     plain = (~greedy & ~filtered).nonzero().squeeze(-1)
-    if plain.numel():
-        picked, picked_logprobs = _inverse_cdf(logprobs[plain], uniform_R[plain])
+    if plain.numel() == len(logits):
+        tokens, chosen = _inverse_cdf(scaled, uniform_R)
+    elif plain.numel():
+        picked, picked_logprobs = _inverse_cdf(scaled[plain], uniform_R[plain])
         tokens[plain], chosen[plain] = picked, picked_logprobs
 
     nucleus = (~greedy & filtered).nonzero().squeeze(-1)
     if nucleus.numel():
-        sorted_logprobs, order = logprobs[nucleus].sort(dim=-1, descending=True, stable=True)
+        logprobs = torch.log_softmax(scaled[nucleus], dim=-1)
+        sorted_logprobs, order = logprobs.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(vocab)
         keep = rank < top_k_R[nucleus].unsqueeze(-1)
         after_top_k = torch.where(keep, sorted_logprobs, -math.inf).log_softmax(dim=-1)
         probs = after_top_k.exp()
         keep &= (probs.cumsum(-1) - probs) < top_p_R[nucleus].unsqueeze(-1)
-        final = torch.where(keep, sorted_logprobs, -math.inf).log_softmax(dim=-1)
-        position, picked_logprobs = _inverse_cdf(final, uniform_R[nucleus])
+        position, picked_logprobs = _inverse_cdf(
+            torch.where(keep, sorted_logprobs, -math.inf), uniform_R[nucleus]
+        )
         tokens[nucleus] = order.gather(-1, position.unsqueeze(-1)).squeeze(-1)
         chosen[nucleus] = picked_logprobs
 
     greedy_rows = greedy.nonzero().squeeze(-1)
     if greedy_rows.numel():
         tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+        chosen[greedy_rows] = 0.0
     return tokens, chosen
 
 
-def _inverse_cdf(logprobs: Tensor, uniform: Tensor) -> tuple[Tensor, Tensor]:
-    """Index of the first cumulative probability above u·total, and its log-prob."""
-    probs = logprobs.exp()
-    cdf = probs.cumsum(dim=-1)
-    index = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+def _inverse_cdf(log_weights: Tensor, uniform: Tensor) -> tuple[Tensor, Tensor]:
+    """Index of the first cumulative weight above u·total, and its normalised log-prob.
+
+    `log_weights` are unnormalised log-probabilities (-inf for excluded tokens); one
+    `exp` serves both the draw and the log-prob: log p_i = (w_i - max w) - log Σ e^(w - max w).
+    """
+    shifted = log_weights - log_weights.amax(dim=-1, keepdim=True)
+    weights = shifted.exp()
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1]
+    index = torch.searchsorted(cdf, (uniform * total).unsqueeze(-1), right=True).squeeze(-1)
     # Rounding can put u·total at the very top; never land on a zero-probability tail token.
-    last_positive = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+    last_positive = weights.shape[-1] - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(dim=-1)
     index = torch.minimum(index, last_positive)
-    return index, logprobs.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    return index, shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) - total.log()
 
 
 # --- the batch ---------------------------------------------------------------------------
@@ -425,20 +483,22 @@ class _Row:
 class _Model:
     """The backbone + unembedding calls the sampler makes, on padded row batches.
 
-    Built inside ``host.sampling_weights``: the decode step then runs `_DecodeStep` (the
-    active LoRA merged into the weights) when the architecture is one it knows, else the
-    Hugging Face forward.
+    With `fast` (the active LoRA merged into the weights, for architectures it knows)
+    prefill and decode run `_DecodeStep`; without it the Hugging Face forward, which must
+    run inside ``host.sampling_weights``.
     """
 
-    def __init__(self, host: ModelHost) -> None:
+    def __init__(self, host: ModelHost, fast: _DecodeStep | None) -> None:
         self.backbone = host.model.get_decoder()
         self.unembed = host.model.get_output_embeddings()
         self.layer_types = host.layer_types
         self.vocab_size = host.vocab_size
-        self.fast = _DecodeStep.build(host.model)
+        self.fast = fast
 
     def hidden(self, input_ids: Tensor, position_ids: Tensor, cache: RowKVCache) -> Tensor:
         """Last hidden states [rows, q_len, hidden]; `cache` stands in for the attention mask."""
+        if self.fast is not None:
+            return self.fast.hidden(input_ids, position_ids, cache)
         output = self.backbone(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -452,7 +512,8 @@ class _Model:
         """Raw logits over the tokenizer's vocabulary (padded embedding rows are never sampled)."""
         rows = hidden.shape[0]
         hidden = torch.cat([hidden, hidden.new_zeros(_padding(rows), hidden.shape[-1])])
-        return self.unembed(hidden)[:rows, : self.vocab_size].float()
+        unembed = self.unembed if self.fast is None else self.fast.unembedding
+        return unembed(hidden)[:rows, : self.vocab_size].float()
 
     def decode(self, tokens_R: Tensor, positions_R: Tensor, cache: RowKVCache) -> Tensor:
         """Next-token logits [rows, vocab] after one new token per row (rows a ROW_MULTIPLE)."""
@@ -499,6 +560,8 @@ class _LayerWeights:
     qkv_bias: Tensor | None
     q_norm: Tensor | None
     k_norm: Tensor | None
+    # Both per-head norms as one [heads + kv_heads, head_dim] weight, when the layer has both.
+    qk_norm: Tensor | None
     o: Tensor
     o_bias: Tensor | None
     post_norm: Tensor
@@ -508,12 +571,13 @@ class _LayerWeights:
 
 @attrs.frozen
 class _DecodeStep:
-    """One KV-cached decode step written as plain tensor ops over merged weights.
+    """The sampler's forward (prefill and KV-cached decode) as plain tensor ops over merged weights.
 
     Per layer: 4 matmuls (q|k|v, o, gate|up, down) instead of 7 (plus two per LoRA
-    adapter), RMSNorm as one fused op; attention goes through the same `RowKVCache`, so
-    a row's result never depends on the batch. Same math as the Hugging Face forward,
-    different rounding (merged LoRA, fused norm): log-probs agree to ~1e-6.
+    adapter), RMSNorm as one fused op, q and k heads normed and rotated in one pass;
+    attention goes through the same `RowKVCache`, so a row's result never depends on the
+    batch. Same math as the Hugging Face forward, different rounding (merged LoRA, fused
+    norm): log-probs agree to ~1e-6.
     """
 
     embed: Tensor
@@ -558,6 +622,14 @@ class _DecodeStep:
                     qkv_bias=_cat_bias([q_bias, k_bias, v_bias], [q, k, v]),
                     q_norm=None if q_norm is None else q_norm.weight,
                     k_norm=None if k_norm is None else k_norm.weight,
+                    qk_norm=None
+                    if q_norm is None or k_norm is None
+                    else torch.cat(
+                        [
+                            q_norm.weight.expand(config.num_attention_heads, -1),
+                            k_norm.weight.expand(config.num_key_value_heads, -1),
+                        ]
+                    ),
                     o=o,
                     o_bias=o_bias,
                     post_norm=layer.post_attention_layernorm.weight,
@@ -583,29 +655,73 @@ class _DecodeStep:
 
     def __call__(self, tokens_R: Tensor, positions_R: Tensor, cache: RowKVCache) -> Tensor:
         """Logits [rows, embedding rows] after feeding one token per row at its position."""
-        rows, dim = len(tokens_R), self.head_dim
-        x = torch.nn.functional.embedding(tokens_R, self.embed)
-        cos, sin = self.rotary(x, positions_R.unsqueeze(-1))  # [rows, 1, head_dim]
+        hidden_R = self.hidden(tokens_R.unsqueeze(-1), positions_R.unsqueeze(-1), cache)[:, 0]
+        return self.unembedding(hidden_R)
+
+    def hidden(self, tokens_RT: Tensor, positions_RT: Tensor, cache: RowKVCache) -> Tensor:
+        """Final-normed hidden states [rows, T, hidden] after feeding T tokens per row."""
+        rows, length, dim = tokens_RT.shape[0], tokens_RT.shape[1], self.head_dim
+        x = torch.nn.functional.embedding(tokens_RT, self.embed)
+        cos, sin = self.rotary(x, positions_RT)  # [rows, T, head_dim]
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
         sizes = [self.heads * dim, self.kv_heads * dim, self.kv_heads * dim]
         rms_norm, linear = torch.nn.functional.rms_norm, torch.nn.functional.linear
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, x.shape[-1:], layer.input_norm, self.eps)
-            q, k, v = linear(h, layer.qkv, layer.qkv_bias).split(sizes, dim=-1)
-            q, k = q.view(rows, self.heads, dim), k.view(rows, self.kv_heads, dim)
-            if layer.q_norm is not None:
-                q = rms_norm(q, (dim,), layer.q_norm, self.eps)
-            if layer.k_norm is not None:
-                k = rms_norm(k, (dim,), layer.k_norm, self.eps)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            v = v.view(rows, self.kv_heads, 1, dim)
-            attended = cache.attend(index, q.unsqueeze(2), k.unsqueeze(2), v, self.scaling)
-            x = x + linear(attended.reshape(rows, -1), layer.o, layer.o_bias)
+            qkv = linear(h, layer.qkv, layer.qkv_bias)
+            if layer.qk_norm is not None:  # q and k heads normed and rotated together
+                qk = qkv[..., : sizes[0] + sizes[1]].view(rows, length, -1, dim)
+                q, k = _rotate(_head_norm(qk, layer.qk_norm, self.eps), cos, sin).split(
+                    [self.heads, self.kv_heads], dim=2
+                )
+                v = qkv[..., sizes[0] + sizes[1] :]
+            else:
+                q, k, v = qkv.split(sizes, dim=-1)
+                q = q.view(rows, length, self.heads, dim)
+                k = k.view(rows, length, self.kv_heads, dim)
+                if layer.q_norm is not None:
+                    q = rms_norm(q, (dim,), layer.q_norm, self.eps)
+                if layer.k_norm is not None:
+                    k = rms_norm(k, (dim,), layer.k_norm, self.eps)
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            v = v.reshape(rows, length, self.kv_heads, dim)
+            attended = cache.attend(
+                index, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scaling
+            )
+            x = x + linear(attended.reshape(rows, length, -1), layer.o, layer.o_bias)
             h = rms_norm(x, x.shape[-1:], layer.post_norm, self.eps)
             gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + linear(torch.nn.functional.silu(gate) * up, layer.down)
-        cache.advance(1)
-        x = rms_norm(x, x.shape[-1:], self.final_norm, self.eps)
-        return linear(x, self.unembed, self.unembed_bias)
+        cache.advance(length)
+        return rms_norm(x, x.shape[-1:], self.final_norm, self.eps)
+
+    def unembedding(self, hidden: Tensor) -> Tensor:
+        """Logits over the embedding rows of final-normed hidden states."""
+        return torch.nn.functional.linear(hidden, self.unembed, self.unembed_bias)
+
+
+def _head_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last axis with a weight per head: x / sqrt(mean(x²) + eps) · w (float32)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def _merged_step(host: ModelHost, weights: AdapterWeights | None) -> _DecodeStep | None:
+    """The merged decode step of `weights` on `host`, built once per weights and reused.
+
+    Sampler weights are frozen, so a step stays valid until other weights are sampled:
+    consecutive batches of one sampling client merge the adapter once. The previous
+    weights' step is dropped then (one merged copy of the matmul weights is kept).
+    """
+    cached = host.merged_sampler
+    if cached is not None and cached[0] is weights and cached[1] is host.peft_model:
+        return cast(_DecodeStep | None, cached[2])
+    host.merged_sampler = None
+    with host.sampling_weights(weights):
+        step = _DecodeStep.build(host.model)
+    host.merged_sampler = (weights, host.peft_model, step)
+    return step
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -629,10 +745,15 @@ def sample_batch(
     """
     specs = [item.spec for item in pending]
     reduced = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
-    with torch.no_grad(), host.sampling_weights(weights), reduced:
-        model = _Model(host)
-        prefill = _prefill(model, specs)
-        rows = _decode(model, host, specs, prefill, stopping)
+    with torch.no_grad():
+        fast = _merged_step(host, weights)
+        # The merged step holds its own weights; only the Hugging Face path needs the
+        # adapter loaded into the model.
+        loaded = host.sampling_weights(weights) if fast is None else contextlib.nullcontext()
+        with loaded, reduced:
+            model = _Model(host, fast)
+            prefill = _prefill(model, specs)
+            rows = _decode(model, host, specs, prefill, stopping)
     responses = []
     for request, spec in enumerate(specs):
         sequences = [_sequence(row, host, spec) for row in rows if row.request == request]
@@ -785,31 +906,34 @@ def _decode(
             top_p[slot_rows],
             uniforms[slot_rows, step],
         )
+        slot_list = slot_rows.tolist()
         for slot, (token, logprob) in enumerate(
             zip(tokens.tolist(), logprobs.tolist(), strict=True)
         ):
-            row = rows[int(slot_rows[slot])]
+            row = rows[slot_list[slot]]
             if filler[slot] or row.stop_reason is not None:
                 continue
             row.tokens.append(token)
             row.logprobs.append(logprob)
-            row.stop_reason = _stop_reason(row, spec_of[int(slot_rows[slot])], host)
+            row.stop_reason = _stop_reason(row, spec_of[slot_list[slot]], host)
         active = [
             slot
-            for slot in range(len(slot_rows))
-            if not filler[slot] and rows[int(slot_rows[slot])].stop_reason is None
+            for slot, row in enumerate(slot_list)
+            if not filler[slot] and rows[row].stop_reason is None
         ]
         if not active:
             break
         if len(active) + _padding(len(active)) <= len(slot_rows) // 2:
             # Drop finished rows, keeping a ROW_MULTIPLE of slots (finished ones become filler).
-            spare = [slot for slot in range(len(slot_rows)) if slot not in set(active)]
+            active_set = set(active)
+            spare = [slot for slot in range(len(slot_rows)) if slot not in active_set]
             keep = sorted(active + spare[: _padding(len(active))])
             cache = cache.select(torch.tensor(keep))
             slot_rows = slot_rows[keep]
-            filler = [slot not in set(active) for slot in keep]
-        next_tokens = torch.tensor([rows[row].tokens[-1] for row in slot_rows.tolist()])
-        positions = torch.tensor([rows[row].prompt_length + step for row in slot_rows.tolist()])
+            slot_list = slot_rows.tolist()
+            filler = [slot not in active_set for slot in keep]
+        next_tokens = torch.tensor([rows[row].tokens[-1] for row in slot_list])
+        positions = torch.tensor([rows[row].prompt_length + step for row in slot_list])
         logits = model.decode(next_tokens, positions, cache)
     return rows
 

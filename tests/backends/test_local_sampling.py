@@ -132,6 +132,10 @@ def _check_batch_invariance(service, monkeypatch) -> None:
     alone = sampler.sample(prompt, 3, params(7), include_prompt_logprobs=True).result()
     other = ModelInput.from_ints(prompt_tokens(70, 5))
     other_alone = sampler.compute_logprobs(other).result()
+    # Hold the worker while the four requests queue, so they form one batch however slowly
+    # this thread submits them (a loaded machine can outlast the coalescing window).
+    gate = threading.Event()
+    held = sampler._engine.worker.call(lambda: gate.wait(30))
     futures = [
         sampler.sample(other, num_samples=5, sampling_params=params(1, 20)),
         sampler.sample(prompt, 3, params(7), include_prompt_logprobs=True),
@@ -140,6 +144,8 @@ def _check_batch_invariance(service, monkeypatch) -> None:
         ),
         sampler.compute_logprobs(other),
     ]
+    gate.set()
+    assert held.result() is True
     batched = futures[1].result()
     assert [len(sizes) for sizes in batch_sizes] == [1, 1, 4]  # really batched together
     assert alone == batched  # tokens, log-probs and prompt log-probs, bit for bit
@@ -289,9 +295,20 @@ def test_a_snapshot_sampler_keeps_sampling_the_old_weights(service):
         client.forward_backward([datum]).result()
         client.optim_step(AdamParams(learning_rate=5e-2)).result()
     after = old.sample(prompt, 4, params(8)).result()
-    new = client.save_weights_and_get_sampling_client().sample(prompt, 4, params(8)).result()
-    assert after == before
+    new_sampler = client.save_weights_and_get_sampling_client()
+    new = new_sampler.sample(prompt, 4, params(8)).result()
+    # Alternating samplers: each batch runs the merged step of its own weights.
+    old_again = old.sample(prompt, 4, params(8)).result()
+    new_again = new_sampler.sample(prompt, 4, params(8)).result()
+    assert after == before == old_again
+    assert new_again == new
     assert [s.logprobs for s in new.sequences] != [s.logprobs for s in before.sequences]
+    datums = [as_datum(prompt.to_ints(), sequence.tokens) for sequence in new.sequences]
+    forward = client.forward(datums).result()  # the trainer holds the new weights
+    for sequence, output in zip(new.sequences, forward.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(
+            sequence.logprobs, output["logprobs"].data[prompt.length - 1 :], atol=1e-4
+        )
 
 
 def test_saved_sampler_weights_sample_like_the_snapshot(service):
@@ -418,9 +435,11 @@ def test_merged_decode_step_agrees_with_the_hugging_face_forward(service, monkey
 
     sampler = trained_client(service).save_weights_and_get_sampling_client()
     prompt = ModelInput.from_ints(prompt_tokens(33, 11))
-    fast = sampler.sample(prompt, 4, params(3, 16)).result()
-    monkeypatch.setattr(sampling._DecodeStep, "build", classmethod(lambda cls, model: None))
-    slow = sampler.sample(prompt, 4, params(3, 16)).result()
+    fast = sampler.sample(prompt, 4, params(3, 16), include_prompt_logprobs=True).result()
+    # No merged step: prefill and decode run the Hugging Face forward with the adapter.
+    monkeypatch.setattr(sampling, "_merged_step", lambda host, weights: None)
+    slow = sampler.sample(prompt, 4, params(3, 16), include_prompt_logprobs=True).result()
+    np.testing.assert_allclose(fast.prompt_logprobs[1:], slow.prompt_logprobs[1:], atol=1e-5)
     for fast_sequence, slow_sequence in zip(fast.sequences, slow.sequences, strict=True):
         assert fast_sequence.tokens == slow_sequence.tokens
         np.testing.assert_allclose(fast_sequence.logprobs, slow_sequence.logprobs, atol=1e-5)
