@@ -11,9 +11,10 @@ Sources accepted by ``load_problems``:
   smaller; difficulty 1 has 2,016 train and 1,344 test questions in all).
 - ``"wordproblems"``: built-in, seeded GSM8K-style stories of one or two steps (+ and −
   over 0..20, never negative), answers in GSM8K's form: one equation per line, then
-  ``#### N`` (e.g. ``"9 + 4 = 13\\n13 - 6 = 7\\n#### 7"``). Train and test are disjoint by
-  construction: each split has its own story templates, names and objects, so no test
-  question can equal a train question. Sizes: train 2,000 and test 300.
+  ``#### N`` (e.g. ``"9 + 4 = 13\\n13 - 6 = 7\\n#### 7"``). Both splits tell the same
+  8 kinds of story; train and test are disjoint by construction: each split has its own
+  people and objects, so no test question can equal a train question. Sizes: train 2,000
+  and test 300.
 - ``"gsm8k"``: ``openai/gsm8k`` (config ``main``) from the Hugging Face hub or its cache.
 - a path: a ``.jsonl``/``.json``/``.parquet``/``.csv`` file (it serves whichever split is
   asked for), or a directory holding ``{split}.jsonl`` / ``.json`` / ``.parquet`` / ``.csv``.
@@ -81,84 +82,50 @@ ARITHMETIC_PHRASINGS: dict[str, dict[str, tuple[str, ...]]] = {
 
 
 # GSM8K-style stories. Each template is (operations, text): `{a}` `{b}` `{c}` are the
-# operands in order, `{name}` a person, `{thing}` a plural noun. Every split has its own
-# templates, names and things (disjoint by construction).
-WORD_PROBLEM_TEMPLATES: dict[str, tuple[tuple[str, str], ...]] = {
-    "train": (
-        (
-            "+",
-            "{name} has {a} {thing}. {name} buys {b} more {thing}. "
-            "How many {thing} does {name} have now?",
-        ),
-        (
-            "-",
-            "{name} had {a} {thing} and gave {b} of them to a friend. "
-            "How many {thing} does {name} have left?",
-        ),
-        (
-            "+",
-            "There are {a} {thing} in a box and {b} {thing} on the table. "
-            "How many {thing} are there in all?",
-        ),
-        (
-            "-",
-            "A shop had {a} {thing}. It sold {b} of them in the morning. "
-            "How many {thing} are left?",
-        ),
-        (
-            "++",
-            "{name} picked {a} {thing} on Monday, {b} on Tuesday and {c} on Wednesday. "
-            "How many {thing} did {name} pick in total?",
-        ),
-        (
-            "+-",
-            "{name} has {a} {thing}. A friend gives {name} {b} more, then {name} loses {c}. "
-            "How many {thing} does {name} have now?",
-        ),
-        (
-            "-+",
-            "{name} had {a} {thing} and used {b} of them. Later {name} bought {c} more. "
-            "How many {thing} does {name} have now?",
-        ),
-        (
-            "--",
-            "A basket holds {a} {thing}. {name} takes out {b}, then takes out {c} more. "
-            "How many {thing} are still in the basket?",
-        ),
+# operands in order, `{name}` a person, `{thing}` a plural noun. Both splits tell these
+# stories; each split has its own names and objects (disjoint by construction), so a test
+# question always differs from every train question in who and what it is about.
+WORD_PROBLEM_TEMPLATES: tuple[tuple[str, str], ...] = (
+    (
+        "+",
+        "{name} has {a} {thing}. {name} buys {b} more {thing}. "
+        "How many {thing} does {name} have now?",
     ),
-    "test": (
-        (
-            "+",
-            "{name} owns {a} {thing} and wins {b} more at a fair. "
-            "How many {thing} does {name} own now?",
-        ),
-        (
-            "-",
-            "{name} started with {a} {thing} and lost {b} on the way home. "
-            "How many {thing} are left?",
-        ),
-        (
-            "++",
-            "{name} collected {a} {thing} in the first week, {b} in the second and {c} in "
-            "the third. How many {thing} were collected altogether?",
-        ),
-        (
-            "+-",
-            "A jar has {a} {thing}. {name} adds {b} {thing} and then removes {c}. "
-            "How many {thing} are in the jar now?",
-        ),
-        (
-            "-+",
-            "{name} had {a} {thing}, sold {b} and then received {c} as a gift. "
-            "How many {thing} does {name} have now?",
-        ),
-        (
-            "--",
-            "{name} had {a} {thing}. {name} gave {b} to a neighbour and {c} to a cousin. "
-            "How many {thing} does {name} have left?",
-        ),
+    (
+        "-",
+        "{name} had {a} {thing} and gave {b} of them to a friend. "
+        "How many {thing} does {name} have left?",
     ),
-}
+    (
+        "+",
+        "There are {a} {thing} in a box and {b} {thing} on the table. "
+        "How many {thing} are there in all?",
+    ),
+    (
+        "-",
+        "A shop had {a} {thing}. It sold {b} of them in the morning. How many {thing} are left?",
+    ),
+    (
+        "++",
+        "{name} picked {a} {thing} on Monday, {b} on Tuesday and {c} on Wednesday. "
+        "How many {thing} did {name} pick in total?",
+    ),
+    (
+        "+-",
+        "{name} has {a} {thing}. A friend gives {name} {b} more, then {name} loses {c}. "
+        "How many {thing} does {name} have now?",
+    ),
+    (
+        "-+",
+        "{name} had {a} {thing} and used {b} of them. Later {name} bought {c} more. "
+        "How many {thing} does {name} have now?",
+    ),
+    (
+        "--",
+        "A basket holds {a} {thing}. {name} takes out {b}, then takes out {c} more. "
+        "How many {thing} are still in the basket?",
+    ),
+)
 WORD_PROBLEM_NAMES = {
     "train": ("Ann", "Ben", "Cara", "Dev", "Eli", "Fay", "Gil", "Hugo", "Ida", "Jon"),
     "test": ("Kim", "Leo", "Mia", "Ned", "Ola", "Pia"),
@@ -299,7 +266,7 @@ def word_problems(split: str, *, size: int, seed: int) -> datasets.Dataset:
     questions: list[str] = []
     answers: list[str] = []
     while len(questions) < size:
-        operations, template = rng.choice(WORD_PROBLEM_TEMPLATES[split])
+        operations, template = rng.choice(WORD_PROBLEM_TEMPLATES)
         name = rng.choice(WORD_PROBLEM_NAMES[split])
         thing = rng.choice(WORD_PROBLEM_THINGS[split])
         operands = [rng.randint(0, WORD_PROBLEM_MAX_OPERAND) for _ in range(len(operations) + 1)]
