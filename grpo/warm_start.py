@@ -31,7 +31,7 @@ from grpo.data import load_problems
 from grpo.prompts import FEWSHOT_PREFIX, QUESTION_SUFFIX
 
 WARM_START_SEED = 0
-WARM_START_STEPS = 350
+WARM_START_STEPS = 400
 BATCH_SIZE = 64
 LEARNING_RATE = 2e-3
 ADAM_BETAS = (0.9, 0.98)
