@@ -221,8 +221,13 @@ def test_mean_std_is_the_mean_and_sample_std_of_present_values() -> None:
 
 
 def _stats(
-    loss_fn: str, clip_fraction: float | None, ratio_min: float | None, ratio_max: float | None
+    loss_fn: str,
+    clip_fraction: float | None,
+    ratio_min: float | None,
+    ratio_max: float | None,
+    mismatch: float | None = None,
 ) -> RunStats:
+    """A finished 3-step run's statistics; `mismatch` is its max |log ρ| (KL k3: a tenth)."""
     return RunStats(
         name=f"{loss_fn}-seed0",
         label=loss_fn,
@@ -239,7 +244,20 @@ def _stats(
         ratio_mean=1.0,
         ratio_min=ratio_min,
         ratio_max=ratio_max,
+        mismatch_max_abs_log=mismatch,
+        mismatch_kl=None if mismatch is None else mismatch / 10,
     )
+
+
+def test_the_on_policy_warning_quotes_the_measured_mismatch() -> None:
+    mismatched = on_policy_warning(
+        [_stats("importance_sampling", 0.0, 0.9, 1.2, 0.15), _stats("ppo", 0.0, 0.9, 1.1, 0.2)]
+    )
+    assert mismatched is not None
+    assert "at most 0.2 in |log ρ|" in mismatched and "did leave 1" in mismatched
+    assert "r = exp(lp − lp_old) = 1 on every token" not in mismatched
+    unlogged = on_policy_warning([_stats("importance_sampling", 0.0, 0.9, 1.0, None)])
+    assert unlogged is not None and "`mismatch/*`) is not logged" in unlogged
 
 
 def test_on_policy_warning_fires_when_ratios_stay_at_one() -> None:

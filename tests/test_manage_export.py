@@ -17,26 +17,16 @@ from grpo.backends.tiny import TINY_MODEL_NAME
 from grpo.cli import main
 from grpo.config import TrainConfig
 from grpo.export import export
-from grpo.loop import train
+from tests import runs as tiny_runs
 
-TINY = dict(
-    steps=2,
-    batch_size=2,
-    group_size=4,
-    max_tokens=24,
-    eval_every=0,
-    save_every=1,
-    concurrency=4,
-    num_substeps=1,
-    learning_rate=5e-3,
-)
+TINY = {**tiny_runs.TINY, "save_every": 1, "learning_rate": 5e-3}
 
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished two-step run (two state checkpoints, final sampler weights)."""
     run_dir = tmp_path_factory.mktemp("runs") / "run"
-    train(TrainConfig(**TINY, run_dir=str(run_dir)), echo=lambda _line: None, progress=False)
+    tiny_runs.quiet_train(TrainConfig(**TINY, run_dir=str(run_dir)))
     return run_dir
 
 

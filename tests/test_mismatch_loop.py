@@ -8,19 +8,11 @@ from typing import Any
 import pytest
 
 from grpo.config import ConfigError, TrainConfig
-from grpo.loop import sampler_weights_name, sampling_mismatch_note, train
+from grpo.loop import sampler_weights_name, sampling_mismatch_note
 from grpo.run_dir import read_metrics
+from tests import runs as tiny_runs
 
-TINY = dict(
-    steps=2,
-    batch_size=2,
-    group_size=4,
-    max_tokens=16,
-    eval_every=0,
-    save_every=0,
-    concurrency=4,
-    num_substeps=1,
-)
+TINY = {**tiny_runs.TINY, "max_tokens": 16}
 MISMATCH_KEYS = (
     "kl_k1",
     "kl_k3",
@@ -34,7 +26,7 @@ MISMATCH_KEYS = (
 
 def _rows(tmp_path: Path, name: str, service: Any = None, **overrides: Any) -> list[dict]:
     config = TrainConfig(**{**TINY, "run_dir": str(tmp_path / name), **overrides})
-    result = train(config, echo=lambda _line: None, progress=False, service_client=service)
+    result = tiny_runs.quiet_train(config, service_client=service)
     return [row for row in read_metrics(result.run_dir) if row["datums"] > 0]
 
 
@@ -112,40 +104,6 @@ def test_sampler_weights_names_are_valid_checkpoint_names() -> None:
     )
     assert sampler_weights_name("plain-seed0") == "plain-seed0"
     assert sampler_weights_name("==") == "final"
-
-
-def test_the_on_policy_warning_quotes_the_measured_mismatch() -> None:
-    from grpo.experiments.stats import RunStats, on_policy_warning
-
-    def stats(loss_fn: str, ratio_max: float, mismatch: float | None) -> RunStats:
-        return RunStats(
-            name=f"{loss_fn}-seed0",
-            label=loss_fn,
-            seed=0,
-            loss_fn=loss_fn,
-            finished=True,
-            steps=3,
-            train_reward=0.5,
-            test_reward=0.4,
-            steps_per_s=2.0,
-            clip_fraction=0.0,
-            clip_low_fraction=0.0,
-            clip_high_fraction=0.0,
-            ratio_mean=1.0,
-            ratio_min=0.9,
-            ratio_max=ratio_max,
-            mismatch_max_abs_log=mismatch,
-            mismatch_kl=None if mismatch is None else mismatch / 10,
-        )
-
-    mismatched = on_policy_warning(
-        [stats("importance_sampling", 1.2, 0.15), stats("ppo", 1.1, 0.2)]
-    )
-    assert mismatched is not None
-    assert "at most 0.2 in |log ρ|" in mismatched and "did leave 1" in mismatched
-    assert "r = exp(lp − lp_old) = 1 on every token" not in mismatched
-    unlogged = on_policy_warning([stats("importance_sampling", 1.0, None)])
-    assert unlogged is not None and "`mismatch/*`) is not logged" in unlogged
 
 
 def test_masked_tokens_keep_their_place_in_the_datums_mask(

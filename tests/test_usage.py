@@ -21,22 +21,20 @@ from grpo.core.usage import (
     usage_from_row,
     usage_metrics,
 )
-from grpo.loop import dry_run, train
+from grpo.loop import dry_run
 from grpo.plan import plan_usage, preflight
 from grpo.prices import prices_for
 from grpo.run_dir import read_metrics
+from tests import runs as tiny_runs
 
-TINY = dict(
-    steps=3,
-    batch_size=2,
-    group_size=4,
-    max_tokens=24,
-    eval_every=2,
-    eval_limit=5,
-    save_every=1,
-    concurrency=4,
-    num_substeps=2,
-)
+TINY = {
+    **tiny_runs.TINY,
+    "steps": 3,
+    "eval_every": 2,
+    "eval_limit": 5,
+    "save_every": 1,
+    "num_substeps": 2,
+}
 
 counts = st.integers(min_value=0, max_value=10**9)
 usages = st.builds(TokenUsage, counts, counts, counts, counts)
@@ -218,7 +216,7 @@ def _recorded_run(tmp_path: Path, name: str, **overrides: Any) -> tuple[Path, Re
     config = TrainConfig(**{**TINY, "run_dir": str(tmp_path / name), **overrides})
     record = Recorded()
     service = _RecordingService(LocalServiceClient(root=tmp_path / name / "backend"), record)
-    train(config, service_client=service, echo=lambda _line: None, progress=False)
+    tiny_runs.quiet_train(config, service_client=service)
     return tmp_path / name, record
 
 

@@ -10,20 +10,9 @@ import pytest
 
 from grpo.cli import main
 from grpo.config import TrainConfig
-from grpo.loop import train
+from tests import runs as tiny_runs
 
-TINY = dict(
-    steps=2,
-    batch_size=2,
-    group_size=4,
-    max_tokens=24,
-    eval_every=0,
-    save_every=1,
-    concurrency=4,
-    num_substeps=1,
-    learning_rate=5e-3,
-    backend="pytrio",
-)
+TINY = {**tiny_runs.TINY, "save_every": 1, "learning_rate": 5e-3, "backend": "pytrio"}
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -35,7 +24,7 @@ def test_runs_checkpoints_and_export_through_the_rest_client(
     served: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_dir = tmp_path / "run"
-    train(TrainConfig(**TINY, run_dir=str(run_dir)), echo=lambda _line: None, progress=False)
+    tiny_runs.quiet_train(TrainConfig(**TINY, run_dir=str(run_dir)))
     summary = json.loads((run_dir / "summary.json").read_text())
     runs = _cli(capsys, "runs", "--backend", "pytrio")
     assert "grpo/tiny-qwen3-bpe" in runs
