@@ -416,13 +416,13 @@ def choose_tokens(
     scaled = logits / torch.where(greedy, 1.0, temperature_R).unsqueeze(-1)
     vocab = logits.shape[-1]
     filtered = (top_k_R < vocab) | (top_p_R < 1)
+    plain = (~greedy & ~filtered).nonzero().squeeze(-1)
+    if plain.numel() == len(logits):  # the usual batch: every row samples the full softmax
+        return _inverse_cdf(scaled, uniform_R)
+
     tokens = torch.empty(len(logits), dtype=torch.long)
     chosen = torch.zeros(len(logits), dtype=torch.float64)
-
-    plain = (~greedy & ~filtered).nonzero().squeeze(-1)
-    if plain.numel() == len(logits):
-        tokens, chosen = _inverse_cdf(scaled, uniform_R)
-    elif plain.numel():
+    if plain.numel():
         picked, picked_logprobs = _inverse_cdf(scaled[plain], uniform_R[plain])
         tokens[plain], chosen[plain] = picked, picked_logprobs
 
@@ -443,8 +443,7 @@ def choose_tokens(
 
     greedy_rows = greedy.nonzero().squeeze(-1)
     if greedy_rows.numel():
-        tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
-        chosen[greedy_rows] = 0.0
+        tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)  # log-prob stays 0
     return tokens, chosen
 
 
