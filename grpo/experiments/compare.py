@@ -16,6 +16,7 @@ from grpo.experiments.report import (
     REPORT_FILE,
     Experiment,
     Report,
+    add_experiment_arguments,
     check_positive,
     definitions,
     dry_run_specs,
@@ -54,24 +55,14 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         help="losses to compare",
     )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per loss: 0 .. N-1")
-    parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help="runs in parallel")
     parser.add_argument("--out", default="runs/compare", help="experiment directory")
-    parser.add_argument(
-        "--last-steps",
-        type=int,
-        default=DEFAULT_LAST_STEPS,
-        help="the final train reward is the mean of this many last steps",
-    )
     parser.add_argument(
         "--config",
         default=None,
         help="TOML file of train flags for every run (command-line flags win)",
     )
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="check every run and print the planned tokens (and cost) of the whole plan; "
-        "start nothing",
+    add_experiment_arguments(
+        parser, last_steps_help="the final train reward is the mean of this many last steps"
     )
     group = parser.add_argument_group("train flags, passed to every run (see `grpo train --help`)")
     add_train_arguments(group, exclude=MANAGED_FLAGS | {"loss_fn"})

@@ -5,6 +5,7 @@ them, read them, write report.md, the JSON file and the figure).
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -13,7 +14,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from grpo import run_dir as run_files
-from grpo.experiments.runner import TRAIN_COMMAND, RunSpec, execute_runs, planned_configs
+from grpo.experiments.runner import (
+    DEFAULT_JOBS,
+    TRAIN_COMMAND,
+    RunSpec,
+    execute_runs,
+    planned_configs,
+)
 from grpo.experiments.stats import (
     ConfigSummary,
     RunData,
@@ -155,6 +162,18 @@ class Report:
     payload: dict[str, Any]
     figure: Figure
     result: Any
+
+
+def add_experiment_arguments(parser: argparse.ArgumentParser, *, last_steps_help: str) -> None:
+    """`--jobs`, `--last-steps` and `--dry-run`, shared by `grpo compare` and `grpo sweep`."""
+    parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help="runs in parallel")
+    parser.add_argument("--last-steps", type=int, default=DEFAULT_LAST_STEPS, help=last_steps_help)
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every run and print the planned tokens (and cost) of the whole plan; "
+        "start nothing",
+    )
 
 
 def dry_run_specs(specs: Sequence[RunSpec], *, echo: Callable[[str], None] = print) -> None:

@@ -20,6 +20,7 @@ from grpo.experiments.report import (
     REPORT_FILE,
     Experiment,
     Report,
+    add_experiment_arguments,
     definitions,
     dry_run_specs,
     experiment_figure,
@@ -394,7 +395,6 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SWEEP.toml",
         help="[base] flags, [grid] lists or [[runs]] overrides, seeds, rank_by",
     )
-    parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help="runs in parallel")
     parser.add_argument(
         "--out", default=None, help="experiment directory (None: runs/sweep-<file name>)"
     )
@@ -410,17 +410,8 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="max: higher is better, min: lower is better (None: the file's rank_order, else max)",
     )
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="check every run and print the planned tokens (and cost) of the whole plan; "
-        "start nothing",
-    )
-    parser.add_argument(
-        "--last-steps",
-        type=int,
-        default=DEFAULT_LAST_STEPS,
-        help="per-step metrics are averaged over this many last steps",
+    add_experiment_arguments(
+        parser, last_steps_help="per-step metrics are averaged over this many last steps"
     )
 
 
