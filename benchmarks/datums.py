@@ -26,9 +26,9 @@ import numpy as np
 from pytrio.types import Datum, ModelInput
 
 from benchmarks.common import argument_parser, markdown_table, measure, print_header
+from grpo.backends.datums import batch_to_datums
 from grpo.core.alignment import PAD_TOKEN_ID, align, pack, pack_groups
 from grpo.core.records import Completion, ScoredGroup, TokenBatch
-from grpo.datums import batch_to_datums
 
 FULL_TOKENS = 1_000_000
 QUICK_TOKENS = 65_536

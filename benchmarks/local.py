@@ -39,11 +39,11 @@ from benchmarks.common import (
     thread_settings,
     torch_threads,
 )
-from grpo.backends import _local_sampling
 from grpo.backends.local import LocalServiceClient
-from grpo.backends.tiny import TINY_MODEL_NAME, load_tiny_model
-from grpo.data import load_problems
-from grpo.prompts import build_prompt_tokens
+from grpo.backends.local import sampling as local_sampling
+from grpo.backends.local.tiny import TINY_MODEL_NAME, load_tiny_model
+from grpo.tasks.data import load_problems
+from grpo.tasks.prompts import build_prompt_tokens
 
 SAMPLES_PER_PROMPT = 8
 NEW_TOKENS = 32
@@ -190,13 +190,13 @@ def limit_table(num_sequences: int, *, repeats: int) -> tuple[list[str], str]:
     """(lines stating the limit, the samplers' table) at one thread."""
     with torch_threads(1):
         fast, generated_fast, _, _ = time_backend(num_sequences, repeats=repeats, train=False)
-        build = _local_sampling._DecodeStep.build
+        build = local_sampling._DecodeStep.build
         hugging_face_only = classmethod(lambda cls, model: None)
-        _local_sampling._DecodeStep.build = hugging_face_only  # type: ignore[method-assign]
+        local_sampling._DecodeStep.build = hugging_face_only  # type: ignore[method-assign]
         try:
             slow, generated_slow, _, _ = time_backend(num_sequences, repeats=repeats, train=False)
         finally:
-            _local_sampling._DecodeStep.build = build  # type: ignore[method-assign]
+            local_sampling._DecodeStep.build = build  # type: ignore[method-assign]
         model, tokenizer = load_tiny_model()
         rows = load_problems("arithmetic", "train", limit=num_sequences // SAMPLES_PER_PROMPT)
         prompts = [build_prompt_tokens(tokenizer, row["question"], fewshot=False) for row in rows]

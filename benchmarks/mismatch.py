@@ -23,13 +23,13 @@ from collections.abc import Sequence
 from pytrio.types import ModelInput, SamplingParams
 
 from benchmarks.common import argument_parser, markdown_table, measure, print_header
+from grpo.backends.datums import batch_to_datums, forward_only, output_logprobs
 from grpo.backends.local import LocalServiceClient
-from grpo.backends.tiny import TINY_MODEL_NAME
+from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.core.alignment import align, pack
 from grpo.core.metrics import mismatch_metrics
-from grpo.data import load_problems
-from grpo.datums import batch_to_datums, forward_only, output_logprobs
-from grpo.prompts import build_prompt_tokens
+from grpo.tasks.data import load_problems
+from grpo.tasks.prompts import build_prompt_tokens
 
 NEW_TOKENS = 24
 SETTINGS = [

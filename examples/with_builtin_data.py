@@ -11,7 +11,7 @@ import sys
 
 import datasets
 
-from grpo.data import load_problems
+from grpo.tasks.data import load_problems
 
 _load_dataset = datasets.load_dataset
 

@@ -1,9 +1,9 @@
 """The `grpo` command: train | eval | compare | sweep | plot | show | plot-losses.
 
-`grpo train` flags come from `grpo.config.TrainConfig` through `grpo.flags`, so `--help` shows
-every flag with its default and TOML files (`--config`) use the same names. Precedence:
-defaults < `--config` file < flags on the command line (and, with `--resume`, the run's saved
-config takes the place of the defaults).
+`grpo train` flags come from `grpo.train.config.TrainConfig` through `grpo.train.flags`,
+so `--help` shows every flag with its default and TOML files (`--config`) use the same
+names. Precedence: defaults < `--config` file < flags on the command line (and, with
+`--resume`, the run's saved config takes the place of the defaults).
 
 Every error ends in one line naming the input and the fix: exit 2 for bad input (flags,
 files, names), 1 for a failure of the run or the machine, 130 for Ctrl-C. `--debug` (or
@@ -23,10 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from grpo import flags
-from grpo import run_dir as run_files
 from grpo.backends.pytrio import BackendUnavailableError
-from grpo.config import (
+from grpo.train import flags, run_files
+from grpo.train.config import (
     BACKENDS,
     ConfigError,
     TrainConfig,
@@ -66,11 +65,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """`grpo train`: one GRPO run; exit 0 when finished, 130 on a signal, 1 on failure."""
-    from grpo.loop import RunStopped, train
+    from grpo.train.loop import RunStopped, train
 
     config, resume = flags.config_from_args(args)
     if args.dry_run:
-        from grpo.loop import dry_run
+        from grpo.train.loop import dry_run
 
         for line in dry_run(resolve_run(config), resume=resume):
             print(line)
@@ -131,7 +130,7 @@ def _at_least_one(flag: str, value: int) -> None:
 
 def _eval_config(args: argparse.Namespace) -> tuple[TrainConfig, str | None]:
     """The run's config (or the defaults) with eval's overrides, checked; and the weights path."""
-    from grpo.data import SPLITS
+    from grpo.tasks.data import SPLITS
 
     _at_least_one("--limit", args.limit)
     _at_least_one("--samples", args.samples)
@@ -182,8 +181,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from grpo.backends.pytrio import make_service_client
-    from grpo.data import columns_of, load_run_problems
-    from grpo.rollouts import build_problems, evaluate, tokenizer_max_len
+    from grpo.tasks.data import columns_of, load_run_problems
+    from grpo.train.rollouts import build_problems, evaluate, tokenizer_max_len
 
     config, model_path = _eval_config(args)
     local_root = str(Path(args.run_dir) / run_files.BACKEND_DIR) if args.run_dir else None
@@ -241,7 +240,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     """`grpo export`: a PEFT adapter directory, or a merged model with --merge."""
-    from grpo.export import export
+    from grpo.tools.export import export
 
     written = export(args.source, Path(args.out), merge=args.merge)
     print(f"{'merged model' if args.merge else 'PEFT adapter'}: {written}")
@@ -267,50 +266,50 @@ COMMANDS: tuple[tuple[str, str, str, str], ...] = (
     (
         "compare",
         "the same run for several losses and seeds, with a report and plot",
-        "grpo.experiments.compare:add_compare_arguments",
-        "grpo.experiments.compare:run_compare",
+        "grpo.tools.experiments.compare:add_compare_arguments",
+        "grpo.tools.experiments.compare:run_compare",
     ),
     (
         "sweep",
         "a grid or list of flag overrides from a TOML file, ranked",
-        "grpo.experiments.sweep:add_sweep_arguments",
-        "grpo.experiments.sweep:run_sweep",
+        "grpo.tools.experiments.sweep:add_sweep_arguments",
+        "grpo.tools.experiments.sweep:run_sweep",
     ),
     (
         "plot",
         "PNG plots of metrics across run directories",
-        "grpo.plots:add_plot_arguments",
-        "grpo.plots:run_plot",
+        "grpo.tools.plots:add_plot_arguments",
+        "grpo.tools.plots:run_plot",
     ),
     (
         "show",
         "print a run's logged rollouts (prompts, completions, rewards), or write HTML",
-        "grpo.show:add_show_arguments",
-        "grpo.show:run_show",
+        "grpo.tools.show:add_show_arguments",
+        "grpo.tools.show:run_show",
     ),
     (
         "plot-losses",
         "each loss's objective and gradient weight against the ratio",
-        "grpo.plots:add_plot_losses_arguments",
-        "grpo.plots:run_plot_losses",
+        "grpo.tools.plots:add_plot_losses_arguments",
+        "grpo.tools.plots:run_plot_losses",
     ),
     (
         "serve",
         "the PyTRIO service on localhost, backed by the local backend",
-        "grpo.backends.serve:add_serve_arguments",
-        "grpo.backends.serve:run_serve",
+        "grpo.serve.server:add_serve_arguments",
+        "grpo.serve.server:run_serve",
     ),
     (
         "runs",
         "training runs of the local store(s) or PyTRIO and their last checkpoints",
-        "grpo.manage:add_runs_arguments",
-        "grpo.manage:run_runs",
+        "grpo.tools.manage:add_runs_arguments",
+        "grpo.tools.manage:run_runs",
     ),
     (
         "checkpoints",
         "list (size, expiry) | download | delete | cleanup checkpoints",
-        "grpo.manage:add_checkpoints_arguments",
-        "grpo.manage:run_checkpoints",
+        "grpo.tools.manage:add_checkpoints_arguments",
+        "grpo.tools.manage:run_checkpoints",
     ),
     (
         "export",

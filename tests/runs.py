@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grpo.config import TrainConfig
-from grpo.loop import RunResult, train
+from grpo.train.config import TrainConfig
+from grpo.train.loop import RunResult, train
 
 TINY = dict(
     steps=2,

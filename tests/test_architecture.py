@@ -1,8 +1,8 @@
 """The import rules of docs/DESIGN.md, checked on the source with ``ast``.
 
 - The functional core (``grpo/core``) imports nothing from the shell and not pytrio.
-- A backend (``grpo/backends``) imports from grpo only ``grpo.core``, ``grpo.datums`` and
-  other backend modules.
+- A backend (``grpo/backends``) imports from grpo only ``grpo.core`` and other backend
+  modules (``grpo.backends.datums`` is the Datum boundary the shell shares).
 - ``grpo --help`` loads neither torch nor transformers.
 
 Every import counts, including those inside functions and under ``TYPE_CHECKING``.
@@ -21,7 +21,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "grpo"
 
 
 def _module_name(path: Path) -> str:
-    """``grpo/backends/local.py`` -> ``grpo.backends.local``; an ``__init__`` -> its package."""
+    """``grpo/train/loop.py`` -> ``grpo.train.loop``; an ``__init__`` -> its package."""
     parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -40,7 +40,7 @@ def imported_modules(
     """(line, module) for every import statement anywhere in ``source``.
 
     ``from X import name`` counts as importing ``X.name`` when that is a grpo module (so
-    ``from grpo import loop`` imports ``grpo.loop``), else as importing ``X``. Relative
+    ``from grpo.train import loop`` imports ``grpo.train.loop``), else as importing ``X``. Relative
     imports are resolved against ``module``.
     """
     package = module if is_package else module.rpartition(".")[0]
@@ -83,34 +83,36 @@ def core_may_import(name: str) -> bool:
 
 
 def backend_may_import(name: str) -> bool:
-    """A backend: from grpo only grpo.core, grpo.datums and grpo.backends."""
+    """A backend: from grpo only grpo.core and grpo.backends."""
     if not _within(name, "grpo"):
         return True
-    return any(_within(name, allowed) for allowed in ("grpo.core", "grpo.datums", "grpo.backends"))
+    return any(_within(name, allowed) for allowed in ("grpo.core", "grpo.backends"))
 
 
 def test_the_import_scanner_sees_imports_in_functions_relative_and_from_package():
     source = textwrap.dedent(
         """
         import numpy
-        from grpo import loop
+        from grpo.train import loop
         from . import records
-        from ..datums import batch_to_datums
+        from ..backends.datums import batch_to_datums
 
         def later():
-            from grpo.custom_loss import datum_mask
+            from grpo.train.custom_loss import datum_mask
         """
     )
     assert sorted(name for _, name in imported_modules(source, "grpo.core.losses")) == [
+        "grpo.backends.datums",
         "grpo.core.records",
-        "grpo.custom_loss",
-        "grpo.datums",
-        "grpo.loop",
+        "grpo.train.custom_loss",
+        "grpo.train.loop",
         "numpy",
     ]
-    assert not core_may_import("grpo.custom_loss") and not core_may_import("pytrio.types")
+    assert not core_may_import("grpo.train.custom_loss") and not core_may_import("pytrio.types")
     assert core_may_import("grpo.core.records") and core_may_import("torch")
-    assert not backend_may_import("grpo.prompts") and backend_may_import("grpo.datums")
+    assert not backend_may_import("grpo.tasks.prompts") and backend_may_import(
+        "grpo.backends.datums"
+    )
 
 
 def test_the_core_imports_neither_the_shell_nor_pytrio():
@@ -121,7 +123,7 @@ def test_the_core_imports_neither_the_shell_nor_pytrio():
 def test_backends_import_only_the_core_datums_and_other_backends():
     found = violations("backends", backend_may_import)
     assert found == [], (
-        "a backend may import from grpo only grpo.core, grpo.datums and grpo.backends:\n"
+        "a backend may import from grpo only grpo.core, grpo.backends.datums and grpo.backends:\n"
         + "\n".join(found)
     )
 

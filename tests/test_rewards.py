@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from grpo.config import ConfigError, TrainConfig
 from grpo.core.rewards import RewardInput
 from grpo.rewards import RewardError, load_rewards, parse_reward_spec, score_completions
+from grpo.train.config import ConfigError, TrainConfig
 
 
 def reward_file(tmp_path: Path, body: str, name: str = "my_rewards.py") -> Path:

@@ -12,11 +12,11 @@ import attrs
 import numpy as np
 import pytest
 
-from grpo import run_dir as rundir
 from grpo.cli import main
-from grpo.config import TrainConfig
-from grpo.loop import RunStopped
-from grpo.run_dir import read_metrics, read_rollouts
+from grpo.train import run_files
+from grpo.train.config import TrainConfig
+from grpo.train.loop import RunStopped
+from grpo.train.run_files import read_metrics, read_rollouts
 from tests.runs import comparable, quiet_train, tiny_config
 
 
@@ -284,21 +284,21 @@ def test_grpo_show_prints_a_step_and_writes_html(tmp_path: Path, capsys) -> None
     page = html_path.read_text()
     assert "<section id='step-1'>" in page and "<section id='step-2'>" in page
     assert "src=" not in page and "href='http" not in page  # self-contained
-    assert (run_dir / rundir.ROLLOUTS_FILE).stat().st_size < 20_000
+    assert (run_dir / run_files.ROLLOUTS_FILE).stat().st_size < 20_000
 
 
 def test_resume_truncates_rollouts_like_metrics(tmp_path: Path) -> None:
-    path = tmp_path / rundir.ROLLOUTS_FILE
+    path = tmp_path / run_files.ROLLOUTS_FILE
     lines = [{"step": step, "group": 0} for step in (1, 2, 2, 3)]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 4, "gr')
-    assert rundir.prepare_rollouts_for_resume(tmp_path, 2) == 2
+    assert run_files.prepare_rollouts_for_resume(tmp_path, 2) == 2
     assert read_rollouts(tmp_path) == lines[:3]
-    assert rundir.prepare_rollouts_for_resume(tmp_path, None) == 3
+    assert run_files.prepare_rollouts_for_resume(tmp_path, None) == 3
     assert read_rollouts(tmp_path) == []
 
 
 def test_extra_rounds_draw_their_own_problems_and_seeds() -> None:
-    from grpo.rollouts import extra_batch, extra_sampling_seed, sampling_seed
+    from grpo.train.rollouts import extra_batch, extra_sampling_seed, sampling_seed
 
     seeds = {
         (round_, index): extra_sampling_seed(3, 5, round_, index)
@@ -316,7 +316,7 @@ def test_extra_rounds_draw_their_own_problems_and_seeds() -> None:
 
 
 def test_swanlab_receives_the_logged_groups_as_text(tmp_path: Path) -> None:
-    from grpo.logging import RunLogger, rollout_text
+    from grpo.train.logging import RunLogger, rollout_text
 
     class FakeSwanlab:
         def __init__(self) -> None:

@@ -18,9 +18,8 @@ import torch
 from pytrio.errors.base import ValidationError
 from pytrio.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
-import grpo.backends.local as local
-from grpo.backends import tiny
-from grpo.backends.local import LocalServiceClient
+import grpo.backends.local.clients as local
+from grpo.backends.local import LocalServiceClient, tiny
 
 MODEL = tiny.TINY_MODEL_NAME
 
@@ -402,7 +401,7 @@ def test_compute_logprobs_rejects_an_empty_prompt(service):
 
 def test_exiting_with_sampling_in_flight_exits_cleanly(tmp_path):
     script = f"""
-from grpo.backends import tiny
+from grpo.backends.local import tiny
 tiny.load_tiny_model = lambda: tiny.init_tiny_model(0)
 from grpo.backends.local import LocalServiceClient
 from pytrio.types import ModelInput, SamplingParams
@@ -431,7 +430,7 @@ def test_a_request_too_large_for_memory_is_refused_before_any_allocation(service
 
 
 def test_merged_decode_step_agrees_with_the_hugging_face_forward(service, monkeypatch):
-    import grpo.backends._local_sampling as sampling
+    import grpo.backends.local.sampling as sampling
 
     sampler = trained_client(service).save_weights_and_get_sampling_client()
     prompt = ModelInput.from_ints(prompt_tokens(33, 11))
@@ -446,7 +445,7 @@ def test_merged_decode_step_agrees_with_the_hugging_face_forward(service, monkey
 
 
 def test_unknown_architectures_decode_through_the_hugging_face_forward():
-    from grpo.backends._local_sampling import _DecodeStep
+    from grpo.backends.local.sampling import _DecodeStep
 
     model, _ = tiny.init_tiny_model(0)
     assert _DecodeStep.build(model) is not None

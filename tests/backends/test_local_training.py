@@ -17,9 +17,8 @@ from peft import PeftModel
 from pytrio.errors.base import ValidationError
 from pytrio.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
-from grpo.backends import tiny
-from grpo.backends.local import LocalServiceClient, LocalTrainingClient
-from grpo.custom_loss import as_custom_loss
+from grpo.backends.local import LocalServiceClient, LocalTrainingClient, tiny
+from grpo.train.custom_loss import as_custom_loss
 
 MODEL = tiny.TINY_MODEL_NAME
 ADAM = AdamParams(learning_rate=1e-2)

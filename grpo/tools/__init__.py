@@ -1,0 +1,1 @@
+"""User tools over run directories: show, plots, manage (runs, checkpoints), export, experiments."""

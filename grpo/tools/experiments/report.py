@@ -1,0 +1,234 @@
+"""Reports of experiments: markdown tables, JSON with the same numbers, band plots, and
+`run_and_report`, the tail `grpo compare` and `grpo sweep` share (validate every run, run
+them, read them, write report.md, the JSON file and the figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from grpo.tools.experiments.runner import (
+    DEFAULT_JOBS,
+    TRAIN_COMMAND,
+    RunSpec,
+    execute_runs,
+    planned_configs,
+)
+from grpo.tools.experiments.stats import (
+    ConfigSummary,
+    RunData,
+    RunStats,
+    Stat,
+    missing_runs,
+    read_run,
+    run_stats,
+)
+from grpo.tools.plots import band_figure, metric_keys, save_figure
+from grpo.train import run_files
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from grpo.train.config import TrainConfig
+
+DEFAULT_LAST_STEPS = 5
+REPORT_FILE = "report.md"
+
+
+def check_positive(name: str, value: int) -> None:
+    """ValueError unless the count `value` of option `name` is >= 1."""
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def number(value: float | None, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def percent(stat: Stat) -> str:
+    if stat.mean is None:
+        return "–"
+    return f"{stat.mean:.2%}" if stat.std is None else f"{stat.mean:.2%} ± {stat.std:.2%}"
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def runs_table(stats: Sequence[RunStats]) -> list[str]:
+    header = [
+        "run",
+        "finished",
+        "steps",
+        "train reward",
+        "test accuracy",
+        "steps/s",
+        "clip fraction",
+        "ratio min",
+        "ratio max",
+        "tokens",
+        "cost",
+    ]
+    rows = [
+        [
+            run.name,
+            "yes" if run.finished else f"**no** (see `{run.name}/{run_files.LOG_FILE}`)",
+            str(run.steps),
+            number(run.train_reward),
+            number(run.test_reward),
+            number(run.steps_per_s, 2),
+            "–" if run.clip_fraction is None else f"{run.clip_fraction:.2%}",
+            number(run.ratio_min),
+            number(run.ratio_max),
+            "–" if run.tokens is None else f"{run.tokens:,.0f}",
+            "–" if run.cost is None else f"{run.cost:.4f} {run.currency or ''}".rstrip(),
+        ]
+        for run in stats
+    ]
+    return table(header, rows)
+
+
+def definitions(last_steps: int) -> str:
+    return (
+        f"Train reward: mean `reward` of the last {last_steps} logged steps. Test accuracy: "
+        "`test/reward` of the final evaluation. `±` is the sample standard deviation over seeds. "
+        "Clip fractions and ratio mean: mean over steps of the loss's metrics; ratio min / max: "
+        "extremes over all steps of all seeds."
+    )
+
+
+def unfinished_section(stats: Sequence[RunStats]) -> list[str]:
+    unfinished = missing_runs(stats)
+    if not unfinished:
+        return []
+    names = ", ".join(f"`{run.name}`" for run in unfinished)
+    return [
+        "",
+        f"**{len(unfinished)} run(s) did not finish: {names}.** Their numbers cover the steps "
+        "they logged. Rerun the same command to resume them (logs in "
+        f"`<run>/{run_files.LOG_FILE}` beside this report).",
+    ]
+
+
+def summary_json(summary: ConfigSummary) -> dict[str, Any]:
+    """A ConfigSummary as JSON-ready dicts (the report's numbers, unrounded)."""
+    data = attrs.asdict(summary, recurse=False, filter=lambda field, _value: field.name != "runs")
+    data = {
+        key: attrs.asdict(value) if isinstance(value, Stat) else value
+        for key, value in data.items()
+    }
+    data["runs"] = [
+        {**attrs.asdict(run), "max_ratio_deviation": run.max_ratio_deviation}
+        for run in summary.runs
+    ]
+    return data
+
+
+def experiment_figure(
+    specs: Sequence[RunSpec], runs: Sequence[RunData], metrics: Sequence[str], *, title: str
+) -> Figure:
+    """Band figure per label: a panel for `metrics[0]`, and for each other metric a run logged."""
+    groups: dict[str, list[list[dict[str, Any]]]] = {}
+    for spec, run in zip(specs, runs, strict=True):
+        groups.setdefault(spec.label, []).append(run.rows)
+    logged = set().union(*(metric_keys(run.rows) for run in runs)) if runs else set()
+    panels = list(
+        dict.fromkeys([metrics[0], *(metric for metric in metrics[1:] if metric in logged)])
+    )
+    return band_figure(groups, panels, title=title)
+
+
+@attrs.frozen
+class Experiment:
+    """The runs of an experiment after execution: spec, what its directory holds, its numbers."""
+
+    specs: Sequence[RunSpec]
+    runs: Sequence[RunData]
+    stats: Sequence[RunStats]
+
+
+@attrs.frozen
+class Report:
+    """What an experiment writes: report.md text, the JSON payload and figure, and its result."""
+
+    markdown: str
+    payload: dict[str, Any]
+    figure: Figure
+    result: Any
+
+
+def add_experiment_arguments(parser: argparse.ArgumentParser, *, last_steps_help: str) -> None:
+    """`--jobs`, `--last-steps` and `--dry-run`, shared by `grpo compare` and `grpo sweep`."""
+    parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help="runs in parallel")
+    parser.add_argument("--last-steps", type=int, default=DEFAULT_LAST_STEPS, help=last_steps_help)
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every run and print the planned tokens (and cost) of the whole plan; "
+        "start nothing",
+    )
+
+
+def dry_run_specs(specs: Sequence[RunSpec], *, echo: Callable[[str], None] = print) -> None:
+    """`--dry-run`: every planned run's pre-flight and planned tokens (and cost), and the totals.
+
+    One service client per backend serves every run's checks; nothing is written or started.
+    """
+    from grpo.backends.pytrio import make_service_client
+    from grpo.train.plan import plan_experiment
+
+    services: dict[str, Any] = {}
+
+    def service(config: TrainConfig) -> Any:
+        if config.backend not in services:
+            services[config.backend] = make_service_client(config.backend, seed=config.seed)
+        return services[config.backend]
+
+    try:
+        _planned, lines = plan_experiment(planned_configs(specs), service)
+    finally:
+        for client in services.values():
+            if hasattr(client, "close"):
+                client.close()
+    for line in lines:
+        echo(line)
+
+
+def run_and_report(
+    specs: Sequence[RunSpec],
+    *,
+    out: Path,
+    json_name: str,
+    figure_name: str,
+    render: Callable[[Experiment], Report],
+    jobs: int,
+    last_steps: int,
+    train_command: Sequence[str] = TRAIN_COMMAND,
+    echo: Callable[[str], None] = print,
+) -> Any:
+    """Validate every run's config, run what is not finished, then write `render`'s report.
+
+    Nothing starts unless every planned run's TrainConfig builds (ConfigError names the run
+    and the flag). Returns the report's `result`.
+    """
+    check_positive("--last-steps", last_steps)
+    planned_configs(specs)
+    execute_runs(specs, jobs=jobs, train_command=train_command, echo=echo)
+    runs = [read_run(spec.run_dir) for spec in specs]
+    stats = [
+        run_stats(run, label=spec.label, seed=spec.seed, last_steps=last_steps)
+        for run, spec in zip(runs, specs, strict=True)
+    ]
+    report = render(Experiment(specs=specs, runs=runs, stats=stats))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / REPORT_FILE).write_text(report.markdown)
+    (out / json_name).write_text(json.dumps(report.payload, indent=2))
+    save_figure(report.figure, out / figure_name)
+    return report.result

@@ -1,0 +1,221 @@
+"""Launching the runs of an experiment: plans, validation before launch, skip / resume / start.
+
+- planning: a `RunSpec` per run, one run directory `OUT/<label>-seed<k>` each; every run's
+  `TrainConfig` is built (and so validated) before any run starts, so a bad flag is one
+  error naming the run and the flag, never a failure inside a subprocess;
+- execution: `execute_runs` skips finished runs (summary.json), resumes unfinished ones
+  (config.json, no summary.json) with `--resume`, starts the rest, `--jobs` at a time, each
+  with its output in the run's train.log; an interrupted experiment resumes by rerunning it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from grpo.train import run_files
+from grpo.train.config import ConfigError, TrainConfig, config_from_dict
+from grpo.train.flags import checked_overrides, train_argv
+from grpo.train.run_files import FINISHED, NEW, UNFINISHED
+
+TRAIN_COMMAND: tuple[str, ...] = (sys.executable, "-m", "grpo", "train")
+DEFAULT_JOBS = 2
+# Compare and sweep set these per run (the run directory and its seed); users may not.
+MANAGED_FLAGS = frozenset({"seed", "run_dir", "run_name"})
+
+
+def normalize_overrides(raw: Mapping[str, Any], *, where: str) -> dict[str, Any]:
+    """Flag overrides with underscore keys, each checked by its field, none of MANAGED_FLAGS.
+
+    A `loss_config` table `{clip_high_threshold = 1.28}` becomes `("clip_high_threshold=1.28",)`.
+    """
+    for key in raw:
+        name = key.replace("-", "_")
+        if name in MANAGED_FLAGS:
+            raise ConfigError(
+                f"{where}: {name!r} is set per run by compare/sweep "
+                "(run directory OUT/<label>-seed<k>); "
+                "remove it (choose seeds with --seeds or `seeds = [...]`)"
+            )
+    return checked_overrides(raw, where=where)
+
+
+@attrs.frozen
+class RunSpec:
+    """One run of an experiment: its configuration label, seed, directory and every flag it sets."""
+
+    label: str
+    seed: int
+    run_dir: Path
+    overrides: Mapping[str, Any]
+
+
+def run_dir_name(label: str, seed: int) -> str:
+    """`<label>-seed<k>`, with characters unsafe in a path replaced by '_'."""
+    return re.sub(r"[^A-Za-z0-9._=,+-]", "_", label) + f"-seed{seed}"
+
+
+def planned_configs(specs: Sequence[RunSpec]) -> list[TrainConfig]:
+    """The validated TrainConfig of every planned run; ConfigError naming the run and the flag."""
+    configs = []
+    for spec in specs:
+        values = {**spec.overrides, "run_dir": str(spec.run_dir)}
+        configs.append(config_from_dict(values, where=f"run {spec.run_dir}"))
+    return configs
+
+
+def launch_command(spec: RunSpec, status: str, train_command: Sequence[str]) -> list[str]:
+    """The subprocess argv: `--resume DIR` for an unfinished run, the full flags for a new one."""
+    if status == UNFINISHED:
+        return [*train_command, "--resume", str(spec.run_dir)]
+    if status == NEW:
+        return [*train_command, *train_argv(spec.overrides), "--run-dir", str(spec.run_dir)]
+    raise ValueError(f"run {spec.run_dir} is {status}; only new or unfinished runs are launched")
+
+
+def _same_setting(requested: Any, recorded: Any) -> bool:
+    if isinstance(requested, (list, tuple)):
+        return isinstance(recorded, (list, tuple)) and [str(item) for item in requested] == [
+            str(item) for item in recorded
+        ]
+    if (
+        isinstance(requested, (int, float))
+        and isinstance(recorded, (int, float))
+        and not isinstance(requested, bool)
+    ):
+        return math.isclose(requested, recorded, rel_tol=1e-9, abs_tol=0.0)
+    return requested == recorded
+
+
+def check_existing_run(spec: RunSpec) -> None:
+    """Refuse to skip or resume a run directory whose saved config differs from the request."""
+    recorded = run_files.read_config(spec.run_dir)
+    # A key the saved config lacks cannot be checked (the trainer may leave some out).
+    differences = [
+        f"{name}: {recorded[name]!r} there, {value!r} requested"
+        for name, value in spec.overrides.items()
+        if name in recorded and not _same_setting(value, recorded[name])
+    ]
+    if differences:
+        raise ValueError(
+            f"{spec.run_dir} holds a run with other settings ({'; '.join(differences)}); "
+            "use another --out, or delete that directory to rerun it"
+        )
+
+
+@attrs.frozen
+class RunOutcome:
+    """What `execute_runs` did with a run: "skipped" (already finished), "started" or "resumed"."""
+
+    spec: RunSpec
+    action: str
+    returncode: int | None
+    seconds: float
+
+
+def _launch(
+    spec: RunSpec, status: str, train_command: Sequence[str], env: Mapping[str, str]
+) -> RunOutcome:
+    spec.run_dir.mkdir(parents=True, exist_ok=True)
+    command = launch_command(spec, status, train_command)
+    start = time.monotonic()
+    with (spec.run_dir / run_files.LOG_FILE).open("a", encoding="utf-8") as log:
+        log.write(f"$ {shlex.join(command)}\n")
+        log.flush()
+        completed = subprocess.run(
+            command, stdout=log, stderr=subprocess.STDOUT, env=dict(env), check=False
+        )
+    action = "resumed" if status == UNFINISHED else "started"
+    return RunOutcome(
+        spec=spec, action=action, returncode=completed.returncode, seconds=time.monotonic() - start
+    )
+
+
+def execute_runs(
+    specs: Sequence[RunSpec],
+    *,
+    jobs: int,
+    train_command: Sequence[str] = TRAIN_COMMAND,
+    echo: Callable[[str], None] = print,
+) -> list[RunOutcome]:
+    """Run every spec not yet finished, `jobs` subprocesses at a time; outcomes in spec order.
+
+    Every existing run directory is checked against its spec before anything starts.
+    """
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    directories = [spec.run_dir.resolve() for spec in specs]
+    shared = sorted({str(path) for path in directories if directories.count(path) > 1})
+    if shared:
+        raise ValueError(
+            f"two runs would share the directory {shared[0]}; "
+            "give the configurations distinct labels"
+        )
+    statuses = [run_files.run_status(spec.run_dir) for spec in specs]
+    for spec, status in zip(specs, statuses, strict=True):
+        if status != NEW:
+            check_existing_run(spec)
+    # Parallel trainers each using every core would oversubscribe the CPUs.
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    outcomes: dict[int, RunOutcome] = {}
+    pending = []
+    for index, (spec, status) in enumerate(zip(specs, statuses, strict=True)):
+        if status == FINISHED:
+            outcomes[index] = RunOutcome(spec=spec, action="skipped", returncode=None, seconds=0.0)
+            echo(f"skip   {spec.run_dir} (finished)")
+        else:
+            pending.append((index, spec, status))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {}
+        for index, spec, status in pending:
+            echo(
+                f"{'resume' if status == UNFINISHED else 'start '} {spec.run_dir} "
+                f"(log: {spec.run_dir / run_files.LOG_FILE})"
+            )
+            futures[pool.submit(_launch, spec, status, train_command, env)] = index
+        try:
+            for future in as_completed(futures):
+                outcome = future.result()
+                outcomes[futures[future]] = outcome
+                if outcome.returncode == 0:
+                    verdict = "done  "
+                elif run_files.run_status(outcome.spec.run_dir) == FINISHED:
+                    # The run's results are complete; only the process's exit went wrong.
+                    verdict = f"done, then exit {outcome.returncode}:"
+                else:
+                    verdict = f"FAILED (exit {outcome.returncode})"
+                echo(f"{verdict} {outcome.spec.run_dir} in {outcome.seconds:.1f}s")
+        except KeyboardInterrupt:
+            # Ctrl-C reaches the trainers too (same process group): each saves a checkpoint.
+            # Start nothing new; rerunning the same command resumes every unfinished run.
+            for future in futures:
+                future.cancel()
+            echo("interrupted: no new runs started; rerun the same command to resume")
+            raise
+    ordered = [outcomes[index] for index in range(len(specs))]
+    counts = {
+        action: sum(outcome.action == action for outcome in ordered)
+        for action in ("skipped", "resumed", "started")
+    }
+    failed = sum(
+        outcome.returncode not in (None, 0)
+        and run_files.run_status(outcome.spec.run_dir) != FINISHED
+        for outcome in ordered
+    )
+    echo(
+        f"runs: {counts['started']} started, {counts['resumed']} resumed, "
+        f"{counts['skipped']} skipped (finished); {failed} failed"
+    )
+    return ordered

@@ -1,0 +1,118 @@
+"""A core loss kernel as the callable PyTRIO's ``forward_backward_custom`` expects.
+
+A user's CISPO is one line::
+
+    client.forward_backward_custom(datums, as_custom_loss("cispo", datums, clip_high_threshold=4.0))
+
+PyTRIO runs a forward on the datums, hands the callable the datums and one leaf log-prob
+tensor per datum (``requires_grad``), backpropagates the returned loss and trains on the
+gradient. The sampler's log-probs and the advantages never reach the trainer: the callable
+reads them from the full datums once, when it is built (``grpo.backends.datums.read_datums``, the
+same reader and mask rule as the local backend's built-in losses), so the datums sent may
+be stripped to ``target_tokens`` (as the seed article does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+from pytrio.types import Datum
+from torch import Tensor
+
+from grpo.backends.datums import read_datums
+from grpo.core.loss_spec import LossSpec
+from grpo.core.losses import LossKernel
+
+__all__ = ["CustomLoss", "as_custom_loss"]
+
+
+def _at_datum(index: int | None) -> str:
+    return "" if index is None else f" (datum {index})"
+
+
+@attrs.frozen
+class CustomLoss:
+    """``loss_fn(datums, logprobs_list) -> (loss, metrics)`` over one fixed batch of datums.
+
+    Holds the batch's sampling log-probs, weights (advantages) and mask, packed once; each
+    call concatenates the per-datum log-probs and runs the vectorized kernel. Metric keys
+    are prefixed with the loss name (``cispo/clip_fraction``).
+    """
+
+    spec: LossSpec
+    sampling_logprobs: Tensor | None = attrs.field(repr=False)
+    weights: Tensor = attrs.field(repr=False)
+    mask: Tensor = attrs.field(repr=False)
+    seq_lens: tuple[int, ...] = attrs.field(repr=False)
+
+    def __call__(
+        self, data: Sequence[Datum], logprobs_list: Sequence[Tensor]
+    ) -> tuple[Tensor, dict[str, float]]:
+        """The kernel's loss and prefixed metrics on the concatenated per-datum log-probs."""
+        num_datums = len(self.seq_lens)
+        if len(logprobs_list) != num_datums or len(data) != num_datums:
+            raise ValueError(
+                f"got {len(data)} datums and {len(logprobs_list)} logprob tensors but this loss "
+                f"was built for {num_datums} datums; build as_custom_loss from the datums you "
+                "train on"
+            )
+        checked = zip(data, logprobs_list, self.seq_lens, strict=True)
+        for index, (datum, logprobs, length) in enumerate(checked):
+            if logprobs.numel() != length:
+                raise ValueError(
+                    f"logprobs has {logprobs.numel()} entries but target_tokens has {length}"
+                    f"{_at_datum(index)}"
+                )
+            targets = datum.loss_fn_inputs.get("target_tokens")
+            if targets is not None and len(targets.data) != length:
+                raise ValueError(
+                    f"target_tokens has {len(targets.data)} entries but the loss was built for "
+                    f"{length}{_at_datum(index)}; build as_custom_loss from the datums you train on"
+                )
+        logprobs = torch.cat([tensor.reshape(-1) for tensor in logprobs_list])
+        loss, metrics = self.spec(
+            logprobs, self.sampling_logprobs, self.weights, mask=self.mask, seq_lens=self.seq_lens
+        )
+        return loss, {f"{self.spec.name}/{key}": value for key, value in metrics.items()}
+
+
+def as_custom_loss(
+    loss: str | LossKernel | LossSpec,
+    datums: Sequence[Datum],
+    *,
+    reduction: str = "sum",
+    norm_length: float | None = None,
+    **config: float | None,
+) -> CustomLoss:
+    """The ``forward_backward_custom`` loss_fn running kernel ``loss`` over these full datums.
+
+    ``loss`` is a kernel name, a kernel, or a ready ``LossSpec`` (then ``reduction``,
+    ``norm_length`` and ``config`` must be left out). Validates the loss and every datum
+    (lengths against target_tokens, finite values where trained) here, before any call.
+    """
+    if isinstance(loss, LossSpec):
+        if config or reduction != "sum" or norm_length is not None:
+            raise ValueError(
+                "as_custom_loss got a LossSpec and loss settings; put the settings in the spec"
+            )
+        spec = loss
+    else:
+        spec = LossSpec.build(loss, config, reduction=reduction, norm_length=norm_length)
+    arrays = read_datums(
+        datums,
+        weight_input=spec.kernel.weight_input,
+        with_sampling_logprobs=spec.kernel.needs_sampling_logprobs,
+    )
+    return CustomLoss(
+        spec=spec,
+        sampling_logprobs=(
+            None
+            if arrays.sampling_logprobs_N is None
+            else torch.from_numpy(arrays.sampling_logprobs_N)
+        ),
+        weights=torch.from_numpy(arrays.weights_N),
+        mask=torch.from_numpy(arrays.mask_N),
+        seq_lens=tuple(int(length) for length in arrays.seq_lens_B),
+    )

@@ -1,0 +1,207 @@
+"""A run's pre-flight (what it checks before its first call) and its planned usage and cost.
+
+`preflight` is what `grpo train` does before it creates a training client: the config
+(checked when built), the prices, the dataset, the base model's tokenizer (from a sampler
+on the base model: no training run is created), and every prompt + --max-tokens against
+the tokenizer's context and the service's limits (`check_capabilities`). The real run and
+`grpo train --dry-run` share it; the dry run then prints `planned_usage`
+(docs/FORMULAS.md, "Usage and cost") and, with prices, its cost, and writes nothing.
+`grpo compare`/`sweep --dry-run` add the plans of every run of the experiment.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from grpo.backends.pytrio import CapabilityError, check_capabilities
+from grpo.core.usage import Prices, TokenUsage, cost, planned_usage
+from grpo.tasks.data import columns_of, load_run_problems
+from grpo.train import run_files
+from grpo.train.config import ConfigError, TrainConfig
+from grpo.train.prices import prices_for
+from grpo.train.rollouts import Problem, build_problems, pick_batch, tokenizer_max_len
+
+
+@attrs.frozen
+class Preflight:
+    """Everything a run checked before its first training call, and what it built doing so."""
+
+    config: TrainConfig
+    steps: int
+    service: Any
+    base_sampler: Any
+    """A sampler on the base model (the reference sampler when --kl-coef > 0)."""
+    tokenizer: Any
+    max_len: int | None
+    train_problems: list[Problem]
+    test_problems: list[Problem]
+    prices: Prices | None
+
+
+def preflight(config: TrainConfig, make_service: Callable[[], Any]) -> Preflight:
+    """Check prices and data (before the service is asked anything), then prompts vs the model."""
+    prices = prices_for(config)
+    train_rows = load_run_problems(config, "train")
+    test_rows = (
+        load_run_problems(config, "test", limit=config.eval_limit) if config.eval_every else []
+    )
+    steps = math.ceil(len(train_rows) / config.batch_size) if config.all_data else config.steps
+    service = make_service()
+    base_sampler = service.create_sampling_client(base_model=config.base_model)
+    tokenizer = base_sampler.get_tokenizer()
+    max_len = tokenizer_max_len(tokenizer)
+    problems = {
+        split: build_problems(
+            tokenizer,
+            rows,
+            fewshot=config.use_fewshot,
+            max_tokens=config.max_tokens,
+            max_len=max_len,
+            split=split,
+            template=config.prompt_template,
+            columns=columns_of(config),
+        )
+        for split, rows in (("train", train_rows), ("test", test_rows))
+    }
+    if hasattr(service, "get_server_capabilities"):  # test doubles may not have it
+        longest_prompt = max(
+            (len(problem.prompt_tokens) for split in problems.values() for problem in split),
+            default=0,
+        )
+        try:
+            check_capabilities(service, config.base_model, longest_prompt, config.max_tokens)
+        except CapabilityError as error:
+            raise ConfigError(str(error)) from None
+    return Preflight(
+        config=config,
+        steps=steps,
+        service=service,
+        base_sampler=base_sampler,
+        tokenizer=tokenizer,
+        max_len=max_len,
+        train_problems=problems["train"],
+        test_problems=problems["test"],
+        prices=prices,
+    )
+
+
+def count_evals(config: TrainConfig, steps: int, start_step: int = 0) -> int:
+    """Evaluations the loop runs: a baseline at step 0, then every --eval-every and the last."""
+    if not config.eval_every:
+        return 0
+    baseline = 1 if start_step == 0 else 0
+    done = range(start_step + 1, steps + 1)
+    return baseline + sum(1 for step in done if step % config.eval_every == 0 or step == steps)
+
+
+def count_checkpoints(config: TrainConfig, steps: int, start_step: int = 0) -> int:
+    """Checkpoints the loop saves: every --save-every before the last step, then the final one."""
+    every = config.save_every
+    periodic = sum(1 for step in range(start_step + 1, steps) if every and step % every == 0)
+    return periodic + 1
+
+
+def plan_usage(pre: Preflight, start_step: int = 0) -> TokenUsage:
+    """An upper bound on the usage of steps start_step..steps (exact in the sampled prompts)."""
+    config = pre.config
+    lens = [len(problem.prompt_tokens) for problem in pre.train_problems]
+    lens_by_step = [
+        [lens[index] for index in pick_batch(len(lens), config.batch_size, step, config.seed)]
+        for step in range(start_step, pre.steps)
+    ]
+    return planned_usage(
+        lens_by_step,
+        [len(problem.prompt_tokens) for problem in pre.test_problems],
+        group_size=config.group_size,
+        max_tokens=config.max_tokens,
+        epochs=config.epochs,
+        num_evals=count_evals(config, pre.steps, start_step),
+        num_checkpoints=count_checkpoints(config, pre.steps, start_step),
+        with_reference=config.kl_coef > 0,
+        extra_forward=config.runs_custom_loss and config.backend == "pytrio",
+        proximal_forward=config.mismatch.enabled,
+    )
+
+
+def usage_lines(usage: TokenUsage, prices: Prices | None) -> list[str]:
+    """The planned totals, one kind a line, and the cost when prices are given."""
+    rows = [
+        ("prompt tokens (sampler)", usage.prompt_tokens, "exact for rollouts and evaluations"),
+        ("completion tokens", usage.completion_tokens, "<= (every completion --max-tokens long)"),
+        ("trained tokens", usage.trained_tokens, "<= (positions x passes, no group dropped)"),
+        ("forward-only tokens", usage.forward_tokens, "<= (checkpoint checks, custom loss)"),
+    ]
+    lines = [f"  {label:<24} {value:>14,}  {note}" for label, value, note in rows]
+    if prices is None:
+        lines.append("  cost: no prices given (--price-file or --price-* flags)")
+    else:
+        lines.append(
+            f"  cost <= {cost(usage, prices):.4f} {prices.currency}  (prices {prices.source})"
+        )
+    return lines
+
+
+def describe(pre: Preflight, usage: TokenUsage, start_step: int = 0) -> list[str]:
+    """The dry run's report: what was checked, then the plan."""
+    config = pre.config
+    prompt_lens = [len(problem.prompt_tokens) for problem in pre.train_problems]
+    loss = (
+        "custom, through forward_backward_custom"
+        + (" (+1 forward per update on PyTRIO)" if config.backend == "pytrio" else "")
+        if config.runs_custom_loss
+        else "built-in on the service"
+    )
+    return [
+        f"dry run of {config.run_dir}: every check passed; no training run was created",
+        f"  backend {config.backend}, model {config.base_model}, context "
+        f"{pre.max_len if pre.max_len is not None else 'not stated by the tokenizer'} "
+        "(and the service's limits, where it reports them)",
+        f"  data: {len(pre.train_problems)} train / {len(pre.test_problems)} test problems "
+        f"({config.dataset}), prompts {min(prompt_lens)}..{max(prompt_lens)} tokens "
+        f"+ --max-tokens {config.max_tokens}",
+        f"  loss: {config.loss_fn} ({loss}), reduction {config.reduction}",
+        f"  plan: steps {start_step}..{pre.steps} x {config.batch_size} prompts x "
+        f"{config.group_size} completions, {config.epochs} epoch(s) x {config.num_substeps} "
+        f"minibatch(es); {count_evals(config, pre.steps, start_step)} evaluation(s) of "
+        f"{len(pre.test_problems)} problems; "
+        f"{count_checkpoints(config, pre.steps, start_step)} checkpoint(s)",
+        *usage_lines(usage, pre.prices),
+    ]
+
+
+def plan_experiment(
+    configs: Sequence[TrainConfig], make_service: Callable[[TrainConfig], Any]
+) -> tuple[list[tuple[TrainConfig, TokenUsage, Prices | None]], list[str]]:
+    """Every run's pre-flight and plan, and the report lines with the experiment's totals."""
+    planned = []
+    for config in configs:
+        pre = preflight(config, lambda config=config: make_service(config))
+        planned.append((config, plan_usage(pre), pre.prices))
+    lines = [
+        f"dry run of {len(planned)} run(s): every check passed; nothing was started "
+        "(each run planned from step 0; finished runs are skipped by the real command)"
+    ]
+    for config, usage, prices in planned:
+        priced = f", cost <= {cost(usage, prices):.4f} {prices.currency}" if prices else ""
+        status = run_files.run_status(Path(str(config.run_dir)))
+        lines.append(
+            f"  {Path(str(config.run_dir)).name} ({status}): {usage.total:,} tokens "
+            f"({usage.prompt_tokens:,} prompt, <= {usage.completion_tokens:,} completion, "
+            f"<= {usage.trained_tokens:,} trained){priced}"
+        )
+    total = sum((usage for _config, usage, _prices in planned), TokenUsage())
+    lines.append("total:")
+    currencies = {prices.currency for _config, _usage, prices in planned if prices}
+    all_priced = all(prices for _config, _usage, prices in planned)
+    lines += usage_lines(total, None)[:-1]
+    if all_priced and len(currencies) == 1:
+        spent = sum(cost(usage, prices) for _config, usage, prices in planned if prices)
+        lines.append(f"  cost <= {spent:.4f} {currencies.pop()}  (user-supplied prices)")
+    else:
+        lines.append("  cost: not every run has prices in one currency")
+    return planned, lines

@@ -1,0 +1,460 @@
+"""Rollouts: problems, sampling jobs, grading, reference log-probs and evaluation.
+
+Everything the loop asks of a sampler lives here. Every random choice is a pure function
+of (seed, step, index): ``pick_batch`` orders the data, ``sampling_seed`` seeds each
+request, so a run resumed from a checkpoint samples exactly what it would have.
+Suffixes name axes (docs/DESIGN.md): ``_P`` one per problem of a step, ``_C`` one per
+completion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import numpy as np
+from pytrio.types import ModelInput, SamplingParams
+
+from grpo.backends.pytrio import call_with_retries
+from grpo.core.advantages import group_advantages
+from grpo.core.metrics import pass_at_k
+from grpo.core.records import Completion, ScoredGroup
+from grpo.core.rewards import RewardInput, extract_gold, grade
+from grpo.core.usage import TokenUsage, sample_usage
+from grpo.rewards import RewardFn, RewardScores, score_completions
+from grpo.tasks.prompts import DEFAULT_TEMPLATE, PromptTemplate, build_prompt_tokens
+from grpo.train.config import ConfigError
+
+Log = Callable[[str], None]
+
+TRAIN_PURPOSE, EVAL_PURPOSE, EXTRA_PURPOSE = 0, 1, 2
+ROLLOUT_TEXT_LIMIT = 2000
+"""Characters kept of each prompt and completion in rollouts.jsonl (the rest is elided)."""
+
+
+@attrs.frozen
+class Problem:
+    """One training or test problem, ready to sample: its prompt tokens and gold answer.
+
+    `index` is the row's index in its split and `row` its columns (what rewards read).
+    """
+
+    question: str
+    gold: str
+    prompt_tokens: tuple[int, ...]
+    index: int = 0
+    row: Mapping[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
+
+
+def tokenizer_max_len(tokenizer: Any) -> int | None:
+    """The model's context length when the tokenizer states a believable one."""
+    value = getattr(tokenizer, "model_max_length", None)
+    return int(value) if isinstance(value, int) and 0 < value < 10_000_000 else None
+
+
+def build_problems(
+    tokenizer: Any,
+    rows: Any,
+    *,
+    fewshot: bool,
+    max_tokens: int,
+    max_len: int | None,
+    split: str,
+    template: PromptTemplate = DEFAULT_TEMPLATE,
+    columns: tuple[str, str, str] = ("question", "answer", "####"),
+) -> list[Problem]:
+    """Prompt tokens and gold answers for dataset rows; an over-long prompt is a ConfigError.
+
+    `columns` = (question column, answer column, gold rule), see `grpo.tasks.data.problem_columns`.
+    """
+    prompt_column, answer_column, gold_rule = columns
+    problems = []
+    for index, row in enumerate(rows):
+        question = row[prompt_column]
+        tokens = build_prompt_tokens(tokenizer, question, fewshot=fewshot, template=template)
+        if max_len is not None and len(tokens) + max_tokens > max_len:
+            raise ConfigError(
+                f"{split} problem {index}: prompt has {len(tokens)} tokens + --max-tokens "
+                f"{max_tokens} exceeds the model's {max_len} positions; lower --max-tokens or "
+                "drop long problems"
+            )
+        problems.append(
+            Problem(
+                question=question,
+                gold=extract_gold(str(row[answer_column]), gold_rule),
+                prompt_tokens=tuple(tokens),
+                index=index,
+                row=dict(row),
+            )
+        )
+    return problems
+
+
+def pick_batch(num_problems: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+    """Indices of step ``step``'s problems: slices of a per-pass permutation seeded (seed, pass)."""
+    positions = np.arange(step * batch_size, (step + 1) * batch_size)
+    passes, offsets = np.divmod(positions, num_problems)
+    indices = np.empty(batch_size, dtype=np.int64)
+    for data_pass in np.unique(passes):
+        order = np.random.default_rng([seed, int(data_pass)]).permutation(num_problems)
+        selected = passes == data_pass
+        indices[selected] = order[offsets[selected]]
+    return indices
+
+
+def sampling_seed(seed: int, step: int, index: int, purpose: int = TRAIN_PURPOSE) -> int:
+    """The sampler seed of request ``index`` at ``step``: a pure function (reproducible runs)."""
+    return int(
+        np.random.SeedSequence([seed, purpose, step, index]).generate_state(1)[0] & 0x7FFFFFFF
+    )
+
+
+def extra_batch(
+    num_problems: int, batch_size: int, step: int, round_: int, seed: int
+) -> np.ndarray:
+    """Problems of extra sampling round ``round_`` >= 1 of ``step``: distinct, seeded by all."""
+    rng = np.random.default_rng([seed, EXTRA_PURPOSE, step, round_])
+    return rng.choice(num_problems, size=min(batch_size, num_problems), replace=False)
+
+
+def extra_sampling_seed(seed: int, step: int, round_: int, index: int) -> int:
+    """The sampler seed of request ``index`` of extra round ``round_`` of ``step`` (pure)."""
+    state = np.random.SeedSequence([seed, EXTRA_PURPOSE, step, round_, index]).generate_state(1)
+    return int(state[0] & 0x7FFFFFFF)
+
+
+def _completion_from(sequence: Any, tokenizer: Any) -> Completion:
+    """A core Completion from one sampled sequence (text decoded if the backend gave none)."""
+    text = sequence.text if sequence.text is not None else tokenizer.decode(sequence.tokens)
+    return Completion(
+        tokens=sequence.tokens,
+        logprobs=sequence.logprobs,
+        text=text,
+        stop_reason=sequence.stop_reason,
+    )
+
+
+class RolloutJob:
+    """One step's sampling requests on a bounded pool; ``result()`` waits for all groups."""
+
+    def __init__(
+        self,
+        pool: ThreadPoolExecutor,
+        sampler: Any,
+        problems: Sequence[Problem],
+        *,
+        params_for: Callable[[int], SamplingParams],
+        num_samples: int,
+        tokenizer: Any,
+        max_retries: int,
+        log: Log,
+        sampler_version: int,
+    ) -> None:
+        self.sampler_version = sampler_version
+        self.problems = list(problems)
+        self._usage_P = [TokenUsage() for _ in self.problems]
+
+        def sample_one(index: int) -> list[Completion]:
+            prompt = ModelInput.from_ints(list(self.problems[index].prompt_tokens))
+            response = call_with_retries(
+                lambda: sampler.sample(
+                    prompt=prompt,
+                    num_samples=num_samples,
+                    sampling_params=params_for(index),
+                    return_text=True,
+                ).result(),
+                what=f"sample (problem {index})",
+                max_retries=max_retries,
+                on_retry=log,
+            )
+            self._usage_P[index] = sample_usage(
+                response.input_tokens,
+                response.output_tokens,
+                len(prompt),
+                (len(sequence.tokens) for sequence in response.sequences),
+            )
+            return [_completion_from(sequence, tokenizer) for sequence in response.sequences]
+
+        self._futures: list[Future[list[Completion]]] = [
+            pool.submit(sample_one, index) for index in range(len(self.problems))
+        ]
+
+    def result(self) -> list[list[Completion]]:
+        """The completions of every problem, in problem order."""
+        return [future.result() for future in self._futures]
+
+    def usage(self) -> TokenUsage:
+        """Tokens the job's requests sent and sampled (complete once ``result()`` returned)."""
+        return sum(self._usage_P, TokenUsage())
+
+    def cancel(self) -> None:
+        """Drop requests that have not started."""
+        for future in self._futures:
+            future.cancel()
+
+
+def grade_groups(
+    problems_P: Sequence[Problem], completions_P: Sequence[Sequence[Completion]]
+) -> list[np.ndarray]:
+    """Reward of every completion: 1.0 when its last boxed answer matches the gold answer."""
+    return [
+        np.array(
+            [grade(completion.text, problem.gold) for completion in completions], dtype=np.float64
+        )
+        for problem, completions in zip(problems_P, completions_P, strict=True)
+    ]
+
+
+def reward_groups(
+    problems_P: Sequence[Problem],
+    completions_P: Sequence[Sequence[Completion]],
+    rewards: Sequence[RewardFn],
+    *,
+    max_tokens: int,
+    overlong_buffer: int,
+    on_error: str,
+    workers: int,
+) -> RewardScores:
+    """Every --reward of every completion (see `grpo.rewards.score_completions`)."""
+    items = [
+        (
+            completion.text,
+            problem.row,
+            RewardInput(
+                index=problem.index,
+                gold=problem.gold,
+                num_tokens=int(completion.tokens.size),
+                max_tokens=max_tokens,
+                stop_reason=completion.stop_reason,
+                overlong_buffer=overlong_buffer,
+            ),
+        )
+        for problem, completions in zip(problems_P, completions_P, strict=True)
+        for completion in completions
+    ]
+    return score_completions(
+        rewards,
+        items,
+        [len(completions) for completions in completions_P],
+        on_error=on_error,
+        workers=workers,
+    )
+
+
+def score_groups(
+    problems_P: Sequence[Problem],
+    completions_P: Sequence[Sequence[Completion]],
+    rewards_P: Sequence[np.ndarray],
+    method: str,
+) -> list[ScoredGroup]:
+    """Every group with its group-relative advantages (one vectorized call for the batch)."""
+    group_sizes_P = np.array([len(rewards) for rewards in rewards_P], dtype=np.int64)
+    result = group_advantages(np.concatenate(rewards_P), group_sizes_P, method)
+    advantages_P = np.split(result.advantages, np.cumsum(group_sizes_P)[:-1])
+    return [
+        ScoredGroup(
+            prompt_tokens=problem.prompt_tokens,
+            completions=tuple(completions),
+            rewards=rewards,
+            advantages=advantages,
+        )
+        for problem, completions, rewards, advantages in zip(
+            problems_P, completions_P, rewards_P, advantages_P, strict=True
+        )
+    ]
+
+
+def reference_logprobs(
+    pool: ThreadPoolExecutor,
+    ref_sampler: Any,
+    groups: Sequence[ScoredGroup],
+    max_retries: int,
+    log: Log,
+) -> np.ndarray:
+    """Base-model log-probs of every sampled completion token, concatenated in packing order.
+
+    Obtained as the prompt log-probs of prompt + completion, one request per completion.
+    """
+
+    def one(prompt_tokens: tuple[int, ...], completion: Completion) -> np.ndarray:
+        tokens = [*prompt_tokens, *completion.tokens.tolist()]
+        values = call_with_retries(
+            lambda: ref_sampler.compute_logprobs(ModelInput.from_ints(tokens)).result(),
+            what="reference compute_logprobs",
+            max_retries=max_retries,
+            on_retry=log,
+        )
+        return np.asarray(values[-len(completion.tokens) :], dtype=np.float64)
+
+    futures_C = [
+        pool.submit(one, tuple(group.prompt_tokens.tolist()), completion)
+        for group in groups
+        for completion in group.completions
+    ]
+    return np.concatenate([future.result() for future in futures_C])
+
+
+def evaluate(
+    pool: ThreadPoolExecutor,
+    sampler: Any,
+    problems: Sequence[Problem],
+    tokenizer: Any,
+    *,
+    num_samples: int,
+    temperature: float,
+    max_tokens: int,
+    seed: int,
+    max_retries: int,
+    log: Log,
+) -> tuple[dict[str, float], TokenUsage]:
+    """Accuracy (mean reward over all samples), pass@k for k = 1, 2, 4, ... <= num_samples, and
+    the tokens the evaluation's sampling sent and sampled."""
+
+    def params(index: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=1.0,
+            seed=sampling_seed(seed, 0, index, purpose=EVAL_PURPOSE),
+        )
+
+    job = RolloutJob(
+        pool,
+        sampler,
+        problems,
+        params_for=params,
+        num_samples=num_samples,
+        tokenizer=tokenizer,
+        max_retries=max_retries,
+        log=log,
+        sampler_version=0,
+    )
+    rewards_P = grade_groups(problems, job.result())
+    correct_P = [int(rewards.sum()) for rewards in rewards_P]
+    metrics = {"test/reward": float(np.mean(np.concatenate(rewards_P)))}
+    k = 1
+    while k <= num_samples:
+        metrics[f"test/pass@{k}"] = float(
+            np.mean([pass_at_k(num_samples, c, k) for c in correct_P])
+        )
+        k *= 2
+    return metrics, job.usage()
+
+
+@attrs.frozen
+class StepRollouts:
+    """What one step sampled and how it scored: problems, groups of completions, rewards.
+
+    Under dynamic sampling it holds every round, in order (``rounds``; ``extra_tokens`` are
+    the completion tokens the extra rounds sampled).
+    """
+
+    problems_P: tuple[Problem, ...]
+    completions_P: tuple[tuple[Completion, ...], ...]
+    scores: RewardScores
+    rounds: int = 1
+    extra_tokens: int = 0
+
+    def extended(self, more: StepRollouts) -> StepRollouts:
+        """This step's rollouts followed by one more round's."""
+        sampled = sum(c.tokens.size for group in more.completions_P for c in group)
+        return StepRollouts(
+            problems_P=self.problems_P + more.problems_P,
+            completions_P=self.completions_P + more.completions_P,
+            scores=self.scores.extended(more.scores),
+            rounds=self.rounds + 1,
+            extra_tokens=self.extra_tokens + int(sampled),
+        )
+
+    def num_nondegenerate(self) -> int:
+        """Groups whose rewards are not all equal (the ones that train)."""
+        return sum(bool(np.any(rewards != rewards[0])) for rewards in self.scores.totals_P)
+
+
+def grade_rollouts(
+    problems_P: Sequence[Problem],
+    completions_P: Sequence[Sequence[Completion]],
+    config: Any,
+) -> StepRollouts:
+    """Step 5: every completion scored by the run's --reward callables."""
+    scores = reward_groups(
+        problems_P,
+        completions_P,
+        config.reward_fns,
+        max_tokens=config.max_tokens,
+        overlong_buffer=config.overlong_tokens,
+        on_error=config.reward_errors,
+        workers=config.reward_workers,
+    )
+    return StepRollouts(
+        problems_P=tuple(problems_P),
+        completions_P=tuple(tuple(group) for group in completions_P),
+        scores=scores,
+    )
+
+
+def refill(
+    first: StepRollouts,
+    *,
+    needed: int,
+    max_rounds: int,
+    sample_round: Callable[[int], StepRollouts],
+) -> StepRollouts:
+    """DAPO's dynamic sampling: rounds 1, 2, ... until ``needed`` non-degenerate groups.
+
+    At most ``max_rounds`` rounds in all (the first included); ``sample_round(r)`` samples
+    and grades round r (its problems and seeds are pure functions of (seed, step, r, index)).
+    """
+    rollouts = first
+    while rollouts.num_nondegenerate() < needed and rollouts.rounds < max_rounds:
+        rollouts = rollouts.extended(sample_round(rollouts.rounds))
+    return rollouts
+
+
+def trainable_groups(groups_P: Sequence[ScoredGroup], limit: int | None) -> list[ScoredGroup]:
+    """Step 7: the non-degenerate groups, the first ``limit`` of them when a limit is given."""
+    kept = [group for group in groups_P if not group.is_degenerate]
+    return kept if limit is None else kept[:limit]
+
+
+def _clip(text: str) -> str:
+    if len(text) <= ROLLOUT_TEXT_LIMIT:
+        return text
+    half = ROLLOUT_TEXT_LIMIT // 2
+    return f"{text[:half]} [... {len(text) - 2 * half} characters ...] {text[-half:]}"
+
+
+def rollout_records(
+    rollouts: StepRollouts, groups_P: Sequence[ScoredGroup], tokenizer: Any, limit: int
+) -> list[dict[str, Any]]:
+    """The first ``limit`` groups as JSON-ready records for rollouts.jsonl (texts clipped)."""
+    records = []
+    for index, (problem, group) in enumerate(zip(rollouts.problems_P, groups_P)):
+        if index >= limit:
+            break
+        components = rollouts.scores.components_P[index]
+        records.append(
+            {
+                "group": index,
+                "row": problem.index,
+                "prompt": _clip(tokenizer.decode(list(problem.prompt_tokens))),
+                "gold": problem.gold,
+                "degenerate": group.is_degenerate,
+                "completions": [
+                    {
+                        "text": _clip(completion.text),
+                        "reward": float(group.rewards[member]),
+                        "components": {
+                            name: float(values[member]) for name, values in components.items()
+                        },
+                        "advantage": float(group.advantages[member]),
+                        "tokens": int(completion.tokens.size),
+                        "stop_reason": completion.stop_reason,
+                    }
+                    for member, completion in enumerate(group.completions)
+                ],
+            }
+        )
+    return records

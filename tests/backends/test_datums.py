@@ -1,0 +1,66 @@
+"""Datum building: the fast path equals a fully validated construction."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+from pytrio.types import Datum, ModelInput
+
+from grpo.backends.datums import batch_to_datums, forward_only, output_logprobs
+from grpo.core.alignment import align, pack
+
+
+@st.composite
+def token_batches(draw: st.DrawFn):
+    """A packed batch of 1-4 aligned completions with random tokens, logprobs and advantages."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    sequences = []
+    for _ in range(draw(st.integers(1, 4))):
+        prompt = rng.integers(0, 97, size=int(rng.integers(1, 6)))
+        completion = rng.integers(0, 97, size=int(rng.integers(1, 6)))
+        logprobs = -rng.exponential(size=len(completion))
+        sequences.append(align(prompt, completion, logprobs, float(rng.normal())))
+    return pack(sequences)
+
+
+@given(token_batches())
+def test_fast_datums_equal_validated_datums(batch) -> None:
+    fast = batch_to_datums(batch)
+    assert len(fast) == len(batch.seq_lens)
+    for datum, sequence in zip(fast, batch.sequences(), strict=True):
+        validated = Datum(
+            model_input=ModelInput.from_ints(sequence.input_tokens.tolist()),
+            loss_fn_inputs={
+                "target_tokens": sequence.target_tokens.astype(np.int64),
+                "logprobs": sequence.sampling_logprobs.astype(np.float32),
+                "advantages": sequence.advantages.astype(np.float32),
+            },
+        )
+        assert datum.model_dump() == validated.model_dump()
+        assert Datum.model_validate(datum.model_dump()) == validated
+
+
+@given(token_batches())
+def test_forward_only_keeps_inputs_and_targets(batch) -> None:
+    datums = batch_to_datums(batch)
+    stripped = forward_only(datums)
+    for full, only in zip(datums, stripped, strict=True):
+        assert list(only.loss_fn_inputs) == ["target_tokens"]
+        assert only.model_input.to_ints() == full.model_input.to_ints()
+
+
+def test_output_logprobs_concatenates_and_names_missing_datums() -> None:
+    from pytrio.types import TensorData
+
+    outputs = [
+        {"logprobs": TensorData.from_numpy(np.array([-1.0, -2.0]))},
+        {"logprobs": TensorData.from_numpy(np.array([-3.0]))},
+    ]
+    assert output_logprobs(outputs).tolist() == [-1.0, -2.0, -3.0]
+    try:
+        output_logprobs([{}, outputs[0]])
+    except ValueError as error:
+        assert "[0]" in str(error)
+    else:
+        raise AssertionError("missing logprobs must be an error")

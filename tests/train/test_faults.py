@@ -1,0 +1,149 @@
+"""Fault injection: a short run killed or interrupted at many points, then resumed, logs
+steps 0..n exactly once with the same numbers as the uninterrupted run (docs/RELIABILITY.md).
+
+Each trial runs `grpo train` in a subprocess with GRPO_FAULT_POINT=<point>:<n>:<signal>
+(grpo.train.loop.fault_point): the run signals itself at the n-th pass of that point: after
+sampling, after an optimizer step, entering an evaluation, before a row is logged, or in
+the middle of a checkpoint save (state saved, checkpoint.json not yet written). SIGINT2 is
+a double Ctrl-C. Two more trials SIGKILL at seeded random times.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from grpo.train import run_files
+from grpo.train.loop import FAULT_ENV
+
+FLAGS = [
+    "--steps",
+    "4",
+    "--batch-size",
+    "2",
+    "--group-size",
+    "6",
+    "--max-tokens",
+    "24",
+    "--eval-every",
+    "2",
+    "--eval-limit",
+    "4",
+    "--save-every",
+    "2",
+    "--concurrency",
+    "4",
+    "--num-substeps",
+    "1",
+    "--seed",
+    "0",
+]
+TRIALS = [
+    ("sampled:1:SIGKILL", "killed after the baseline row, before any checkpoint"),
+    ("optim:3:SIGKILL", "killed in the middle of step 3's update"),
+    ("eval:2:SIGINT2", "double Ctrl-C during the evaluation of step 2"),
+    ("save:1:SIGKILL", "killed during the checkpoint save of step 2"),
+    ("log:3:SIGINT", "Ctrl-C while logging step 2: finishes the step, saves, exits"),
+    ("log:5:SIGKILL", "killed just before the last row is logged"),
+    ("sampled:3:SIGINT2", "double Ctrl-C right after step 3 sampled"),
+]
+TIMEOUT_S = 180
+
+
+def _train(
+    run_dir: Path, *extra: str, fault: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(FAULT_ENV, None)
+    if fault:
+        env[FAULT_ENV] = fault
+    command = [sys.executable, "-m", "grpo", "train", *extra]
+    return subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+    )
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [
+        {key: value for key, value in row.items() if not key.startswith("time/")}
+        for row in run_files.read_metrics(run_dir)
+    ]
+
+
+def _resume_until_done(run_dir: Path) -> None:
+    """Resume (or, when the kill came before anything was written, restart) to the end."""
+    for _attempt in range(3):
+        if run_files.run_status(run_dir) == run_files.FINISHED:
+            return
+        if run_files.run_status(run_dir) == run_files.NEW:
+            result = _train(run_dir, *FLAGS, "--run-dir", str(run_dir))
+        else:
+            result = _train(run_dir, "--resume", str(run_dir))
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert run_files.run_status(run_dir) == run_files.FINISHED
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    run_dir = tmp_path_factory.mktemp("faults") / "reference"
+    result = _train(run_dir, *FLAGS, "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = _rows(run_dir)
+    assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
+    # Every step trains (seed 0 has no all-degenerate step), so a redone step that
+    # started from the wrong weights would show in its loss and ratios.
+    assert all(row["datums"] > 0 for row in rows[1:]), rows
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fault", "what"), TRIALS, ids=[fault for fault, _ in TRIALS])
+def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
+    tmp_path: Path, reference: list[dict[str, Any]], fault: str, what: str
+) -> None:
+    run_dir = tmp_path / "run"
+    first = _train(run_dir, *FLAGS, "--run-dir", str(run_dir), fault=fault)
+    expected_code = {"SIGKILL": -signal.SIGKILL, "SIGINT": 130, "SIGINT2": 130}[fault.split(":")[2]]
+    assert first.returncode == expected_code, (what, first.returncode, first.stderr[-2000:])
+    if "Traceback" in first.stderr:
+        pytest.fail(f"{what}: a traceback reached the user:\n{first.stderr[-2000:]}")
+    checkpoint = run_files.read_checkpoint(run_dir)
+    if checkpoint is not None:
+        logged = [row["step"] for row in run_files.read_metrics(run_dir)]
+        assert checkpoint.step <= max(logged), (
+            f"{what}: checkpoint {checkpoint.step} past rows {logged}"
+        )
+    _resume_until_done(run_dir)
+    assert _rows(run_dir) == reference, what
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", [0, 1])
+def test_sigkill_at_a_random_time_then_resume_equals_the_uninterrupted_run(
+    tmp_path: Path, reference: list[dict[str, Any]], trial: int
+) -> None:
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(FAULT_ENV, None)
+    command = [sys.executable, "-m", "grpo", "train", *FLAGS, "--run-dir", str(run_dir)]
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    # Wait for the run to start logging, then kill it a seeded random time later.
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (run_dir / run_files.METRICS_FILE).exists() and process.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(random.Random(trial).uniform(0.0, 1.5))
+    process.kill()
+    process.wait(TIMEOUT_S)
+    _resume_until_done(run_dir)
+    assert _rows(run_dir) == reference
