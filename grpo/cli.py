@@ -24,13 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from grpo.backends.pytrio import BackendUnavailableError
-from grpo.train import flags, run_files
+from grpo.train import flags
 from grpo.train.config import (
     BACKENDS,
-    ConfigError,
-    TrainConfig,
-    check_value,
-    config_from_dict,
     resolve_run,
 )
 
@@ -123,100 +119,23 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="(default: 32)")
 
 
-def _at_least_one(flag: str, value: int) -> None:
-    if value < 1:
-        raise ConfigError(f"{flag} must be >= 1, got {value}")
-
-
-def _eval_config(args: argparse.Namespace) -> tuple[TrainConfig, str | None]:
-    """The run's config (or the defaults) with eval's overrides, checked; and the weights path."""
-    from grpo.tasks.data import SPLITS
-
-    _at_least_one("--limit", args.limit)
-    _at_least_one("--samples", args.samples)
-    if args.split not in SPLITS:
-        raise ConfigError(f"--split {args.split!r} is not one of {', '.join(SPLITS)}")
-    for name in ("temperature", "seed", "concurrency"):
-        check_value(name, getattr(args, name))
-    values: dict[str, object] = {}
-    model_path = args.checkpoint
-    if args.run_dir:
-        run_dir = Path(args.run_dir)
-        values = run_files.read_config(run_dir)
-        model_path = run_files.eval_weights_path(run_dir)
-    given = {
-        "backend": args.backend,
-        "base_model": args.base_model,
-        "dataset": args.dataset,
-        "max_tokens": args.max_tokens,
-    }
-    values.update({name: value for name, value in given.items() if value is not None})
-    return config_from_dict(
-        values, where=f"--run-dir {args.run_dir}" if args.run_dir else None
-    ), model_path
-
-
-def _sampling_client(service: Any, base_model: str, model_path: str | None) -> Any:
-    """A sampler on the base model, on sampler weights, or on a training state's weights."""
-    if model_path is None:
-        return service.create_sampling_client(base_model=base_model)
-    try:
-        return service.create_sampling_client(base_model=base_model, model_path=model_path)
-    except Exception:  # noqa: BLE001 - not sampler weights: try it as a training state
-        pass
-    try:
-        training = service.create_training_client_from_state(model_path)
-    except Exception as error:  # noqa: BLE001 - the message below says what the path must be
-        raise ConfigError(
-            f"--checkpoint {model_path}: neither sampler weights nor a training state "
-            f"({_short(error)}); give the sampler_path of a run's {run_files.SUMMARY_FILE} or "
-            f"the state path of its {run_files.CHECKPOINT_FILE}, "
-            "or use --run-dir"
-        ) from None
-    return training.save_weights_and_get_sampling_client()
-
-
 def run_eval(args: argparse.Namespace) -> int:
     """`grpo eval`: accuracy and pass@k of a checkpoint or the base model on a split."""
-    from concurrent.futures import ThreadPoolExecutor
+    from grpo.tools.evaluate import evaluate
 
-    from grpo.backends.pytrio import make_service_client
-    from grpo.tasks.data import columns_of, load_run_problems
-    from grpo.train.rollouts import build_problems, evaluate, tokenizer_max_len
-
-    config, model_path = _eval_config(args)
-    local_root = str(Path(args.run_dir) / run_files.BACKEND_DIR) if args.run_dir else None
-    rows = load_run_problems(config, args.split, limit=args.limit)
-    service = make_service_client(config.backend, local_root=local_root, seed=args.seed)
-    sampler = _sampling_client(service, config.base_model, model_path)
-    tokenizer = sampler.get_tokenizer()
-    problems = build_problems(
-        tokenizer,
-        rows,
-        fewshot=config.use_fewshot,
-        max_tokens=config.max_tokens,
-        max_len=tokenizer_max_len(tokenizer),
+    metrics = evaluate(
+        args.run_dir,
+        checkpoint=args.checkpoint,
+        backend=args.backend,
+        base_model=args.base_model,
+        dataset=args.dataset,
         split=args.split,
-        template=config.prompt_template,
-        columns=columns_of(config),
-    )
-    with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-        metrics, _usage = evaluate(
-            pool,
-            sampler,
-            problems,
-            tokenizer,
-            num_samples=args.samples,
-            temperature=args.temperature,
-            max_tokens=config.max_tokens,
-            seed=args.seed,
-            max_retries=3,
-            log=print,
-        )
-    label = model_path or f"base model {config.base_model}"
-    print(
-        f"{label}: {len(problems)} {args.split} problems, {args.samples} sample(s), "
-        f"temperature {args.temperature}"
+        limit=args.limit,
+        samples=args.samples,
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        concurrency=args.concurrency,
     )
     for key, value in metrics.items():
         print(f"  {key.removeprefix('test/')}: {value:.4f}")
