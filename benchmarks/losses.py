@@ -23,7 +23,7 @@ under torch's default thread count, it times:
   `--quick` compiles only the first kernel's form, `--no-compile` none;
 - (d) the input checks (finite masked-in values, binary mask): forward+backward at 256k and
   2M tokens (--quick: 256k and the first kernel only), 1 thread, eager and fused, with the
-  checks and without them (the same code with `_pack_finite` plain `_pack` and no probe in
+  checks and without them (the same code with `pack_finite` plain `pack` and no probe in
   the fused forms' total), the two timed alternately in the same run; `--checks-only` runs
   this part alone.
 
@@ -63,7 +63,7 @@ from benchmarks.common import (
     thread_settings,
     torch_threads,
 )
-from grpo.core import fused_losses
+from grpo.core import fused_losses, packing
 from grpo.core.losses import FUSED_MIN_TOKENS, LOSSES, LossKernel
 
 SIZES = (16_384, 262_144, 2_097_152, 8_388_608)
@@ -362,13 +362,16 @@ def unchecked_kernel(kernel: LossKernel) -> LossKernel:
 
 @contextmanager
 def eager_checks_off() -> Iterator[None]:
-    """The eager kernel without its finiteness check (`_pack_finite` is plain `_pack`)."""
-    checked = losses_module._pack_finite
-    losses_module._pack_finite = losses_module._pack
+    """The eager kernel without its finiteness check (`pack_finite` is plain `pack`).
+
+    Patched in `grpo.core.losses`, where the kernel looks the name up.
+    """
+    checked = losses_module.pack_finite
+    losses_module.pack_finite = packing.pack
     try:
         yield
     finally:
-        losses_module._pack_finite = checked
+        losses_module.pack_finite = checked
 
 
 @attrs.frozen

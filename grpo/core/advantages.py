@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from grpo.core.losses import kl_penalty
+from grpo.core.kl import kl_penalty
 from grpo.core.records import GroupAdvantages
 
 __all__ = [
@@ -228,7 +228,7 @@ def kl_shaped_advantages(
     """(A_t − kl_coef·k(lp_old_t − lp_ref_t) on masked-in tokens and 0 elsewhere, mean k over them).
 
     Reward shaping rather than a loss term, so it works with the service's built-in losses
-    too; k is a KL estimator of `losses.KL_ESTIMATORS`. The mean is 0 for an empty mask.
+    too; k is a KL estimator of `grpo.core.kl.KL_ESTIMATORS`. The mean is 0 for an empty mask.
     """
     mask = np.asarray(mask_N, dtype=bool)
     advantages = np.asarray(advantages_N, dtype=np.float64)

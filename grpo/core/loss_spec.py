@@ -16,7 +16,8 @@ from typing import Any
 import attrs
 from torch import Tensor
 
-from grpo.core.losses import LossKernel, get_loss, validate_reduction
+from grpo.core.losses import LossKernel, get_loss
+from grpo.core.reductions import validate_reduction
 
 __all__ = ["LossSpec"]
 

@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpo.core.loss_spec import LossSpec
-from grpo.core.losses import LOSSES, REDUCTIONS
+from grpo.core.losses import LOSSES
+from grpo.core.reductions import REDUCTIONS
 
 
 def _spec_strategy() -> st.SearchStrategy[LossSpec]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -26,18 +25,12 @@ from tests.strategies import PackedLossBatch, packed_loss_batches, scored_groups
 MODES = [mode for mode in MISMATCH_CORRECTIONS if mode not in ("none", "recompute")]
 REDUCTIONS = ["sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 PATHS = pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+pytestmark = pytest.mark.usefixtures("uncompiled_fused_forms")
 CASES = [
     (mode, name)
     for mode in MODES
     for name in CORRECTED_LOSSES["sequence" if mode.startswith("sequence") else "token"]
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fused_forms_run_uncompiled() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(losses, "_compiled_form", lambda form: form)
-        yield
 
 
 @st.composite

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from grpo.core.advantages import kl_shaped_advantages
 from grpo.core.alignment import minibatches, pack_groups
+from grpo.core.kl import KL_ESTIMATORS
 from grpo.core.loss_spec import LossSpec
-from grpo.core.losses import KL_ESTIMATORS
 from grpo.core.metrics import pass_at_k, update_metrics
 from tests.strategies import scored_groups
 
