@@ -155,13 +155,16 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="write the base model with the LoRA merged in (a Hugging Face model directory)",
     )
+    from grpo.tools.paths import add_force_argument
+
+    add_force_argument(parser, "non-empty --out directory")
 
 
 def run_export(args: argparse.Namespace) -> int:
     """`grpo export`: a PEFT adapter directory, or a merged model with --merge."""
     from grpo.tools.export import export
 
-    written = export(args.source, Path(args.out), merge=args.merge)
+    written = export(args.source, Path(args.out), merge=args.merge, force=args.force)
     print(f"{'merged model' if args.merge else 'PEFT adapter'}: {written}")
     return 0
 

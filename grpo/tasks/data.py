@@ -20,7 +20,9 @@ Sources accepted by ``load_problems``:
   asked for), or a directory holding ``{split}.jsonl`` / ``.json`` / ``.parquet`` / ``.csv``.
 - ``OWNER/NAME`` that is no local path: a Hugging Face hub dataset (``hub_config``,
   ``hub_split``), from the hub or its cache; offline it fails at once saying how to use a
-  local file instead.
+  local file instead. A value that looks like a path (a suffix of ``LOCAL_SUFFIXES``, a
+  leading ``.``, ``~`` or ``/``, a backslash) is never sent to the hub: missing, it fails
+  with "no such file" naming the path.
 
 The question is column ``prompt_column`` (default ``question``), the answer column
 ``answer_column`` (default ``answer``); the gold answer comes from the answer by
@@ -174,7 +176,7 @@ def load_problems(
             problems, f"{source} ({hub_split})", prompt_column, answer_column, gold_rule
         )
     else:
-        path = _local_file(Path(source).expanduser(), split)
+        path = _local_file(source, split)
         problems = _validated(
             _load_local_file(path), str(path), prompt_column, answer_column, gold_rule
         )
@@ -290,9 +292,22 @@ def word_problems(split: str, *, size: int, seed: int) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"question": questions, "answer": answers})
 
 
+def looks_like_path(source: str) -> bool:
+    """True when `source` is written as a file path, not a hub OWNER/NAME (see module doc)."""
+    return (
+        Path(source).suffix.lower() in LOCAL_SUFFIXES
+        or source.startswith((".", "~", "/"))
+        or "\\" in source
+    )
+
+
 def _is_hub_name(source: str) -> bool:
     """OWNER/NAME that is not a local path."""
-    return _HUB_NAME.fullmatch(source) is not None and not Path(source).expanduser().exists()
+    return (
+        _HUB_NAME.fullmatch(source) is not None
+        and not looks_like_path(source)
+        and not Path(source).expanduser().exists()
+    )
 
 
 def _offline_message(name: str, split: str, why: str) -> str:
@@ -320,7 +335,8 @@ def _load_hub(name: str, config: str | None, split: str) -> datasets.Dataset:
         ) from error
 
 
-def _local_file(path: Path, split: str) -> Path:
+def _local_file(given: str, split: str) -> Path:
+    path = Path(given).expanduser()
     if path.is_dir():
         candidates = [path / f"{split}{suffix}" for suffix in LOCAL_SUFFIXES]
         for candidate in candidates:
@@ -330,6 +346,12 @@ def _local_file(path: Path, split: str) -> Path:
         raise FileNotFoundError(
             f"data directory {path} has no file for split {split!r}: expected one of "
             f"{[candidate.name for candidate in candidates]}, found {found}"
+        )
+    if not path.exists() and looks_like_path(given):
+        raise FileNotFoundError(
+            f"data file {given!r}: no such file or directory (looked in {path.absolute()}); "
+            "check the path, or give a built-in source ('arithmetic', 'wordproblems', "
+            "'gsm8k') or a hub dataset as OWNER/NAME"
         )
     if not path.exists():
         raise FileNotFoundError(

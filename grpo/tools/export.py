@@ -16,6 +16,12 @@ PyTRIO checkpoints: `grpo checkpoints download` writes the archive PyTRIO serves
 (pytrio 0.2.9) treats it as opaque bytes and documents no layout; an archive that holds a
 PEFT adapter (`adapter_config.json` + `adapter_model.safetensors`, as Tinker-style services
 write) is exported like a local one, anything else is refused with a list of what it holds.
+
+What is copied is checked first: `adapter_model.safetensors` must open as a safetensors file
+holding LoRA pairs (`lora_A` / `lora_B`) and `adapter_config.json` must be a JSON object;
+otherwise the error says what the file is instead (a tar archive, say). `--out` is checked by
+`grpo.tools.paths.check_out` (new or empty, outside run and checkpoint directories unless
+`--force`, never inside the source).
 """
 
 from __future__ import annotations
@@ -30,13 +36,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError, safe_open
+
+from grpo.tools.paths import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    LOCAL_METADATA,
+    check_out,
+    local_path,
+)
 from grpo.train import run_files
 from grpo.train.config import ConfigError
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-LOCAL_METADATA = "grpo_local.json"
-LOCAL_SCHEME = "local://"
 
 
 def _adapter_directory(root: Path, what: str) -> Path:
@@ -44,7 +54,7 @@ def _adapter_directory(root: Path, what: str) -> Path:
     found = [path.parent for path in sorted(root.rglob(ADAPTER_CONFIG))]
     found = [directory for directory in found if (directory / ADAPTER_WEIGHTS).is_file()]
     if len(found) == 1:
-        return found[0]
+        return verified_adapter(found[0], what)
     held = sorted(str(path.relative_to(root)) for path in root.rglob("*") if path.is_file())
     raise ConfigError(
         f"{what}: {'no' if not found else len(found)} PEFT adapter(s) ({ADAPTER_CONFIG} + "
@@ -53,13 +63,72 @@ def _adapter_directory(root: Path, what: str) -> Path:
     )
 
 
+def _what_it_is(path: Path) -> str:
+    """A few words on what a file that should be safetensors holds instead."""
+    if path.stat().st_size == 0:
+        return "it is empty"
+    if tarfile.is_tarfile(path):
+        return "it is a tar archive (`grpo checkpoints download` writes those)"
+    if zipfile.is_zipfile(path):
+        return "it is a zip archive"
+    with path.open("rb") as handle:
+        return f"it starts with {handle.read(16)!r}"
+
+
+def verified_adapter(directory: Path, what: str) -> Path:
+    """`directory` if it holds a PEFT LoRA adapter; ConfigError saying what it holds instead.
+
+    The weights must open as safetensors with at least one `lora_A` and one `lora_B`
+    tensor, the config must be a JSON object.
+    """
+    weights = directory / ADAPTER_WEIGHTS
+    try:
+        with safe_open(str(weights), framework="np") as opened:
+            keys = list(opened.keys())
+    except (SafetensorError, OSError) as error:
+        raise ConfigError(
+            f"{what}: {weights} is not a safetensors file ({_what_it_is(weights)}; {error}), "
+            "so this is no PEFT adapter; restore the checkpoint's weights or export another one"
+        ) from None
+    if not any("lora_A" in key for key in keys) or not any("lora_B" in key for key in keys):
+        raise ConfigError(
+            f"{what}: {weights} holds {len(keys)} tensor(s) but no LoRA pair (lora_A and "
+            f"lora_B), e.g. {keys[:3]}; it is not a PEFT LoRA adapter"
+        )
+    try:
+        config = json.loads((directory / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(
+            f"{what}: {directory / ADAPTER_CONFIG} is not valid JSON ({error}); the adapter "
+            "is damaged: restore the checkpoint or export another one"
+        ) from None
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"{what}: {directory / ADAPTER_CONFIG} holds {type(config).__name__}, not the "
+            "JSON object of a PEFT adapter config"
+        )
+    return directory
+
+
+def source_paths(source: str) -> list[Path]:
+    """What exporting `source` reads: its path and, for a run directory, its weights."""
+    path = local_path(source)
+    found = [path]
+    if path.is_dir() and (path / run_files.CONFIG_FILE).is_file():
+        try:
+            found.append(local_path(run_files.eval_weights_path(path)))
+        except run_files.RunDirError:
+            pass  # adapter_source says what is missing
+    return found
+
+
 @contextmanager
 def adapter_source(source: str) -> Iterator[Path]:
     """The adapter directory `source` names (an archive is unpacked into a temporary one)."""
-    path = Path(source[len(LOCAL_SCHEME) :] if source.startswith(LOCAL_SCHEME) else source)
+    path = local_path(source)
     if path.is_dir() and (path / run_files.CONFIG_FILE).is_file():
         weights = run_files.eval_weights_path(path)
-        path = Path(weights[len(LOCAL_SCHEME) :] if weights.startswith(LOCAL_SCHEME) else weights)
+        path = local_path(weights)
         if not path.is_dir():
             raise ConfigError(
                 f"run {source}: its weights {weights} are not on this machine; download them "
@@ -139,10 +208,13 @@ def merged_model(adapter: Path) -> tuple[Any, Any]:
     return peft_model.merge_and_unload().eval(), tokenizer
 
 
-def export(source: str, out: Path, *, merge: bool = False) -> Path:
-    """Write `source`'s adapter (with `merge`, the merged model) into the new directory `out`."""
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"--out {out} exists and is not empty; choose a new directory")
+def export(source: str, out: Path, *, merge: bool = False, force: bool = False) -> Path:
+    """Write `source`'s adapter (with `merge`, the merged model) into the new directory `out`.
+
+    `out` must be new or empty and outside run and checkpoint directories (`force` lifts
+    that), and never inside `source`.
+    """
+    check_out(out, force=force, sources=source_paths(source), empty_dir_ok=True)
     with adapter_source(source) as adapter:
         out.mkdir(parents=True, exist_ok=True)
         if merge:

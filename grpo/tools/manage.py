@@ -5,6 +5,12 @@ Both go through pytrio's `RestClient` API: on PyTRIO (and `grpo serve`, through
 local store (each run directory's `backend/` and the default store), which reads the
 checkpoint directories on disk. A checkpoint is named by its path (`local://...`, or the
 service's URI) or its id, as `grpo checkpoints list` prints them.
+
+What they remove or write is bounded: `delete` and `cleanup` act on one store (a `cp -r`
+copy of a run directory holds the same run ids: they refuse to choose between stores
+unless `--root` names the ones to act on), and `delete` refuses the checkpoint a run
+directory resumes from unless `--force`. `download --out` is checked by
+`grpo.tools.paths.check_out` (never inside the checkpoint it reads).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 
 import attrs
 
+from grpo.tools import paths
 from grpo.train import run_files
 from grpo.train.config import BACKENDS, ConfigError
 
@@ -107,12 +114,50 @@ def find_checkpoint(found: Sequence[Store], name: str) -> Listed:
         for listed in list_checkpoints(found)
         if name in (listed.checkpoint.path, listed.checkpoint.checkpoint_id)
     ]
-    if len(matches) != 1:
+    if not matches:
         raise ConfigError(
-            f"checkpoint {name!r}: {'no' if not matches else len(matches)} match(es) in "
-            f"{len(found)} store(s); pass a path or id from `grpo checkpoints list`"
+            f"checkpoint {name!r}: no match(es) in {len(found)} store(s); pass a path or id "
+            "from `grpo checkpoints list`"
+        )
+    if len(matches) > 1:
+        raise ConfigError(
+            f"checkpoint {name!r}: {len(matches)} matches, in {_store_names(matches)} (copies "
+            "of one run share its ids); pass its full path from `grpo checkpoints list`, or "
+            "--root DIR for the one store to act on"
         )
     return matches[0]
+
+
+def _store_names(listed: Iterable[Listed]) -> str:
+    names = dict.fromkeys(str(item.store.root or "the service") for item in listed)
+    return ", ".join(names)
+
+
+def one_store(listed: Sequence[Listed], run_id: str) -> list[Listed]:
+    """`listed` when it comes from one store; ConfigError naming the stores otherwise."""
+    roots = {item.store.root for item in listed}
+    if len(roots) > 1:
+        raise ConfigError(
+            f"training run {run_id!r} is in {len(roots)} stores: {_store_names(listed)} (a "
+            "copy of a run directory keeps its run id); pass --root DIR for the one to act "
+            "on (repeat --root to act on several)"
+        )
+    return list(listed)
+
+
+def resumed_from(item: Listed) -> Path | None:
+    """The run directory whose `checkpoint.json` resumes from `item`, if its store has one."""
+    if not item.store.run_dir:
+        return None
+    run_dir = Path(item.store.run_dir)
+    checkpoint = run_files.read_checkpoint(run_dir)
+    if checkpoint is None:
+        return None
+    same = (
+        paths.local_path(checkpoint.state_path).resolve()
+        == paths.local_path(item.checkpoint.path).resolve()
+    )
+    return run_dir if same else None
 
 
 def human_size(size: int | None) -> str:
@@ -233,9 +278,15 @@ def add_checkpoints_arguments(parser: argparse.ArgumentParser) -> None:
     download = actions.add_parser("download", help="a checkpoint as an archive file")
     download.add_argument("checkpoint", help="path or id from `grpo checkpoints list`")
     download.add_argument("--out", required=True, metavar="FILE", help="the archive to write")
+    paths.add_force_argument(download, "--out file")
     download.set_defaults(action_handler=_download)
     remove = actions.add_parser("delete", help="delete checkpoints")
     remove.add_argument("checkpoints", nargs="+", help="paths or ids")
+    remove.add_argument(
+        "--force",
+        action="store_true",
+        help="delete a checkpoint even when a run directory resumes from it",
+    )
     remove.set_defaults(action_handler=_delete)
     cleanup = actions.add_parser(
         "cleanup", help="delete a training run's temporary (expiring) sampler weights"
@@ -262,6 +313,8 @@ def _list(args: argparse.Namespace) -> int:
 
 def _download(args: argparse.Namespace) -> int:
     item = find_checkpoint(_stores(args), args.checkpoint)
+    read = [paths.local_path(item.checkpoint.path)] if item.store.root is not None else []
+    paths.check_out(Path(args.out), force=args.force, sources=read)
     result = item.store.rest.download_checkpoint(item.checkpoint.checkpoint_id, args.out).result()
     print(f"{item.checkpoint.path} -> {result.path} ({human_size(result.file_size_bytes)})")
     return 0
@@ -271,6 +324,14 @@ def _delete(args: argparse.Namespace) -> int:
     found = _stores(args)
     chosen = [find_checkpoint(found, name) for name in args.checkpoints]
     for item in chosen:
+        run_dir = resumed_from(item)
+        if run_dir is not None and not args.force:
+            raise ConfigError(
+                f"{item.checkpoint.path} is the checkpoint {run_dir} resumes from (its "
+                f"{run_files.CHECKPOINT_FILE}); nothing was deleted. Keep it, or pass --force "
+                "to delete it (that run can then not resume from it)"
+            )
+    for item in chosen:
         delete(item)
         print(f"deleted {item.checkpoint.path} ({human_size(item.checkpoint.size_bytes)})")
     return 0
@@ -278,6 +339,8 @@ def _delete(args: argparse.Namespace) -> int:
 
 def _cleanup(args: argparse.Namespace) -> int:
     listed = list_checkpoints(_stores(args), args.run_id)
+    if not args.root:  # found by discovery: a backup copy must not be cleaned along
+        listed = one_store(listed, args.run_id)
     chosen = temporary_samplers(listed, all_samplers=args.all_samplers)
     for item in chosen:
         delete(item)

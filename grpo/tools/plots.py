@@ -11,6 +11,8 @@
 Reading and shaping data (`read_run_metrics`, `metric_series`, `mean_band`,
 `loss_shape_curves`) are pure functions; the `*_figure` functions build a matplotlib
 `Figure` without pyplot (Agg canvas, no display, no global state) and `save_figure` writes it.
+An explicit `--out` is checked by `grpo.tools.paths.check_out` (not an existing file, not in
+a run or checkpoint directory, unless `--force`); the defaults are these tools' own files.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
+from grpo.tools import paths
 from grpo.train import run_files
 from grpo.train.run_files import STEP_KEY
 
@@ -45,6 +48,8 @@ DEFAULT_PLOT_METRICS: tuple[str, ...] = (
 
 # Metrics logged only on some steps (evaluations) are drawn with markers so lone points show.
 _SPARSE_PREFIX = "test/"
+LOSS_SHAPES_PNG = "docs/loss_shapes.png"
+"""The figure of docs/FORMULAS.md that `grpo plot-losses` regenerates by default."""
 
 MetricRows = list[dict[str, Any]]
 
@@ -409,6 +414,7 @@ def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="output PNG (None: RUN_DIR/metrics.png for one run, metrics.png otherwise)",
     )
+    paths.add_force_argument(parser, "--out file")
 
 
 def run_labels(run_dirs: Sequence[str | Path]) -> list[str]:
@@ -446,6 +452,8 @@ def run_plot(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"nothing to plot: no run logged any of {', '.join(DEFAULT_PLOT_METRICS)}"
             )
+        if args.out:
+            paths.check_out(Path(args.out), force=args.force)
         figure = metrics_figure(runs, metrics)
     except (FileNotFoundError, ValueError) as error:
         print(f"grpo plot: error: {error}", file=sys.stderr)
@@ -459,10 +467,13 @@ def run_plot(args: argparse.Namespace) -> int:
 
 def add_plot_losses_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `grpo plot-losses [--out FILE.png]`."""
-    parser.add_argument("--out", default="docs/loss_shapes.png", help="output PNG")
+    parser.add_argument("--out", default=LOSS_SHAPES_PNG, help="output PNG")
+    paths.add_force_argument(parser, "--out file")
 
 
 def run_plot_losses(args: argparse.Namespace) -> int:
     """`grpo plot-losses`: write the objective / gradient-weight figure of the loss kernels."""
+    if args.out != LOSS_SHAPES_PNG:
+        paths.check_out(Path(args.out), force=args.force)
     print(f"wrote {save_figure(loss_shapes_figure(), args.out)}")
     return 0

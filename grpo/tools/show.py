@@ -4,7 +4,10 @@ The terminal view prints one step's logged groups (the last step by default, `--
 each group's prompt and gold answer, then every completion with its reward, reward
 components, advantage, length and stop reason; `--best` / `--worst` keep only the highest-
 / lowest-reward completion of each group. `--html OUT.html` writes one self-contained page
-(no external files or scripts) with every logged step and group to browse.
+(no external files or scripts) with every logged step and group to browse; it refuses a path
+that exists or lies in a run or checkpoint directory (`--force` allows it) and never writes
+inside the run it reads. Text from data and completions is escaped: control characters
+(terminal escape sequences) never reach the terminal, and the page escapes HTML.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from grpo.tools import paths
 from grpo.train import run_files
 
 _PROMPT_TAIL = 400
@@ -40,12 +44,15 @@ def add_show_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--html", default=None, metavar="OUT.html", help="write every step to one HTML page"
     )
+    paths.add_force_argument(parser, "--html file")
 
 
 def run_show(args: argparse.Namespace) -> int:
     """`grpo show`: print one step's rollouts, or write them all as HTML with --html."""
     run_dir = Path(args.run_dir)
     run_files.read_config(run_dir)  # a clear error when this is no run directory
+    if args.html:
+        paths.check_out(Path(args.html), flag="--html", force=args.force, sources=[run_dir])
     groups = run_files.read_rollouts(run_dir)
     if not groups:
         raise ValueError(
@@ -109,7 +116,7 @@ def render_text(
     pick: str | None = None,
     full: bool = False,
 ) -> str:
-    """One step's groups as terminal text."""
+    """One step's groups as terminal text, control characters escaped (`paths.terminal_safe`)."""
     lines = [_metrics_line(step, row), ""]
     for group in groups:
         rewards = [c["reward"] for c in group["completions"]]
@@ -130,7 +137,7 @@ def render_text(
             )
             lines += ["      " + line for line in completion["text"].split("\n")]
         lines.append("")
-    return "\n".join(lines).rstrip() + "\n"
+    return paths.terminal_safe("\n".join(lines).rstrip() + "\n")
 
 
 _STYLE = """
@@ -162,7 +169,7 @@ show(location.hash.slice(1)||document.querySelector('section').id);
 
 
 def _cell(text: Any) -> str:
-    return html.escape(str(text))
+    return html.escape(paths.terminal_safe(str(text)))
 
 
 def _group_html(group: Mapping[str, Any]) -> str:
@@ -180,12 +187,13 @@ def _group_html(group: Mapping[str, Any]) -> str:
             f"<td class='num {reward_class}'>{completion['reward']:.4g}</td>"
             f"<td class='num'>{_cell(_components(completion))}</td>"
             f"<td class='num'>{completion['advantage']:+.3f}</td>"
-            f"<td class='num'>{completion['tokens']} · {_cell(completion['stop_reason'])}</td>"
+            f"<td class='num'>{_cell(completion['tokens'])} · "
+            f"{_cell(completion['stop_reason'])}</td>"
             f"<td><pre>{_cell(completion['text'])}</pre></td>"
             "</tr>"
         )
     return (
-        f"<details open><summary>group {group['group']} · row {group['row']} · gold "
+        f"<details open><summary>group {_cell(group['group'])} · row {_cell(group['row'])} · gold "
         f"{_cell(group['gold'])} · mean reward {mean:.3f}{tag}</summary>"
         f"<pre class='prompt'>{_cell(group['prompt'])}</pre>"
         "<table><tr><th>#</th><th>reward</th><th>components</th><th>advantage</th>"

@@ -12,7 +12,8 @@ time and holds:
   of its metrics row; written just before that row, truncated like it on resume;
 - ``checkpoint.json``: the latest resumable checkpoint (step and state path; a path inside
   the run directory is stored relative to it, so a moved run directory still resumes);
-- ``summary.json``: written when the run finished;
+- ``summary.json``: written when the run finished (its sampler path is read back inside
+  this run directory when the run was moved or copied);
 - ``backend/``: the local backend's checkpoints; ``train.log``: output of a run launched by
   `grpo compare`/`grpo sweep`; ``.lock`` (+ ``.lock.owner``): the owner's OS file lock.
 
@@ -170,8 +171,30 @@ def read_config(run_dir: Path) -> dict[str, Any]:
 
 
 def read_summary(run_dir: Path) -> dict[str, Any] | None:
-    """The run's ``summary.json`` (None while it has not finished)."""
-    return _optional_json(run_dir / SUMMARY_FILE, what="run summary")
+    """The run's ``summary.json`` (None while it has not finished), sampler path in this run.
+
+    The sampler path goes through `_in_this_run`, so a moved or copied run directory
+    points at its own weights.
+    """
+    summary = _optional_json(run_dir / SUMMARY_FILE, what="run summary")
+    if summary is not None and isinstance(summary.get("sampler_path"), str):
+        summary["sampler_path"] = _in_this_run(run_dir, summary["sampler_path"])
+    return summary
+
+
+def _in_this_run(run_dir: Path, path: str) -> str:
+    """A recorded absolute ``.../backend/<rest>`` path as ``run_dir/backend/<rest>`` if that exists.
+
+    Records written before a move or ``cp -r`` of the run directory name the weights where
+    they were; the run's own copy under its ``backend/`` wins. Other paths stay as given.
+    """
+    scheme = _LOCAL_SCHEME if path.startswith(_LOCAL_SCHEME) else ""
+    plain = Path(path[len(scheme) :])
+    if not plain.is_absolute() or BACKEND_DIR not in plain.parts:
+        return path
+    last = len(plain.parts) - 1 - plain.parts[::-1].index(BACKEND_DIR)
+    here = run_dir.resolve().joinpath(*plain.parts[last:])
+    return scheme + str(here) if here.exists() else path
 
 
 @attrs.frozen
@@ -401,10 +424,14 @@ def owned(run_dir: Path) -> Iterator[None]:
     """Hold the run directory's OS file lock while the block runs; RunDirError if it is taken.
 
     The lock is the kernel's (``flock`` through `filelock`): it is released when the
-    process exits in any way, so a killed run never leaves a stale lock.
+    process exits in any way, so a killed run never leaves a stale lock. A block that
+    leaves the directory holding nothing but the lock (a check failed before the run
+    wrote anything) removes the lock file and the directories this call created.
     """
+    created = [directory for directory in (run_dir, *run_dir.parents) if not directory.exists()]
     run_dir.mkdir(parents=True, exist_ok=True)
     lock_path = run_dir / LOCK_FILE
+    new_lock = not lock_path.exists()
     owner_path = run_dir / (LOCK_FILE + ".owner")
     lock = filelock.FileLock(lock_path, timeout=0)
     try:
@@ -425,4 +452,12 @@ def owned(run_dir: Path) -> Iterator[None]:
         yield
     finally:
         owner_path.unlink(missing_ok=True)
+        # Unlinked while still held, so a process that opened it meanwhile is refused.
+        if new_lock and [entry.name for entry in run_dir.iterdir()] == [LOCK_FILE]:
+            lock_path.unlink(missing_ok=True)
         lock.release()
+        for directory in created:  # innermost first; stops at the first one not empty
+            try:
+                directory.rmdir()
+            except OSError:
+                break
