@@ -48,7 +48,8 @@ from benchmarks.common import (
 from grpo.backends.local import LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.backends.pytrio import make_service_client
-from grpo.serve.server import configured_pytrio, serve_in_thread
+from grpo.serve.client import configured_pytrio
+from grpo.serve.server import serve_in_thread
 from grpo.train.config import TrainConfig
 from grpo.train.custom_loss import as_custom_loss
 from grpo.train.loop import train

@@ -218,8 +218,8 @@ COMMANDS: tuple[tuple[str, str, str, str], ...] = (
     (
         "serve",
         "the PyTRIO service on localhost, backed by the local backend",
-        "grpo.serve.server:add_serve_arguments",
-        "grpo.serve.server:run_serve",
+        "grpo.serve.command:add_serve_arguments",
+        "grpo.serve.command:run_serve",
     ),
     (
         "runs",

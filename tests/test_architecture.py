@@ -3,6 +3,10 @@
 - The functional core (``grpo/core``) imports nothing from the shell and not pytrio.
 - A backend (``grpo/backends``) imports from grpo only ``grpo.core`` and other backend
   modules (``grpo.backends.datums`` is the Datum boundary the shell shares).
+- ``grpo serve`` (``grpo/serve``) imports of the local backend only its public face, the
+  package ``grpo.backends.local`` itself, never one of its modules.
+- Inside grpo nothing but the CLI (``grpo/cli.py``) imports ``grpo.serve``; tests and
+  benchmarks may.
 - ``grpo --help`` loads neither torch nor transformers.
 
 Every import counts, including those inside functions and under ``TYPE_CHECKING``.
@@ -20,9 +24,9 @@ from pathlib import Path
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "grpo"
 
 
-def _module_name(path: Path) -> str:
+def _module_name(path: Path, root: Path = PACKAGE_ROOT) -> str:
     """``grpo/train/loop.py`` -> ``grpo.train.loop``; an ``__init__`` -> its package."""
-    parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
+    parts = path.relative_to(root.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -63,15 +67,24 @@ def _within(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-def violations(subpackage: str, allowed: Callable[[str], bool]) -> list[str]:
-    """``path:line imports X`` for each import under ``grpo/<subpackage>`` ``allowed`` rejects."""
+def violations(
+    subpackage: str,
+    allowed: Callable[[str], bool],
+    *,
+    exempt: tuple[str, ...] = (),
+    root: Path = PACKAGE_ROOT,
+) -> list[str]:
+    """``path:line imports X`` for each import under ``grpo/<subpackage>`` ``allowed`` rejects,
+    except in the modules and packages named in ``exempt``; ``root`` is the ``grpo`` tree."""
     found = []
-    for path in sorted((PACKAGE_ROOT / subpackage).rglob("*.py")):
-        module = _module_name(path)
+    for path in sorted((root / subpackage).rglob("*.py")):
+        module = _module_name(path, root)
+        if any(_within(module, name) for name in exempt):
+            continue
         source = path.read_text(encoding="utf-8")
         for line, name in imported_modules(source, module, path.name == "__init__.py"):
             if not allowed(name):
-                found.append(f"{path.relative_to(PACKAGE_ROOT.parent)}:{line} imports {name}")
+                found.append(f"{path.relative_to(root.parent)}:{line} imports {name}")
     return found
 
 
@@ -87,6 +100,20 @@ def backend_may_import(name: str) -> bool:
     if not _within(name, "grpo"):
         return True
     return any(_within(name, allowed) for allowed in ("grpo.core", "grpo.backends"))
+
+
+def serve_may_import(name: str) -> bool:
+    """grpo.serve: of the local backend only the package itself (its public face)."""
+    return name == "grpo.backends.local" or not _within(name, "grpo.backends.local")
+
+
+def may_import_serve(name: str) -> bool:
+    """Any grpo module but the CLI and grpo.serve itself: anything but grpo.serve."""
+    return not _within(name, "grpo.serve")
+
+
+SERVE_IMPORTERS = ("grpo.cli", "grpo.serve")
+"""The grpo modules that may import grpo.serve: the CLI, and the package itself."""
 
 
 def test_the_import_scanner_sees_imports_in_functions_relative_and_from_package():
@@ -115,6 +142,45 @@ def test_the_import_scanner_sees_imports_in_functions_relative_and_from_package(
     )
 
 
+def test_the_serve_rules_reject_a_local_backend_module_and_serve_outside_the_cli(
+    tmp_path: Path,
+) -> None:
+    served = textwrap.dedent(
+        """
+        from grpo.backends.local import LocalServiceClient, lora_wire_fields
+        from grpo.backends.local.checkpoint import resolve
+        from grpo.backends import local
+
+        def later():
+            import grpo.backends.local.clients
+        """
+    )
+    names = [name for _, name in imported_modules(served, "grpo.serve.registry")]
+    assert [name for name in names if not serve_may_import(name)] == [
+        "grpo.backends.local.checkpoint",
+        "grpo.backends.local.clients",
+    ]
+    # A deliberate violation in a synthetic grpo tree: a shell module imports grpo.serve.
+    tree = tmp_path / "grpo"
+    sources = {
+        "cli.py": "from grpo.serve.command import run_serve\n",
+        "serve/__init__.py": "",
+        "serve/command.py": "from grpo.serve.server import serve_in_thread\n",
+        "serve/registry.py": "from grpo.backends.local.checkpoint import resolve\n",
+        "train/__init__.py": "",
+        "train/loop.py": "def later():\n    import grpo.serve.server\n",
+    }
+    for relative, source in sources.items():
+        (tree / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tree / relative).write_text(source)
+    assert violations("", may_import_serve, exempt=SERVE_IMPORTERS, root=tree) == [
+        "grpo/train/loop.py:2 imports grpo.serve.server"
+    ]
+    assert violations("serve", serve_may_import, root=tree) == [
+        "grpo/serve/registry.py:1 imports grpo.backends.local.checkpoint"
+    ]
+
+
 def test_the_core_imports_neither_the_shell_nor_pytrio():
     found = violations("core", core_may_import)
     assert found == [], "the core must not import the shell or pytrio:\n" + "\n".join(found)
@@ -126,6 +192,19 @@ def test_backends_import_only_the_core_datums_and_other_backends():
         "a backend may import from grpo only grpo.core, grpo.backends.datums and grpo.backends:\n"
         + "\n".join(found)
     )
+
+
+def test_serve_imports_only_the_public_face_of_the_local_backend():
+    found = violations("serve", serve_may_import)
+    assert found == [], (
+        "grpo.serve may import from the local backend only grpo.backends.local itself:\n"
+        + "\n".join(found)
+    )
+
+
+def test_nothing_in_grpo_but_the_cli_imports_serve():
+    found = violations("", may_import_serve, exempt=SERVE_IMPORTERS)
+    assert found == [], "only grpo/cli.py may import grpo.serve:\n" + "\n".join(found)
 
 
 _HEAVY_MODULES_AFTER_HELP = """

@@ -65,11 +65,7 @@ class TrainingRun:
     session: str
     base_model: str
     model_id: str
-    rank: int
-    seed: int | None
-    train_mlp: bool
-    train_attn: bool
-    train_unembed: bool
+    lora: dict[str, Any]  # as requested, under PyTRIO's names (`lora_wire_fields`)
     source_checkpoint_uri: str
     restore_optimizer: bool
     created_at: str
@@ -175,14 +171,7 @@ def model_list(
 
 def training_run_record(run: TrainingRun) -> dict[str, Any]:
     """`TrainingRunGetResponse` of a run."""
-    params = {
-        "restore_optimizer": run.restore_optimizer,
-        "lora_rank": run.rank,
-        "seed": run.seed,
-        "train_mlp": run.train_mlp,
-        "train_attn": run.train_attn,
-        "train_unembed": run.train_unembed,
-    }
+    params = {"restore_optimizer": run.restore_optimizer, **run.lora}
     return {
         "training_run_cuid": run.cuid,
         "base_model": run.base_model,
@@ -227,7 +216,7 @@ def checkpoint_record(checkpoint: CheckpointRecord, run: TrainingRun | None) -> 
         "created_at": checkpoint.created_at,
         "uploaded_at": checkpoint.created_at,
         "size_bytes": checkpoint.size_bytes,
-        "lora_rank": run.rank if run else 0,
+        "lora_rank": run.lora["lora_rank"] if run else 0,
         "is_uploaded": True,
         "expired_at": expires,
     }

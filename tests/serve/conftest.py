@@ -17,7 +17,8 @@ def served(tmp_path: Path) -> Iterator[object]:
     pytrio's home is in tmp_path, telemetry is off and its retries are fast; its settings
     are restored afterwards.
     """
-    from grpo.serve.server import configured_pytrio, serve_in_thread
+    from grpo.serve.client import configured_pytrio
+    from grpo.serve.server import serve_in_thread
 
     home = tmp_path / "pytrio-home"
     home.mkdir()
@@ -37,7 +38,7 @@ def served(tmp_path: Path) -> Iterator[object]:
 @pytest.fixture
 def pytrio_home(tmp_path: Path) -> Iterator[Path]:
     """pytrio with its home in tmp_path and no service behind its base URL yet."""
-    from grpo.serve.server import configured_pytrio
+    from grpo.serve.client import configured_pytrio
 
     home = tmp_path / "pytrio-home"
     home.mkdir()

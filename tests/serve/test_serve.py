@@ -159,7 +159,7 @@ def test_every_method_through_pytrio_computes_what_the_local_backend_computes(
     assert remote["named_sampler"][1:] == pytest.approx(local["named_sampler"][1:], rel=1e-6)
     # forward_backward_custom is two ordinary events: a forward, then a forward_backward.
     events = [
-        kind for run, kind in served.state.event_log if run == remote["training"].training_run_cuid
+        kind for run, kind in served.state.events.log if run == remote["training"].training_run_cuid
     ]
     assert events[:6] == [
         "trainer.init_run",
@@ -173,7 +173,7 @@ def test_every_method_through_pytrio_computes_what_the_local_backend_computes(
 
 def test_capabilities_and_tokenizer_are_the_local_models(served: Any) -> None:
     service = pytrio.ServiceClient()
-    local = LocalServiceClient(root=served.state.root / "caps")
+    local = LocalServiceClient(root=served.state.registry.root / "caps")
     (model,) = service.get_server_capabilities().supported_models
     assert model == local.get_server_capabilities().supported_models[0]
     assert model.max_context_length == model.sampling.max_seq_len == model.training.max_seq_len
@@ -394,7 +394,10 @@ def test_an_unreachable_service_fails_within_the_connect_timeout(pytrio_home: Pa
 
 
 def test_check_capabilities_names_the_limit_and_the_fix(served: Any) -> None:
-    for service in (pytrio.ServiceClient(), LocalServiceClient(root=served.state.root / "caps2")):
+    for service in (
+        pytrio.ServiceClient(),
+        LocalServiceClient(root=served.state.registry.root / "caps2"),
+    ):
         limit = service.get_server_capabilities().supported_models[0].max_context_length
         pytrio_backend.check_capabilities(service, TINY_MODEL_NAME, limit - 24, 24)
         with pytest.raises(
@@ -491,7 +494,8 @@ def test_the_local_client_accepts_pytrio_extras(tmp_path: Path) -> None:
 
 
 def test_a_model_alias_lets_a_program_that_asks_for_another_model_run(tmp_path: Path) -> None:
-    from grpo.serve.server import configured_pytrio, serve_in_thread
+    from grpo.serve.client import configured_pytrio
+    from grpo.serve.server import serve_in_thread
 
     alias = "Qwen/Qwen3.5-4B"
     with (

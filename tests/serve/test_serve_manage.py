@@ -42,7 +42,7 @@ def test_runs_checkpoints_and_export_through_the_rest_client(
         str(archive),
     )
     _cli(capsys, "export", str(archive), "--out", str(tmp_path / "adapter"))
-    served_copies = sorted((served.state.root).rglob("adapter_model.safetensors"))
+    served_copies = sorted((served.state.registry.root).rglob("adapter_model.safetensors"))
     exported = (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
     assert any(copy.read_bytes() == exported for copy in served_copies)
     _cli(capsys, "checkpoints", "delete", summary["sampler_path"], "--backend", "pytrio")

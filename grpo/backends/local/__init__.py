@@ -2,9 +2,11 @@
 
 The public face: ``LocalServiceClient`` (what ``grpo.backends.pytrio.make_service_client``
 returns for ``--backend local``), the training and sampling clients it creates, and
-``default_root`` (where a backend keeps its checkpoints), and the checkpoint readers
+``default_root`` (where a backend keeps its checkpoints), the checkpoint readers
 ``grpo serve`` needs (``resolve_checkpoint``, ``read_checkpoint_metadata``,
-``checkpoint_lora_spec``). Everything else in this package
+``checkpoint_lora_spec``), and the LoRA fields' one definition: ``LoraSpec`` (with its
+``to_wire``/``from_wire`` under PyTRIO's names, which checkpoint metadata uses too) and
+``lora_wire_fields`` (a request's LoRA fields, unvalidated). Everything else in this package
 is internal (see ``docs/DESIGN.md``).
 """
 
@@ -17,13 +19,16 @@ from grpo.backends.local.clients import (
     LocalTrainingClient,
     default_root,
 )
+from grpo.backends.local.model import LoraSpec, lora_wire_fields
 
 __all__ = [
     "LocalSamplingClient",
     "LocalServiceClient",
     "LocalTrainingClient",
+    "LoraSpec",
     "checkpoint_lora_spec",
     "default_root",
+    "lora_wire_fields",
     "read_checkpoint_metadata",
     "resolve_checkpoint",
 ]

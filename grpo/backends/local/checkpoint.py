@@ -146,11 +146,7 @@ def metadata_for(
         "format": FORMAT_VERSION,
         "kind": kind,
         "base_model": base_model,
-        "lora_rank": spec.rank,
-        "seed": spec.seed,
-        "train_mlp": spec.train_mlp,
-        "train_attn": spec.train_attn,
-        "train_unembed": spec.train_unembed,
+        **spec.to_wire(),
         "run_id": run_id,
         "name": name,
         "ttl_seconds": ttl_seconds,  # recorded only: local checkpoints never expire
@@ -172,14 +168,8 @@ def read_metadata(directory: Path) -> dict[str, object]:
 
 
 def spec_from(metadata: dict[str, object]) -> LoraSpec:
-    """The LoRA spec a checkpoint was trained with."""
-    return LoraSpec(
-        rank=int(metadata["lora_rank"]),  # type: ignore[arg-type]
-        seed=int(metadata["seed"]),  # type: ignore[arg-type]
-        train_mlp=bool(metadata["train_mlp"]),
-        train_attn=bool(metadata["train_attn"]),
-        train_unembed=bool(metadata["train_unembed"]),
-    )
+    """The LoRA spec a checkpoint was trained with (its metadata holds `LoraSpec.to_wire`)."""
+    return LoraSpec.from_wire(metadata)
 
 
 def read_weights(directory: Path, spec: LoraSpec) -> AdapterWeights:

@@ -24,9 +24,10 @@ from __future__ import annotations
 import copy
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -113,6 +114,41 @@ class LoraSpec:
     def shape(self) -> tuple[int, bool, bool, bool]:
         """What fixes the adapter's tensors (everything but the seed)."""
         return (self.rank, self.train_mlp, self.train_attn, self.train_unembed)
+
+    def to_wire(self) -> dict[str, object]:
+        """The spec under PyTRIO's wire names (``lora_rank``, ``seed``, ``train_*``), the
+        names a checkpoint's ``grpo_local.json`` stores it under too."""
+        return {name: getattr(self, attribute) for attribute, name, _convert in _WIRE_FIELDS}
+
+    @classmethod
+    def from_wire(cls, record: Mapping[str, object]) -> LoraSpec:
+        """The validated spec of a record `to_wire` wrote (checkpoint metadata, a request)."""
+        return cls(
+            **{attribute: convert(record[name]) for attribute, name, convert in _WIRE_FIELDS}
+        )
+
+
+# The one list of LoRA fields outside the class: (LoraSpec attribute, its name on PyTRIO's wire
+# and in checkpoint metadata, the conversion a record's value gets), in the class's order.
+_WIRE_FIELDS: tuple[tuple[str, str, Callable[[Any], object]], ...] = (
+    ("rank", "lora_rank", int),
+    ("seed", "seed", int),
+    ("train_mlp", "train_mlp", bool),
+    ("train_attn", "train_attn", bool),
+    ("train_unembed", "train_unembed", bool),
+)
+
+
+def lora_wire_fields(record: Mapping[str, object]) -> dict[str, object]:
+    """The LoRA fields of a PyTRIO request under their wire names, converted as `from_wire`
+    converts them but not validated; a missing or None ``seed`` stays None (drawn later)."""
+    fields: dict[str, object] = {}
+    for _attribute, name, convert in _WIRE_FIELDS:
+        if name == "seed" and record.get(name) is None:
+            fields[name] = None
+        else:
+            fields[name] = convert(record[name])
+    return fields
 
 
 @attrs.frozen

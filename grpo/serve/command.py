@@ -1,0 +1,140 @@
+"""The `grpo serve` command: its options, and serving until Ctrl-C (or SIGTERM).
+
+It prints the URL and the environment variables (``PYTRIO_BASE_URL``,
+``PYTRIO_API_KEY``) a PyTRIO program needs to run against the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from collections.abc import Callable
+
+from grpo.backends.local import default_root
+from grpo.serve.faults import FaultPlan, parse_fault
+from grpo.serve.routes import OPERATIONS
+from grpo.serve.server import ServeHandle, start_server
+
+DEFAULT_PORT = 8765
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `grpo serve` options."""
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: loopback only)"
+    )
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0 picks a free one)")
+    parser.add_argument(
+        "--root", default=None, help=f"checkpoint directory (default: {default_root()})"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require this API key (default: accept any non-empty key); also read from "
+        "$GRPO_SERVE_API_KEY so that it stays out of the process list",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds LoRA init / sampling when a call gives none"
+    )
+    parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="OP:ACTION[:WHEN]",
+        help="inject a transient fault, e.g. sample:503:first=2 or forward_backward:"
+        "delay=0.5:every=3 (WHEN: first=N, every=K, calls=1,4, p=0.25); operations: "
+        + ", ".join(OPERATIONS)
+        + ", or * for all",
+    )
+    parser.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME=MODEL",
+        help="serve MODEL (e.g. grpo's built-in one) under NAME too, so that a program asking "
+        "for NAME (e.g. Qwen/Qwen3.5-4B) runs unchanged; repeatable",
+    )
+    parser.add_argument("--fault-seed", type=int, default=0, help="seed of p=... faults")
+    parser.add_argument(
+        "--sampler-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="sample in this precision while training stays float32 (bfloat16 reproduces a "
+        "real service's sampler-trainer mismatch; default float32)",
+    )
+    parser.add_argument("--log-requests", action="store_true", help="log every request to stderr")
+
+
+def _parse_alias(spec: str) -> tuple[str, str]:
+    alias, separator, name = spec.partition("=")
+    if not (alias and separator and name):
+        raise ValueError(
+            f"--model-alias {spec!r}: expected NAME=MODEL, e.g. Qwen/Qwen3.5-4B=grpo/..."
+        )
+    return alias, name
+
+
+def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) -> int:
+    """Serve until Ctrl-C (or SIGTERM); prints the URL and the environment variables to set."""
+    import os
+
+    api_key = args.api_key or os.environ.get("GRPO_SERVE_API_KEY") or None
+    try:
+        faults = FaultPlan([parse_fault(spec) for spec in args.fault], seed=args.fault_seed)
+        aliases = dict(_parse_alias(spec) for spec in args.model_alias)
+    except ValueError as error:
+        echo(f"grpo serve: {error}")
+        return 2
+    try:
+        server, local = start_server(
+            root=args.root,
+            api_key=api_key,
+            faults=faults,
+            host=args.host,
+            port=args.port,
+            seed=args.seed,
+            log_requests=args.log_requests,
+            aliases=aliases,
+            sampler_dtype=args.sampler_dtype,
+        )
+    except ValueError as error:
+        echo(f"grpo serve: {error}")
+        return 2
+    except OSError as error:
+        echo(
+            f"grpo serve: cannot listen on {args.host}:{args.port}: {error}; "
+            "pick another --port (0 = any)"
+        )
+        return 1
+    handle = ServeHandle(server, local, None)
+    key_hint = (
+        "<the key given to --api-key>" if api_key else "local   # any non-empty key is accepted"
+    )
+    echo(
+        f"grpo serve: PyTRIO service on {handle.url} "
+        f"(local backend; checkpoints in {handle.state.registry.root})"
+    )
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        echo(f"grpo serve: warning: bound to {args.host}, reachable from other machines")
+    for alias, name in aliases.items():
+        echo(f"grpo serve: serving {name} as {alias!r} too")
+    for spec in args.fault:
+        echo(f"grpo serve: injecting fault {spec}")
+    echo("In the shell that runs your PyTRIO program:")
+    echo(f"  export PYTRIO_BASE_URL={handle.url}")
+    echo(f"  export PYTRIO_API_KEY={key_hint}")
+    echo("Ctrl-C stops the server.")
+    # Ctrl-C and SIGTERM stop it, even when started in the background (SIGINT ignored there).
+    previous = {
+        number: signal.signal(number, signal.default_int_handler)
+        for number in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        echo("grpo serve: stopping")
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        handle.close()
+    return 0

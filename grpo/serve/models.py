@@ -1,0 +1,84 @@
+"""The models `grpo serve` serves: the local backend's catalogue, its aliases, and model ids.
+
+A training run's ``model_id`` is the directory holding its tokenizer (for the built-in
+model, a copy written under ``<root>/tokenizers/``): pytrio's ``get_tokenizer`` loads
+``AutoTokenizer.from_pretrained(model_id, local_files_only=True)``, so this finds it
+offline. The catalogue and ``get_supported_models`` keep the model's name. A program may
+also name a local Hugging Face model directory, or an alias (``--model-alias``).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from grpo.backends.local import LocalServiceClient
+from grpo.serve.wire import ServeError, model_list
+
+
+class ModelCatalogue:
+    """The served models, their aliases and their model ids (all methods thread-safe)."""
+
+    def __init__(
+        self, local: LocalServiceClient, root: Path, aliases: dict[str, str] | None = None
+    ) -> None:
+        self.local = local
+        self.root = root
+        self._lock = threading.Lock()
+        self._model_ids: dict[str, str] = {}  # model name -> model_id (tokenizer directory)
+        self._capabilities = local.get_server_capabilities()
+        names = [model.model_name for model in self._capabilities.supported_models]
+        self.aliases = dict(aliases or {})  # a name a program asks for -> a served model's name
+        for alias, name in self.aliases.items():
+            if name not in names:
+                raise ValueError(f"--model-alias {alias}={name}: {name!r} is not one of {names}")
+
+    def models(self, limit: int, offset: int) -> dict[str, Any]:
+        """`ModelListResponse`: the served models (and aliases) with their real limits."""
+        return model_list(self._capabilities.supported_models, self.aliases, limit, offset)
+
+    def limits(self, base_model: str) -> dict[str, Any]:
+        """The trainer/sampler limits of a run on `base_model` (the sequence length, if known)."""
+        for model in self._capabilities.supported_models:
+            if model.model_name == base_model:
+                return {
+                    "max_batch_size": None,
+                    "max_tokens_per_request": None,
+                    "max_seq_len": model.training.max_seq_len,
+                }
+        return {"max_batch_size": None, "max_tokens_per_request": None, "max_seq_len": None}
+
+    def resolve(self, base_model: str) -> tuple[str, str]:
+        """(the local backend's model name, the model_id handed to pytrio) for `base_model`."""
+        names = [model.model_name for model in self._capabilities.supported_models]
+        with self._lock:
+            by_id = {model_id: name for name, model_id in self._model_ids.items()}
+        if base_model in by_id:
+            return by_id[base_model], base_model
+        base_model = self.aliases.get(base_model, base_model)
+        if base_model in names:
+            return base_model, self._tokenizer_directory(base_model)
+        directory = Path(base_model).expanduser()
+        if directory.is_dir() and (directory / "config.json").is_file():
+            resolved = str(directory.resolve())
+            return resolved, resolved
+        raise ServeError(
+            404,
+            "model_not_found",
+            f"base_model {base_model!r} is not served here; use one of "
+            f"{names + list(self.aliases)} or the path of a local Hugging Face model directory "
+            "(or map the name: grpo serve --model-alias NAME=SERVED_MODEL)",
+        )
+
+    def _tokenizer_directory(self, name: str) -> str:
+        """A directory with `name`'s tokenizer files (written once), for pytrio's get_tokenizer."""
+        with self._lock:
+            if name in self._model_ids:
+                return self._model_ids[name]
+        directory = self.root / "tokenizers" / name.replace("/", "--")
+        tokenizer = self.local.create_sampling_client(name).get_tokenizer()
+        tokenizer.save_pretrained(str(directory))
+        with self._lock:
+            self._model_ids[name] = str(directory.resolve())
+            return self._model_ids[name]
