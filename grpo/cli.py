@@ -27,6 +27,7 @@ from grpo.backends.pytrio import BackendUnavailableError
 from grpo.train import flags
 from grpo.train.config import (
     BACKENDS,
+    check_user_inputs,
     resolve_run,
 )
 

@@ -35,8 +35,11 @@ def eval_config(
     run_dir: str | Path | None,
     overrides: dict[str, Any],
 ) -> TrainConfig:
-    """The run's saved config (or the defaults) with `overrides` (None values ignored), checked,
-    its --reward and --fewshot-file loaded."""
+    """The run's saved config (or the defaults) with `overrides` (None values ignored), checked.
+
+    Its --reward modules and --fewshot-file are loaded too (`check_user_inputs`), so a missing
+    one fails here, before any model is loaded.
+    """
     values: dict[str, object] = run_files.read_config(Path(run_dir)) if run_dir else {}
     values.update({name: value for name, value in overrides.items() if value is not None})
     where = f"--run-dir {run_dir}" if run_dir else None
