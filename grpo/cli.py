@@ -27,6 +27,7 @@ from grpo.backends.pytrio import BackendUnavailableError
 from grpo.train import flags
 from grpo.train.config import (
     BACKENDS,
+    check_user_inputs,
     resolve_run,
 )
 
@@ -64,6 +65,7 @@ def run_train(args: argparse.Namespace) -> int:
     from grpo.train.loop import RunStopped, train
 
     config, resume = flags.config_from_args(args)
+    check_user_inputs(config)  # before anything, as a dry run makes its service client first
     if args.dry_run:
         from grpo.train.loop import dry_run
 

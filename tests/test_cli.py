@@ -214,6 +214,41 @@ def test_bad_train_flags_exit_2_before_any_work(
     assert not (tmp_path / "run").exists()
 
 
+MISSING_USER_INPUTS = [
+    (["--reward", "no_such_module_xyz:f"], "no module 'no_such_module_xyz'"),
+    (["--fewshot-file", "no_such_shots.json"], "--fewshot-file 'no_such_shots.json' not found"),
+]
+
+
+def _no_service(*_args: object, **_kwargs: object) -> None:
+    raise AssertionError("a service client was made")
+
+
+@pytest.mark.parametrize(("flags", "message"), MISSING_USER_INPUTS)
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_a_missing_reward_or_fewshot_file_exits_2_before_any_service_call(
+    flags: list[str], message: str, dry_run: list[str], tmp_path: Path, capsys, monkeypatch
+) -> None:
+    monkeypatch.setattr("grpo.train.loop.make_service_client", _no_service)
+    fails_cleanly(["train", *flags, *dry_run, "--run-dir", str(tmp_path / "run")], capsys, message)
+
+
+@pytest.mark.parametrize(
+    ("saved", "message"),
+    [
+        ({"reward": ["no_such_module_xyz:f"]}, "no module 'no_such_module_xyz'"),
+        ({"fewshot_file": "no_such_shots.json"}, "--fewshot-file 'no_such_shots.json' not found"),
+    ],
+)
+def test_eval_of_a_run_whose_reward_or_fewshot_file_is_gone_exits_2_naming_the_run(
+    saved: dict[str, object], message: str, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    monkeypatch.setattr("grpo.backends.pytrio.make_service_client", _no_service)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    (tmp_path / "summary.json").write_text(json.dumps({"sampler_path": "local://weights"}))
+    fails_cleanly(["eval", "--run-dir", str(tmp_path)], capsys, f"--run-dir {tmp_path}: ", message)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

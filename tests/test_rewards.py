@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from grpo.core.rewards import RewardInput
 from grpo.rewards import RewardError, load_rewards, parse_reward_spec, score_completions
-from grpo.train.config import ConfigError, TrainConfig
+from grpo.train.config import ConfigError, TrainConfig, check_user_inputs
 
 
 def reward_file(tmp_path: Path, body: str, name: str = "my_rewards.py") -> Path:
@@ -75,7 +75,7 @@ def test_loading_errors_name_the_spec_and_the_fix(spec: str, message: str | None
     with pytest.raises(ValueError, match=message):
         load_rewards([spec])
     with pytest.raises(ConfigError, match=message):
-        TrainConfig(reward=(spec,))
+        check_user_inputs(TrainConfig(reward=(spec,)))
 
 
 def test_file_rewards_load_and_wrong_signatures_are_rejected(tmp_path: Path) -> None:
@@ -101,15 +101,15 @@ def test_file_rewards_load_and_wrong_signatures_are_rejected(tmp_path: Path) -> 
     assert (two.takes_sample, three.takes_sample, three.weight) == (False, True, 0.5)
     for name in ("one", "four"):
         with pytest.raises(ConfigError, match=rf"{name}\(.*\) must accept \(completion, row\)"):
-            TrainConfig(reward=(f"{path}:{name}",))
+            check_user_inputs(TrainConfig(reward=(f"{path}:{name}",)))
     with pytest.raises(ConfigError, match="names 'two' twice"):
-        TrainConfig(reward=(f"{path}:two", f"{path}:two=2"))
+        check_user_inputs(TrainConfig(reward=(f"{path}:two", f"{path}:two=2")))
 
 
 def test_a_file_that_fails_to_import_says_so(tmp_path: Path) -> None:
     path = reward_file(tmp_path, "import no_such_dependency_xyz\n", name="bad.py")
     with pytest.raises(ConfigError, match=r"importing .*bad.py failed: ModuleNotFoundError"):
-        TrainConfig(reward=(f"{path}:f",))
+        check_user_inputs(TrainConfig(reward=(f"{path}:f",)))
 
 
 def _items(texts: list[str]) -> list[tuple[str, dict, RewardInput]]:

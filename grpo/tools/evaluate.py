@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from grpo.train import run_files
-from grpo.train.config import ConfigError, TrainConfig, check_value, config_from_dict
+from grpo.train.config import (
+    ConfigError,
+    TrainConfig,
+    check_user_inputs,
+    check_value,
+    config_from_dict,
+)
 
 
 def _at_least_one(name: str, value: int) -> None:
@@ -29,10 +35,17 @@ def eval_config(
     run_dir: str | Path | None,
     overrides: dict[str, Any],
 ) -> TrainConfig:
-    """The run's saved config (or the defaults) with `overrides` (None values ignored), checked."""
+    """The run's saved config (or the defaults) with `overrides` (None values ignored), checked.
+
+    Its --reward modules and --fewshot-file are loaded too (`check_user_inputs`), so a missing
+    one fails here, before any model is loaded.
+    """
     values: dict[str, object] = run_files.read_config(Path(run_dir)) if run_dir else {}
     values.update({name: value for name, value in overrides.items() if value is not None})
-    return config_from_dict(values, where=f"--run-dir {run_dir}" if run_dir else None)
+    where = f"--run-dir {run_dir}" if run_dir else None
+    config = config_from_dict(values, where=where)
+    check_user_inputs(config, where=where)
+    return config
 
 
 def sampling_client(service: Any, base_model: str, model_path: str | None) -> Any:

@@ -24,9 +24,9 @@ from grpo.train.config import (
     check_keys,
     check_value,
     config_from_dict,
-    field_kind,
     flag_name,
 )
+from grpo.train.fields import field_kind
 
 
 def add_train_arguments(parser: argparse._ActionsContainer, *, exclude: Iterable[str] = ()) -> None:

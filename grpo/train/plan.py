@@ -22,7 +22,7 @@ from grpo.backends.pytrio import CapabilityError, check_capabilities
 from grpo.core.usage import Prices, TokenUsage, cost, planned_usage
 from grpo.tasks.data import columns_of, load_run_problems
 from grpo.train import run_files
-from grpo.train.config import ConfigError, TrainConfig
+from grpo.train.config import ConfigError, TrainConfig, check_user_inputs
 from grpo.train.prices import prices_for
 from grpo.train.rollouts import Problem, build_problems, pick_batch, tokenizer_max_len
 
@@ -44,7 +44,8 @@ class Preflight:
 
 
 def preflight(config: TrainConfig, make_service: Callable[[], Any]) -> Preflight:
-    """Check prices and data (before the service is asked anything), then prompts vs the model."""
+    """Check rewards, few-shot file, prices and data (before any service call), then prompts."""
+    check_user_inputs(config)
     prices = prices_for(config)
     train_rows = load_run_problems(config, "train")
     test_rows = (

@@ -82,7 +82,7 @@ def test_a_template_that_renders_nothing_is_rejected():
 # --- templates and columns ------------------------------------------------------------------
 
 from grpo.tasks.prompts import DEFAULT_TEMPLATE, PromptTemplate  # noqa: E402
-from grpo.train.config import ConfigError, TrainConfig  # noqa: E402
+from grpo.train.config import ConfigError, TrainConfig, check_user_inputs  # noqa: E402
 from grpo.train.rollouts import build_problems  # noqa: E402
 
 
@@ -146,12 +146,13 @@ def test_fewshot_file_replaces_the_example_and_turns_fewshot_on(tokenizer, tmp_p
         ('[{"role": "robot", "content": "x"}]', "message 0 is"),
     ],
 )
-def test_bad_fewshot_files_are_config_errors(tmp_path, content, message):
+def test_bad_fewshot_files_are_config_errors_of_the_user_inputs_check(tmp_path, content, message):
     path = tmp_path / "shots.json"
     if content is not None:
         path.write_text(content)
+    config = TrainConfig(fewshot_file=str(path))  # building one reads no file
     with pytest.raises(ConfigError, match=f"--fewshot-file .*{message}"):
-        TrainConfig(fewshot_file=str(path))
+        check_user_inputs(config)
 
 
 def test_prompt_and_answer_columns_and_gold_rule_pick_the_fields(tokenizer):

@@ -607,6 +607,26 @@ def test_sweep_validates_every_run_before_launching_any(
     assert read_calls(calls) == []
 
 
+def test_sweep_loads_every_runs_reward_and_fewshot_file_before_launching_any(
+    tmp_path: Path, fake_trainer, capsys
+) -> None:
+    train_command, calls = fake_trainer
+    sweep_file = write(
+        tmp_path / "inputs.toml",
+        """
+        [[runs]]
+        name = "fine"
+        [[runs]]
+        name = "shots"
+        fewshot_file = "no_such_shots.json"
+        """,
+    )
+    assert run_sweep(sweep_args(sweep_file, tmp_path / "out"), train_command=train_command) == 2
+    run = tmp_path / "out" / "shots-seed0"
+    assert f"run {run}: --fewshot-file 'no_such_shots.json' not found" in capsys.readouterr().err
+    assert read_calls(calls) == []
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

@@ -12,16 +12,19 @@ import pytest
 from grpo.backends.names import TINY_MODEL_NAME
 from grpo.core.advantages import ADVANTAGES
 from grpo.core.losses import KL_ESTIMATORS, LOSSES, REDUCTIONS
+from grpo.train import fields
 from grpo.train.config import (
     FIELDS,
     ConfigError,
     TrainConfig,
+    check_user_inputs,
     check_value,
     config_from_dict,
     parse_loss_config,
     resolve_run,
     to_dict,
 )
+from grpo.train.plan import preflight
 
 
 @pytest.mark.parametrize(
@@ -229,3 +232,48 @@ def test_to_dict_round_trips_through_config_from_dict() -> None:
     assert saved.keys() == FIELDS.keys() and saved["loss_config"] == ["dual_clip=3"]
     assert config_from_dict(saved) == config
     assert attrs.evolve(config, steps=5).loss_spec == config.loss_spec
+
+
+def test_every_validator_says_what_it_checks() -> None:
+    for name, field in FIELDS.items():
+        validators = field.validator._validators  # attrs flattens and_ into this tuple
+        assert validators[0] == fields.StrictType(*fields.field_kind(field)), name
+        for validator in validators:
+            assert not repr(validator).startswith("<function"), (name, validator)
+    assert repr(FIELDS["loss_fn"].validator._validators[1]) == (
+        "OneOf(sorted(grpo.core.losses.LOSSES))"
+    )
+    assert repr(FIELDS["top_p"].validator._validators[1]) == "Interval((0, 1])"
+    assert repr(FIELDS["steps"].validator._validators[1]) == "AtLeast(1)"
+
+
+MISSING_INPUTS = [
+    ({"reward": ("no_such_module_xyz:f",)}, "no module 'no_such_module_xyz'"),
+    ({"fewshot_file": "no_such_shots.json"}, "--fewshot-file 'no_such_shots.json' not found"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), MISSING_INPUTS)
+def test_building_a_config_reads_no_user_data_the_user_inputs_check_does(
+    overrides: dict[str, Any], message: str
+) -> None:
+    config = TrainConfig(**overrides)
+    with pytest.raises(ConfigError) as error:
+        check_user_inputs(config)
+    assert message in str(error.value)
+    with pytest.raises(ConfigError, match=r"^run out/a: "):
+        check_user_inputs(config, where="run out/a")
+
+
+@pytest.mark.parametrize(("overrides", "message"), MISSING_INPUTS)
+def test_the_preflight_checks_the_user_inputs_before_any_service_call(
+    overrides: dict[str, Any], message: str
+) -> None:
+    def no_service() -> None:
+        raise AssertionError("the pre-flight asked for the service")
+
+    # An unreadable dataset would fail too: the user inputs are checked before the data.
+    config = TrainConfig(dataset="no_such_data.jsonl", **overrides)
+    with pytest.raises(ConfigError) as error:
+        preflight(config, no_service)
+    assert message in str(error.value)

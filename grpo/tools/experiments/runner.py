@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 
 from grpo.train import run_files
-from grpo.train.config import ConfigError, TrainConfig, config_from_dict
+from grpo.train.config import ConfigError, TrainConfig, check_user_inputs, config_from_dict
 from grpo.train.flags import checked_overrides, train_argv
 from grpo.train.run_files import FINISHED, NEW, UNFINISHED
 
@@ -72,6 +72,7 @@ def planned_configs(specs: Sequence[RunSpec]) -> list[TrainConfig]:
     for spec in specs:
         values = {**spec.overrides, "run_dir": str(spec.run_dir)}
         configs.append(config_from_dict(values, where=f"run {spec.run_dir}"))
+        check_user_inputs(configs[-1], where=f"run {spec.run_dir}")
     return configs
 
 
