@@ -383,7 +383,8 @@ def _run_fused(
     norm_length: float | None,
     config: LossConfig,
 ) -> tuple[Tensor, dict[str, float]] | None:
-    """The kernel through its compiled single-pass form; None if it does not compile here."""
+    """The kernel through its compiled single-pass form; None (run eagerly) if it does not
+    compile here or its sums overflowed on finite inputs."""
     if form in _UNCOMPILABLE_FORMS:
         return None
     values, old, advantages, selected, count, lengths, _ = inputs
@@ -430,6 +431,9 @@ def _run_fused(
         error = nonfinite_error(inputs)
         if error is not None:
             raise error
+        # Finite inputs: an overflow (e.g. of lp − lp_old, which makes the probe NaN). The
+        # eager kernel computes such batches exactly, so the result is the eager one.
+        return None
     loss = terms.total.neg()
     if want_gradient:
         assert terms.gradient is not None

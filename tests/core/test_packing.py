@@ -185,6 +185,26 @@ def test_finite_values_whose_check_sum_overflows_train_as_the_reference_says(
     assert metrics == pytest.approx(expected_metrics | {"loss": expected_loss}, rel=1e-6)
 
 
+@pytest.mark.parametrize("name", KERNELS)
+def test_a_log_ratio_that_overflows_gives_the_fused_path_the_eager_result(name: str) -> None:
+    """Finite float32 inputs whose lp − lp_old overflows (−3e38 − 3e38): the fused form's
+    finiteness probe is NaN there, so the call must fall back to the eager kernel and
+    return exactly its loss, gradient and metrics (never a NaN loss with no bad input)."""
+    batch = PackedLossBatch(
+        logprobs=np.array([-3e38, -3e38, -1.0]),
+        sampling_logprobs=np.array([3e38, 3e38, -1.0]),
+        advantages=np.array([1e38, 1e38, 1.0]),
+        mask=np.array([True, True, True]),
+        seq_lens=(3,),
+    )
+    eager = run_kernel(name, batch, "sum", torch.float32, fused=False)
+    fused = run_kernel(name, batch, "sum", torch.float32, fused=True)
+    assert not math.isnan(fused[0].item()), name
+    assert torch.equal(eager[0], fused[0]), (name, eager[0], fused[0])
+    np.testing.assert_array_equal(eager[1], fused[1], err_msg=name)
+    assert eager[2] == fused[2], name
+
+
 @PATHS
 @pytest.mark.parametrize("bad", [0.5, 2.0, -1.0, math.nan, math.inf])
 @pytest.mark.parametrize("name", KERNELS)
