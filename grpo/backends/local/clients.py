@@ -96,12 +96,9 @@ from grpo.backends.datums import IGNORE_INDEX, DatumArrays, datum_array, read_da
 from grpo.backends.local import checkpoint as checkpoints
 from grpo.backends.local.model import AdapterWeights, LoraSpec, ModelHost, load_host
 from grpo.backends.local.rest import LocalRestClient
-from grpo.backends.local.sampling import (
-    PendingSample,
-    SampleSpec,
-    sample_batch,
-    validate_sample_request,
-)
+from grpo.backends.local.sample_request import PendingSample, SampleSpec
+from grpo.backends.local.sampler.loop import sample_batch
+from grpo.backends.local.sampler.validation import validate_sample_request
 from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.backends.local.worker import Worker
 from grpo.core.loss_spec import LossSpec
