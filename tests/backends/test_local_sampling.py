@@ -18,7 +18,7 @@ import torch
 from pytrio.errors.base import ValidationError
 from pytrio.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
-import grpo.backends.local.clients as local
+import grpo.backends.local.sampling_client as sampling_client
 from grpo.backends.local import LocalServiceClient, tiny
 
 MODEL = tiny.TINY_MODEL_NAME
@@ -119,13 +119,13 @@ def test_seeded_request_is_identical_alone_and_batched_with_others(service, monk
 
 def _check_batch_invariance(service, monkeypatch) -> None:
     batch_sizes: list[list[int]] = []
-    run_batch = local.sample_batch
+    run_batch = sampling_client.sample_batch
 
     def recording(host, weights, pending, **options):
         batch_sizes.append([item.spec.num_samples for item in pending])
         return run_batch(host, weights, pending, **options)
 
-    monkeypatch.setattr(local, "sample_batch", recording)
+    monkeypatch.setattr(sampling_client, "sample_batch", recording)
     sampler = trained_client(service, steps=1).save_weights_and_get_sampling_client()
     prompt = ModelInput.from_ints(prompt_tokens(40, 4))
     alone = sampler.sample(prompt, 3, params(7), include_prompt_logprobs=True).result()

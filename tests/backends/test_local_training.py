@@ -440,6 +440,13 @@ def test_forward_reports_logprobs_and_metrics_without_gradients(service):
     assert output.metrics["loss_mean"] == pytest.approx(output.metrics["loss_sum"] / trained)
 
 
+def test_without_kernel_metrics_the_metrics_are_pytrios_keys_only(tmp_path):
+    with LocalServiceClient(root=tmp_path, seed=0) as plain:
+        client = plain.create_lora_training_client(MODEL, rank=4, seed=0)
+        output = client.forward(policy_datums(2), "ppo").result()
+    assert set(output.metrics) == {"loss_sum", "loss_mean", "token_count"}
+
+
 def test_auto_shift_aligns_targets_with_inputs(service):
     tokens = list(range(10, 30))
     datum = Datum(
