@@ -57,7 +57,7 @@ def prepare_loss_batch(
         limits=limits,
         tokenizer_vocab_size=vocab_size,
     )
-    reject_images(data)
+    _reject_images(data)
     try:
         spec = LossSpec.from_loss_fn_config(loss_fn, loss_fn_config)
     except ValueError as error:
@@ -98,7 +98,7 @@ def prepare_custom_batch(
         limits=limits,
         tokenizer_vocab_size=vocab_size,
     )
-    reject_images(data)
+    _reject_images(data)
     inputs = [datum.model_input.to_ints() for datum in data]
     targets = [datum_array(datum, "target_tokens", np.int64) for datum in data]
     return inputs, targets
@@ -209,8 +209,7 @@ def run_custom_loss(
     )
 
 
-def reject_images(data: Sequence[Datum]) -> None:
-    """ValidationError at the first datum with an image chunk (the local model reads text only)."""
+def _reject_images(data: Sequence[Datum]) -> None:
     for index, datum in enumerate(data):
         if any(isinstance(chunk, ImageChunk) for chunk in datum.model_input.chunks):
             raise ValidationError(
