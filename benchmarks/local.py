@@ -40,7 +40,7 @@ from benchmarks.common import (
     torch_threads,
 )
 from grpo.backends.local import LocalServiceClient
-from grpo.backends.local import sampling as local_sampling
+from grpo.backends.local.sampler import merged as local_sampling
 from grpo.backends.local.tiny import TINY_MODEL_NAME, load_tiny_model
 from grpo.tasks.data import load_problems
 from grpo.tasks.prompts import build_prompt_tokens

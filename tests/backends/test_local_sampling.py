@@ -18,7 +18,7 @@ import torch
 from pytrio.errors.base import ValidationError
 from pytrio.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
-import grpo.backends.local.clients as local
+import grpo.backends.local.sampling_client as sampling_client
 from grpo.backends.local import LocalServiceClient, tiny
 
 MODEL = tiny.TINY_MODEL_NAME
@@ -119,13 +119,13 @@ def test_seeded_request_is_identical_alone_and_batched_with_others(service, monk
 
 def _check_batch_invariance(service, monkeypatch) -> None:
     batch_sizes: list[list[int]] = []
-    run_batch = local.sample_batch
+    run_batch = sampling_client.sample_batch
 
     def recording(host, weights, pending, **options):
         batch_sizes.append([item.spec.num_samples for item in pending])
         return run_batch(host, weights, pending, **options)
 
-    monkeypatch.setattr(local, "sample_batch", recording)
+    monkeypatch.setattr(sampling_client, "sample_batch", recording)
     sampler = trained_client(service, steps=1).save_weights_and_get_sampling_client()
     prompt = ModelInput.from_ints(prompt_tokens(40, 4))
     alone = sampler.sample(prompt, 3, params(7), include_prompt_logprobs=True).result()
@@ -430,14 +430,16 @@ def test_a_request_too_large_for_memory_is_refused_before_any_allocation(service
 
 
 def test_merged_decode_step_agrees_with_the_hugging_face_forward(service, monkeypatch):
-    import grpo.backends.local.sampling as sampling
+    from grpo.backends.local.sampler import loop
 
     sampler = trained_client(service).save_weights_and_get_sampling_client()
     prompt = ModelInput.from_ints(prompt_tokens(33, 11))
     fast = sampler.sample(prompt, 4, params(3, 16), include_prompt_logprobs=True).result()
     # No merged step: prefill and decode run the Hugging Face forward with the adapter.
-    monkeypatch.setattr(sampling, "_merged_step", lambda host, weights: None)
+    unmerged: list[object] = []
+    monkeypatch.setattr(loop, "_merged_step", lambda host, weights: unmerged.append(weights))
     slow = sampler.sample(prompt, 4, params(3, 16), include_prompt_logprobs=True).result()
+    assert len(unmerged) == 1  # the batch really ran without the merged step
     np.testing.assert_allclose(fast.prompt_logprobs[1:], slow.prompt_logprobs[1:], atol=1e-5)
     for fast_sequence, slow_sequence in zip(fast.sequences, slow.sequences, strict=True):
         assert fast_sequence.tokens == slow_sequence.tokens
@@ -445,7 +447,7 @@ def test_merged_decode_step_agrees_with_the_hugging_face_forward(service, monkey
 
 
 def test_unknown_architectures_decode_through_the_hugging_face_forward():
-    from grpo.backends.local.sampling import _DecodeStep
+    from grpo.backends.local.sampler.merged import _DecodeStep
 
     model, _ = tiny.init_tiny_model(0)
     assert _DecodeStep.build(model) is not None

@@ -301,8 +301,13 @@ def test_load_state_only_before_training_and_only_a_matching_config(service):
     mismatched = service.create_lora_training_client(MODEL, rank=8, seed=1)
     with pytest.raises(ValidationError) as error:
         mismatched.load_state(saved.path)
-    assert error.value.code == "validation.checkpoint_config_mismatch" and "lora_rank" in str(
-        error.value
+    assert error.value.code == "validation.checkpoint_config_mismatch"
+    assert "lora_rank (target=8, source=4)." in str(error.value)
+    other_seed = service.create_lora_training_client(MODEL, rank=4, seed=2, train_mlp=False)
+    with pytest.raises(ValidationError) as error:
+        other_seed.load_state(saved.path)  # the seed may differ; train_mlp may not
+    assert str(error.value).startswith(
+        "Checkpoint configuration is incompatible: train_mlp (target=False, source=True)."
     )
     sampler_only = client.save_weights_for_sampler("s").result()
     fresh = service.create_lora_training_client(MODEL, rank=4, seed=1)
@@ -438,6 +443,13 @@ def test_forward_reports_logprobs_and_metrics_without_gradients(service):
     trained = sum(int(np.count_nonzero(d.loss_fn_inputs["advantages"].data)) for d in datums)
     assert output.metrics["token_count"] == trained
     assert output.metrics["loss_mean"] == pytest.approx(output.metrics["loss_sum"] / trained)
+
+
+def test_without_kernel_metrics_the_metrics_are_pytrios_keys_only(tmp_path):
+    with LocalServiceClient(root=tmp_path, seed=0) as plain:
+        client = plain.create_lora_training_client(MODEL, rank=4, seed=0)
+        output = client.forward(policy_datums(2), "ppo").result()
+    assert set(output.metrics) == {"loss_sum", "loss_mean", "token_count"}
 
 
 def test_auto_shift_aligns_targets_with_inputs(service):

@@ -13,7 +13,7 @@ from pytrio.types import ModelInput, SamplingParams
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from grpo.backends.local.sampling import validate_sample_request
+from grpo.backends.local.sampler.validation import validate_sample_request
 from grpo.backends.local.tiny import (
     MAX_POSITIONS,
     TINY_MODEL_DIR,

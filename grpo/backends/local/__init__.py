@@ -13,13 +13,10 @@ is internal (see ``docs/DESIGN.md``).
 from grpo.backends.local.checkpoint import read_metadata as read_checkpoint_metadata
 from grpo.backends.local.checkpoint import resolve as resolve_checkpoint
 from grpo.backends.local.checkpoint import spec_from as checkpoint_lora_spec
-from grpo.backends.local.clients import (
-    LocalSamplingClient,
-    LocalServiceClient,
-    LocalTrainingClient,
-    default_root,
-)
 from grpo.backends.local.model import LoraSpec, lora_wire_fields
+from grpo.backends.local.sampling_client import LocalSamplingClient
+from grpo.backends.local.service import LocalServiceClient, default_root
+from grpo.backends.local.training import LocalTrainingClient
 
 __all__ = [
     "LocalSamplingClient",

@@ -53,7 +53,7 @@ ROW_ATTENTION = "grpo_row_attention"
 
 
 class RowAttention(ABC):
-    """The interface the sampler's per-row attention state implements (see _local_sampling)."""
+    """The interface the sampler's per-row attention state implements (``sampler/attention.py``)."""
 
     @abstractmethod
     def attend(
@@ -191,7 +191,7 @@ class ModelHost:
         self._slots: dict[tuple[int, bool, bool, bool], str] = {}
         self._slot_contents: dict[str, AdapterWeights] = {}
         # The sampler's merged decode step for the weights it last sampled with (kept by
-        # grpo.backends.local.sampling): (weights, peft model then, step).
+        # grpo.backends.local.sampler.merged): (weights, peft model then, step).
         self.merged_sampler: tuple[AdapterWeights | None, PeftModel | None, object] | None = None
 
     # --- adapters -------------------------------------------------------------------

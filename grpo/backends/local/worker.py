@@ -5,7 +5,7 @@ the worker resolves, like the remote service. Training jobs run in submission or
 Sampling requests are batched: when the worker takes one, it waits a moment for
 more to arrive (a loop submitting a step's requests one by one takes well under a
 millisecond each), then runs every queued request for the same weights as one batch.
-Because a sequence's result does not depend on its batch (see _local_sampling), batching
+Because a sequence's result does not depend on its batch (see ``sampler/``), batching
 changes speed only, never samples.
 
 At interpreter exit every worker is stopped and joined (queued jobs cancelled, a sampling
@@ -27,7 +27,7 @@ from typing import TypeVar
 import attrs
 from pytrio.types import APIFuture, SampleResponse
 
-from grpo.backends.local.sampling import PendingSample
+from grpo.backends.local.sample_request import PendingSample
 
 T = TypeVar("T")
 
