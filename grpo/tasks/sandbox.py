@@ -1,6 +1,6 @@
 """Run untrusted Python (a model's code) in a subprocess with limits: `run_python`, `run_tests`.
 
-What the sandbox provides, on every OS that has these calls (Linux, macOS):
+What the sandbox provides everywhere (Linux; other POSIX systems lack some rlimits):
 
 - a fresh temporary working directory, removed afterwards; the program arrives on stdin,
   so no file of the harness is left for it to read;
@@ -13,23 +13,26 @@ What the sandbox provides, on every OS that has these calls (Linux, macOS):
 - stdout and stderr read up to a cap each; past the cap the pipe is closed, so a program
   printing without end dies of a broken pipe instead of filling memory.
 
-Where `unshare -r -n -p -f` works (Linux with unprivileged user namespaces, or root), the
-program also runs in its own user, network and PID namespaces: no network at all (not even
-loopback: a connect to 127.0.0.1 fails), and every process it starts dies with it (a child
-that calls `setsid` cannot outlive the run). Without it, `run_python` logs one warning and
-runs with the network and host PID space of the caller. RLIMIT_NPROC binds no process of
+Where `unshare -r -n -p -f -m --mount-proc` works (Linux with unprivileged user namespaces,
+or root), the program also runs in its own user, network, PID and mount namespaces: no
+network at all (not even loopback: a connect to 127.0.0.1 fails), a `/proc` that shows only
+its own processes (so not the environment of others), and every process it starts dies
+with it (a child that calls `setsid` cannot outlive the run). Where only `unshare -r -n`
+works, it has the network namespace alone; where neither does, `isolation` logs one warning
+and code runs with the caller's network and PID space. RLIMIT_NPROC binds no process of
 root, so when running as root the process count is bounded by a pids cgroup instead, where
 a cgroup v1 `pids` hierarchy is writable (`/sys/fs/cgroup/pids`); `process_limit_enforced`
 says whether a fork bomb is bounded on this machine.
 
 What it does not provide: this is not a security boundary against a determined attacker.
-There is no seccomp filter, no mount namespace and no chroot: the program can read every
-file the calling user can read (the host `/proc` too, so `/proc/<pid>/environ` of the
-user's other processes), and write wherever the user can write outside the working
+There is no seccomp filter, no Landlock rule and no chroot: the program can read every
+file the calling user can read, and write wherever that user can write outside the working
 directory (its relative paths land in the working directory, which is removed; absolute
-paths such as `/tmp/x` or the caller's files are not prevented). The pass marker of
-`run_tests` defeats a program that exits early with status 0, not one that inspects the
-harness's frames. Run rewards of this kind on a machine or container you can lose.
+paths such as `/tmp/x` or the caller's own files are not protected, only capped in size by
+RLIMIT_FSIZE). Without the PID and mount namespaces, `/proc/<pid>/environ` of the user's
+other processes stays readable. The pass marker of `run_tests` defeats a program that exits
+early with status 0, not one that inspects the harness's frames. Run rewards of this kind
+on a machine or container you can lose.
 """
 
 from __future__ import annotations
@@ -121,7 +124,7 @@ def _runs(command: Sequence[str]) -> bool:
 
 
 def isolation() -> tuple[str, ...]:
-    """The namespace prefix every run uses: `unshare -r -n -p -f --kill-child`, less, or none.
+    """The namespace prefix of every run: `unshare` with user, net, PID and mount, less, or none.
 
     Probed once per process; when no namespace works, one warning is logged.
     """
@@ -129,7 +132,10 @@ def isolation() -> tuple[str, ...]:
         if "prefix" not in _probed:
             unshare = shutil.which("unshare")
             candidates = (
-                ((unshare, "-r", "-n", "-p", "-f", "--kill-child"), (unshare, "-r", "-n"))
+                (
+                    (unshare, "-r", "-n", "-p", "-f", "-m", "--mount-proc", "--kill-child"),
+                    (unshare, "-r", "-n"),
+                )
                 if unshare
                 else ()
             )
