@@ -114,8 +114,9 @@ def _recycle(pool: ProcessPoolExecutor) -> None:
     with _pool_lock:
         if _pool is pool:
             _pool = None
-    # ProcessPoolExecutor has no public way to stop a running call; its workers are killed.
-    for process in list(getattr(pool, "_processes", {}).values()):
+    # ProcessPoolExecutor has no public way to stop a running call, so its workers are
+    # killed (`_processes` is None once the pool has broken or shut down).
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
         process.kill()
     pool.shutdown(wait=False, cancel_futures=True)
 
