@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from grpo.cli import main
-from grpo.rewards import code_tests, code_tests_partial
+from grpo.core.rewards import RewardInput
+from grpo.rewards import code_tests, code_tests_partial, load_rewards, score_completions
 from grpo.tasks.code_grading import CODE_TASKS, last_python_block, row_tests
 from grpo.tasks.sandbox import (
     SandboxLimits,
@@ -216,3 +217,20 @@ def test_grpo_train_on_the_code_tasks_runs_offline(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["reward/code_tests"] == 0.0
     assert os.path.exists(run_dir / "config.json")
+
+
+def test_code_rewards_from_reward_threads_equal_serial_ones() -> None:
+    rows = [json.loads(line) for line in CODE_TASKS.read_text().splitlines()][:6]
+    completions = [
+        row["answer"] if index % 2 else "```python\npass\n```" for index, row in enumerate(rows)
+    ]
+    rewards = load_rewards(["grpo.rewards:code_tests", "grpo.rewards:code_tests_partial"])
+    items = [
+        (completion, row, RewardInput(index, "", 1, 16, "stop", 4))
+        for index, (completion, row) in enumerate(zip(completions, rows, strict=True))
+    ]
+    serial = score_completions(rewards, items, [len(items)], workers=0)
+    threaded = score_completions(rewards, items, [len(items)], workers=3)
+    assert serial.components_P[0]["code_tests"].tolist() == [0.0, 1.0] * 3
+    for name in ("code_tests", "code_tests_partial"):
+        assert threaded.components_P[0][name].tolist() == serial.components_P[0][name].tolist()
