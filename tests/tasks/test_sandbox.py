@@ -11,6 +11,7 @@ import os
 import socket
 from pathlib import Path
 
+import attrs
 import pytest
 
 from grpo.cli import main
@@ -71,9 +72,15 @@ def test_an_early_exit_with_status_0_passes_nothing() -> None:
         assert result.passed == 0
 
 
-def test_an_infinite_loop_is_killed_at_the_timeout() -> None:
-    result = run_python("while True:\n    pass\n", LIMITS)
+def test_an_infinite_loop_is_killed_at_the_timeout_or_the_cpu_limit() -> None:
+    loop = "while True:\n    pass\n"
+    # The wall clock first (CPU limit far off): the whole group is killed.
+    result = run_python(loop, attrs.evolve(LIMITS, timeout_s=2.0, cpu_s=60))
     assert result.timed_out and result.returncode < 0
+    assert result.seconds < BOUND_S
+    # The CPU limit first (wall clock far off): the kernel kills it.
+    result = run_python(loop, attrs.evolve(LIMITS, timeout_s=60.0, cpu_s=1))
+    assert not result.timed_out and result.returncode != 0
     assert result.seconds < BOUND_S
     assert_still_works()
 
@@ -109,8 +116,10 @@ def test_a_memory_hog_fails_with_memory_error() -> None:
 
 
 def test_a_gigabyte_print_is_cut_at_the_output_cap() -> None:
-    result = run_python("import sys\nsys.stdout.write('x' * (1 << 30))\n", LIMITS)
-    assert result.returncode != 0
+    # 1 GiB in 64 KiB writes (one 1 GiB string would be a MemoryError instead).
+    flood = "import sys\nfor _ in range(1 << 14):\n    sys.stdout.write('x' * (1 << 16))\n"
+    result = run_python(flood, LIMITS)
+    assert result.returncode != 0 and "BrokenPipeError" in result.stderr
     assert len(result.stdout) <= LIMITS.output_bytes
     assert result.seconds < BOUND_S
     assert_still_works()
