@@ -12,7 +12,10 @@ names one as `module:function` or `path/to/file.py:function`, optionally `=WEIGH
 (default 1); it repeats, and the step's reward is the weighted sum of the components. A
 float reward is component `<function>`, a dict's entries are `<function>/<key>`; each is
 logged as `reward/<component>`. Built-ins live in this module: `boxed_match` (the default,
-today's grading), `boxed_format` and `overlong_penalty` (DAPO's, with --overlong-buffer).
+today's grading), `boxed_format` and `overlong_penalty` (DAPO's, with --overlong-buffer);
+`math_verify` (LaTeX answers by math-verify, `grpo/tasks/math_grading.py`) and
+`code_tests` / `code_tests_partial` (the completion's code run against the row's `tests`
+in a sandbox, `grpo/tasks/sandbox.py`).
 
 A reward that raises or returns NaN, infinity or a non-number raises `RewardError` naming
 the row index and the completion (`--reward-errors stop`, the run then stops with a
@@ -41,9 +44,12 @@ from grpo.core.rewards import (
     RewardInput,
     boxed_format,
     boxed_match,
+    extract_boxed,
     overlong_penalty,
     weighted_total,
 )
+from grpo.tasks.code_grading import pass_fraction
+from grpo.tasks.math_grading import math_gold, verify_pooled
 
 __all__ = [
     "DEFAULT_REWARD",
@@ -52,7 +58,10 @@ __all__ = [
     "RewardScores",
     "boxed_format",
     "boxed_match",
+    "code_tests",
+    "code_tests_partial",
     "load_rewards",
+    "math_verify",
     "overlong_penalty",
     "parse_reward_spec",
     "score_completions",
@@ -65,6 +74,28 @@ _TEXT_PREVIEW = 300
 
 class RewardError(ValueError):
     """A reward callable that raised or returned something that is not a finite number."""
+
+
+def math_verify(completion: str, row: Mapping[str, Any], sample: RewardInput) -> float:
+    """1.0 when math-verify finds the last `\\boxed{}` answer equal to the row's gold, else 0.0.
+
+    The gold is the last boxed answer of a MATH-style `solution` column, else the answer
+    --gold-rule extracted; a call past the timeout scores 0 (`grpo/tasks/math_grading.py`).
+    """
+    answer = extract_boxed(completion)
+    if answer is None or not answer.strip():
+        return 0.0
+    return verify_pooled(answer, math_gold(row, sample.gold))
+
+
+def code_tests(completion: str, row: Mapping[str, Any]) -> float:
+    """1.0 when the last fenced Python block passes every assert of the row's `tests`, else 0.0."""
+    return float(pass_fraction(completion, row) == 1.0)
+
+
+def code_tests_partial(completion: str, row: Mapping[str, Any]) -> float:
+    """The fraction of the row's `tests` asserts the last fenced Python block passes."""
+    return pass_fraction(completion, row)
 
 
 @attrs.frozen
