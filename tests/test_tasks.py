@@ -193,7 +193,7 @@ def test_dynamic_sampling_on_the_default_reward_with_the_off_policy_pipeline(
 
 def test_dynamic_sampling_resumes_exactly(tmp_path: Path) -> None:
     from grpo.backends.local import LocalServiceClient
-    from tests.test_loop import _StopAfterOptimSteps
+    from tests.train.test_loop import _StopAfterOptimSteps
 
     whole = quiet_train(_dynamic(tmp_path, "whole", None, steps=4, log_rollouts=2)).run_dir
     assert any(row["sampling/rounds"] > 1 for row in read_metrics(whole)), "test setup"
