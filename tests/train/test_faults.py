@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from grpo.train import run_files
@@ -46,14 +47,15 @@ FLAGS = [
     "--seed",
     "0",
 ]
+# (fault, what, the steps logged and the checkpoint's step when the run stops there)
 TRIALS = [
-    ("sampled:1:SIGKILL", "killed after the baseline row, before any checkpoint"),
-    ("optim:3:SIGKILL", "killed in the middle of step 3's update"),
-    ("eval:2:SIGINT2", "double Ctrl-C during the evaluation of step 2"),
-    ("save:1:SIGKILL", "killed during the checkpoint save of step 2"),
-    ("log:3:SIGINT", "Ctrl-C while logging step 2: finishes the step, saves, exits"),
-    ("log:5:SIGKILL", "killed just before the last row is logged"),
-    ("sampled:3:SIGINT2", "double Ctrl-C right after step 3 sampled"),
+    ("sampled:1:SIGKILL", "killed after the baseline row, before any checkpoint", [0], None),
+    ("optim:3:SIGKILL", "killed in the middle of step 3's update", [0, 1, 2], 2),
+    ("eval:2:SIGINT2", "double Ctrl-C during the evaluation of step 2", [0, 1], None),
+    ("save:1:SIGKILL", "killed during the checkpoint save of step 2", [0, 1, 2], None),
+    ("log:3:SIGINT", "Ctrl-C while logging step 2: finishes the step, saves, exits", [0, 1, 2], 2),
+    ("log:5:SIGKILL", "killed just before the last row is logged", [0, 1, 2, 3], 2),
+    ("sampled:3:SIGINT2", "double Ctrl-C right after step 3 sampled", [0, 1, 2], 2),
 ]
 TIMEOUT_S = 180
 
@@ -69,6 +71,21 @@ def _train(
     return subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
     )
+
+
+def _start(run_dir: Path, stderr: Any) -> subprocess.Popen[bytes]:
+    """A fresh run with FLAGS in `run_dir`, no fault injected."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(FAULT_ENV, None)
+    command = [sys.executable, "-m", "grpo", "train", *FLAGS, "--run-dir", str(run_dir)]
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+
+
+def _wait_for_the_first_row(process: subprocess.Popen[bytes], run_dir: Path) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (run_dir / run_files.METRICS_FILE).exists() and process.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -91,23 +108,44 @@ def _resume_until_done(run_dir: Path) -> None:
     assert run_files.run_status(run_dir) == run_files.FINISHED
 
 
+@attrs.frozen
+class Reference:
+    """The uninterrupted run: its rows, and seconds from its first logged row to its exit."""
+
+    rows: list[dict[str, Any]]
+    logging_s: float
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     run_dir = tmp_path_factory.mktemp("faults") / "reference"
-    result = _train(run_dir, *FLAGS, "--run-dir", str(run_dir))
-    assert result.returncode == 0, result.stderr[-2000:]
+    stderr_path = run_dir.parent / "reference.stderr"
+    with stderr_path.open("wb") as stderr:
+        process = _start(run_dir, stderr)
+        _wait_for_the_first_row(process, run_dir)
+        first_row = time.monotonic()
+        returncode = process.wait(TIMEOUT_S)
+    logging_s = time.monotonic() - first_row
+    assert returncode == 0, stderr_path.read_text()[-2000:]
     rows = _rows(run_dir)
     assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
     # Every step trains (seed 0 has no all-degenerate step), so a redone step that
     # started from the wrong weights would show in its loss and ratios.
     assert all(row["datums"] > 0 for row in rows[1:]), rows
-    return rows
+    return Reference(rows=rows, logging_s=logging_s)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("fault", "what"), TRIALS, ids=[fault for fault, _ in TRIALS])
+@pytest.mark.parametrize(
+    ("fault", "what", "logged", "checkpoint_step"), TRIALS, ids=[trial[0] for trial in TRIALS]
+)
 def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
-    tmp_path: Path, reference: list[dict[str, Any]], fault: str, what: str
+    tmp_path: Path,
+    reference: Reference,
+    fault: str,
+    what: str,
+    logged: list[int],
+    checkpoint_step: int | None,
 ) -> None:
     run_dir = tmp_path / "run"
     first = _train(run_dir, *FLAGS, "--run-dir", str(run_dir), fault=fault)
@@ -115,35 +153,31 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     assert first.returncode == expected_code, (what, first.returncode, first.stderr[-2000:])
     if "Traceback" in first.stderr:
         pytest.fail(f"{what}: a traceback reached the user:\n{first.stderr[-2000:]}")
+    # The fault landed where it was meant to: the run stopped there, unfinished.
+    assert run_files.run_status(run_dir) == run_files.UNFINISHED, what
     checkpoint = run_files.read_checkpoint(run_dir)
-    if checkpoint is not None:
-        logged = [row["step"] for row in run_files.read_metrics(run_dir)]
-        assert checkpoint.step <= max(logged), (
-            f"{what}: checkpoint {checkpoint.step} past rows {logged}"
-        )
+    stopped_at = (
+        [row["step"] for row in run_files.read_metrics(run_dir)],
+        None if checkpoint is None else checkpoint.step,
+    )
+    assert stopped_at == (logged, checkpoint_step), f"{what}: (rows, checkpoint) {stopped_at}"
     _resume_until_done(run_dir)
-    assert _rows(run_dir) == reference, what
+    assert _rows(run_dir) == reference.rows, what
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trial", [0, 1])
 def test_sigkill_at_a_random_time_then_resume_equals_the_uninterrupted_run(
-    tmp_path: Path, reference: list[dict[str, Any]], trial: int
+    tmp_path: Path, reference: Reference, trial: int
 ) -> None:
     run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop(FAULT_ENV, None)
-    command = [sys.executable, "-m", "grpo", "train", *FLAGS, "--run-dir", str(run_dir)]
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    # Wait for the run to start logging, then kill it a seeded random time later.
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (run_dir / run_files.METRICS_FILE).exists() and process.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    time.sleep(random.Random(trial).uniform(0.0, 1.5))
+    process = _start(run_dir, subprocess.DEVNULL)
+    # Wait for the run to start logging, then kill it at a seeded random fraction of the time
+    # the reference took from there, so the kill lands before the end on any machine.
+    _wait_for_the_first_row(process, run_dir)
+    time.sleep(random.Random(trial).uniform(0.0, 0.8) * reference.logging_s)
     process.kill()
-    process.wait(TIMEOUT_S)
+    assert process.wait(TIMEOUT_S) == -signal.SIGKILL, "the run ended before the kill"
+    assert run_files.run_status(run_dir) != run_files.FINISHED
     _resume_until_done(run_dir)
-    assert _rows(run_dir) == reference
+    assert _rows(run_dir) == reference.rows
