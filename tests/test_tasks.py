@@ -162,6 +162,7 @@ def _check_dynamic_invariants(
         assert (row["sampling/extra_tokens"] > 0) == (rounds > 1)
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_fills_the_batch_or_stops_at_the_round_cap(tmp_path: Path) -> None:
     rows = read_metrics(quiet_train(_dynamic(tmp_path, "sparse", "sparse")).run_dir)
     _check_dynamic_invariants(rows, batch_size=3, group_size=4, max_rounds=3)

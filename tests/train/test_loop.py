@@ -24,6 +24,7 @@ from grpo.train.run_files import read_metrics
 from tests.runs import comparable, quiet_train, tiny_config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_fn", sorted(losses.LOSSES))
 def test_every_loss_runs_with_every_reduction(tmp_path: Path, loss_fn: str) -> None:
     from grpo.backends.local import LocalServiceClient
