@@ -1,5 +1,6 @@
 """`grpo compare`: the same run for several losses x seeds, then a report, comparison.json
-and reward.png in the experiment directory.
+and reward.png in the experiment directory. Its plan is the sweep plan of a one-axis grid over
+`loss_fn` (`sweep.grid_configs`), so runs are planned, named and launched as a sweep's are.
 """
 
 from __future__ import annotations
