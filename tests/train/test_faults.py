@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
 
 from grpo.train import run_files
@@ -73,19 +72,15 @@ def _train(
     )
 
 
-def _start(run_dir: Path, stderr: Any) -> subprocess.Popen[bytes]:
-    """A fresh run with FLAGS in `run_dir`, no fault injected."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop(FAULT_ENV, None)
-    command = [sys.executable, "-m", "grpo", "train", *FLAGS, "--run-dir", str(run_dir)]
-    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
-
-
-def _wait_for_the_first_row(process: subprocess.Popen[bytes], run_dir: Path) -> None:
+def _wait_for_rows(process: subprocess.Popen[bytes], run_dir: Path, count: int) -> float:
+    """Wait until the run has logged `count` complete rows; the time it happened."""
+    path = run_dir / run_files.METRICS_FILE
     deadline = time.monotonic() + TIMEOUT_S
-    while not (run_dir / run_files.METRICS_FILE).exists() and process.poll() is None:
+    while not (path.exists() and path.read_bytes().count(b"\n") >= count):
+        assert process.poll() is None, f"the run exited before logging {count} rows"
         assert time.monotonic() < deadline
-        time.sleep(0.05)
+        time.sleep(0.02)
+    return time.monotonic()
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -108,31 +103,17 @@ def _resume_until_done(run_dir: Path) -> None:
     assert run_files.run_status(run_dir) == run_files.FINISHED
 
 
-@attrs.frozen
-class Reference:
-    """The uninterrupted run: its rows, and seconds from its first logged row to its exit."""
-
-    rows: list[dict[str, Any]]
-    logging_s: float
-
-
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     run_dir = tmp_path_factory.mktemp("faults") / "reference"
-    stderr_path = run_dir.parent / "reference.stderr"
-    with stderr_path.open("wb") as stderr:
-        process = _start(run_dir, stderr)
-        _wait_for_the_first_row(process, run_dir)
-        first_row = time.monotonic()
-        returncode = process.wait(TIMEOUT_S)
-    logging_s = time.monotonic() - first_row
-    assert returncode == 0, stderr_path.read_text()[-2000:]
+    result = _train(run_dir, *FLAGS, "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr[-2000:]
     rows = _rows(run_dir)
     assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
     # Every step trains (seed 0 has no all-degenerate step), so a redone step that
     # started from the wrong weights would show in its loss and ratios.
     assert all(row["datums"] > 0 for row in rows[1:]), rows
-    return Reference(rows=rows, logging_s=logging_s)
+    return rows
 
 
 @pytest.mark.slow
@@ -141,7 +122,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
 )
 def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     tmp_path: Path,
-    reference: Reference,
+    reference: list[dict[str, Any]],
     fault: str,
     what: str,
     logged: list[int],
@@ -162,22 +143,30 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     )
     assert stopped_at == (logged, checkpoint_step), f"{what}: (rows, checkpoint) {stopped_at}"
     _resume_until_done(run_dir)
-    assert _rows(run_dir) == reference.rows, what
+    assert _rows(run_dir) == reference, what
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trial", [0, 1])
 def test_sigkill_at_a_random_time_then_resume_equals_the_uninterrupted_run(
-    tmp_path: Path, reference: Reference, trial: int
+    tmp_path: Path, reference: list[dict[str, Any]], trial: int
 ) -> None:
     run_dir = tmp_path / "run"
-    process = _start(run_dir, subprocess.DEVNULL)
-    # Wait for the run to start logging, then kill it at a seeded random fraction of the time
-    # the reference took from there, so the kill lands before the end on any machine.
-    _wait_for_the_first_row(process, run_dir)
-    time.sleep(random.Random(trial).uniform(0.0, 0.8) * reference.logging_s)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(FAULT_ENV, None)
+    command = [sys.executable, "-m", "grpo", "train", *FLAGS, "--run-dir", str(run_dir)]
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    # Kill at a seeded random time within one step's duration (measured on this run, so on
+    # this machine's speed) after row k + 1 of 5: at least two rows remain, so it lands.
+    rng = random.Random(trial)
+    k = rng.choice([1, 2])
+    row_k = _wait_for_rows(process, run_dir, k)
+    step_s = _wait_for_rows(process, run_dir, k + 1) - row_k
+    time.sleep(rng.uniform(0.0, 1.0) * step_s)
     process.kill()
     assert process.wait(TIMEOUT_S) == -signal.SIGKILL, "the run ended before the kill"
-    assert run_files.run_status(run_dir) != run_files.FINISHED
+    assert run_files.run_status(run_dir) == run_files.UNFINISHED
     _resume_until_done(run_dir)
-    assert _rows(run_dir) == reference.rows
+    assert _rows(run_dir) == reference
