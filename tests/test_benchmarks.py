@@ -11,6 +11,7 @@ import pytest
 from benchmarks import datums, local, loop, losses, mismatch, serve
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("benchmark", "expected"),
     [

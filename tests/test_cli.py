@@ -117,6 +117,7 @@ def test_bad_flag_value_exits_2_naming_the_flag(
     )
 
 
+@pytest.mark.slow
 def test_sigint_mid_run_leaves_resumable_checkpoint_and_complete_logs(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     command = [

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,7 @@ def _check_dynamic_invariants(
         assert (row["sampling/extra_tokens"] > 0) == (rounds > 1)
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_fills_the_batch_or_stops_at_the_round_cap(tmp_path: Path) -> None:
     rows = read_metrics(quiet_train(_dynamic(tmp_path, "sparse", "sparse")).run_dir)
     _check_dynamic_invariants(rows, batch_size=3, group_size=4, max_rounds=3)
@@ -315,12 +317,21 @@ def test_extra_rounds_draw_their_own_problems_and_seeds() -> None:
     assert sorted(extra_batch(5, 8, 0, 1, 0).tolist()) == [0, 1, 2, 3, 4]
 
 
-def test_swanlab_receives_the_logged_groups_as_text(tmp_path: Path) -> None:
-    from grpo.train.logging import RunLogger, rollout_text
+def test_swanlab_receives_the_logged_groups_as_text(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from grpo.train.logging import RunLogger
 
     class FakeSwanlab:
+        """The swanlab module surface RunLogger uses: init, Text, log, finish."""
+
         def __init__(self) -> None:
+            self.inits: list[dict[str, Any]] = []
             self.logged: list[tuple[dict[str, Any], int]] = []
+            self.finished = 0
+
+        def init(self, **kwargs: Any) -> None:
+            self.inits.append(kwargs)
 
         @staticmethod
         def Text(content: str, caption: str | None = None) -> tuple[str, str | None]:  # noqa: N802
@@ -328,6 +339,9 @@ def test_swanlab_receives_the_logged_groups_as_text(tmp_path: Path) -> None:
 
         def log(self, payload: dict[str, Any], step: int) -> None:
             self.logged.append((payload, step))
+
+        def finish(self) -> None:
+            self.finished += 1
 
     group = {
         "group": 0,
@@ -346,15 +360,36 @@ def test_swanlab_receives_the_logged_groups_as_text(tmp_path: Path) -> None:
             }
         ],
     }
-    logger = RunLogger(
-        tmp_path, config={}, swanlab_mode="disabled", swanlab_project="p", run_name="r"
-    )
     fake = FakeSwanlab()
-    logger._swanlab = fake
+    monkeypatch.setitem(sys.modules, "swanlab", fake)
+    logger = RunLogger(
+        tmp_path,
+        config={"steps": 1, "api_key": "sk-secret"},
+        swanlab_mode="offline",
+        swanlab_project="p",
+        run_name="r",
+    )
+    assert fake.inits == [
+        {
+            "project": "p",
+            "experiment_name": "r",
+            "config": {"steps": 1},
+            "mode": "offline",
+            "logdir": str(tmp_path / "swanlog"),
+        }
+    ]
     logger.log(1, {"reward": 1.0}, rollouts=[group])
+    assert fake.finished == 0
     logger.close()
+    assert fake.finished == 1
     ((payload, step),) = fake.logged
     assert step == 1 and payload["reward"] == 1.0
-    assert payload["rollouts"] == [(rollout_text(group), "group 0")]
-    assert "completion 0: reward 1 (boxed_match=1), advantage +0.500" in rollout_text(group)
+    text = (
+        "prompt (row 4, gold '2'):\n"
+        "What is 1 plus 1?\n"
+        "\n"
+        "--- completion 0: reward 1 (boxed_match=1), advantage +0.500, 6 tokens, stop stop\n"
+        "\\boxed{2}"
+    )
+    assert payload["rollouts"] == [(text, "group 0")]
     assert read_rollouts(tmp_path) == [{"step": 1, **group}]

@@ -106,6 +106,7 @@ def _assert_same(
         assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("compiler", "fallback_is_an_error")
 @pytest.mark.parametrize("name", FUSED_KERNELS)
 def test_compiled_form_matches_the_eager_kernel_at_any_batch_size(name: str) -> None:
@@ -122,6 +123,7 @@ def test_compiled_form_matches_the_eager_kernel_at_any_batch_size(name: str) -> 
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("compiler", "fallback_is_an_error")
 @pytest.mark.parametrize(
     ("name", "reduction", "with_gradient", "with_sampling_logprobs"),
@@ -145,6 +147,7 @@ def test_compiled_variants_match_the_eager_kernel(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("compiler", "fallback_is_an_error")
 @pytest.mark.parametrize("name", FUSED_KERNELS)
 def test_compiled_form_rejects_non_finite_masked_in_values_and_ignores_masked_out_ones(
@@ -167,6 +170,7 @@ def test_compiled_form_rejects_non_finite_masked_in_values_and_ignores_masked_ou
                 _call(name, tuple(poisoned), fused=True)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("compiler", "fallback_is_an_error")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_compiled_form_computes_low_precision_inputs_in_float32(dtype: torch.dtype) -> None:

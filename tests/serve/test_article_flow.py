@@ -53,6 +53,7 @@ def build_datum(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["wordproblems", "arithmetic"])
 def test_article_step_has_non_degenerate_groups_and_a_finite_loss(tmp_path, source):
     with LocalServiceClient(root=tmp_path, seed=0) as service:

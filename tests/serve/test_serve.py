@@ -433,6 +433,7 @@ def test_fault_specs_parse_and_select_deterministically() -> None:
     assert [plan.decide(op)[0] for op in ("a", "a", "b", "b")] == [None, 429, None, 429]
 
 
+@pytest.mark.slow
 def test_grpo_serve_cli_prints_the_variables_serves_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     env = {**os.environ, "GRPO_SERVE_API_KEY": "cli-key", "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(

@@ -46,14 +46,15 @@ FLAGS = [
     "--seed",
     "0",
 ]
+# (fault, what, the steps logged and the checkpoint's step when the run stops there)
 TRIALS = [
-    ("sampled:1:SIGKILL", "killed after the baseline row, before any checkpoint"),
-    ("optim:3:SIGKILL", "killed in the middle of step 3's update"),
-    ("eval:2:SIGINT2", "double Ctrl-C during the evaluation of step 2"),
-    ("save:1:SIGKILL", "killed during the checkpoint save of step 2"),
-    ("log:3:SIGINT", "Ctrl-C while logging step 2: finishes the step, saves, exits"),
-    ("log:5:SIGKILL", "killed just before the last row is logged"),
-    ("sampled:3:SIGINT2", "double Ctrl-C right after step 3 sampled"),
+    ("sampled:1:SIGKILL", "killed after the baseline row, before any checkpoint", [0], None),
+    ("optim:3:SIGKILL", "killed in the middle of step 3's update", [0, 1, 2], 2),
+    ("eval:2:SIGINT2", "double Ctrl-C during the evaluation of step 2", [0, 1], None),
+    ("save:1:SIGKILL", "killed during the checkpoint save of step 2", [0, 1, 2], None),
+    ("log:3:SIGINT", "Ctrl-C while logging step 2: finishes the step, saves, exits", [0, 1, 2], 2),
+    ("log:5:SIGKILL", "killed just before the last row is logged", [0, 1, 2, 3], 2),
+    ("sampled:3:SIGINT2", "double Ctrl-C right after step 3 sampled", [0, 1, 2], 2),
 ]
 TIMEOUT_S = 180
 
@@ -69,6 +70,17 @@ def _train(
     return subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
     )
+
+
+def _wait_for_rows(process: subprocess.Popen[bytes], run_dir: Path, count: int) -> float:
+    """Wait until the run has logged `count` complete rows; the time it happened."""
+    path = run_dir / run_files.METRICS_FILE
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (path.exists() and path.read_bytes().count(b"\n") >= count):
+        assert process.poll() is None, f"the run exited before logging {count} rows"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return time.monotonic()
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -105,9 +117,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("fault", "what"), TRIALS, ids=[fault for fault, _ in TRIALS])
+@pytest.mark.parametrize(
+    ("fault", "what", "logged", "checkpoint_step"), TRIALS, ids=[trial[0] for trial in TRIALS]
+)
 def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
-    tmp_path: Path, reference: list[dict[str, Any]], fault: str, what: str
+    tmp_path: Path,
+    reference: list[dict[str, Any]],
+    fault: str,
+    what: str,
+    logged: list[int],
+    checkpoint_step: int | None,
 ) -> None:
     run_dir = tmp_path / "run"
     first = _train(run_dir, *FLAGS, "--run-dir", str(run_dir), fault=fault)
@@ -115,12 +134,14 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     assert first.returncode == expected_code, (what, first.returncode, first.stderr[-2000:])
     if "Traceback" in first.stderr:
         pytest.fail(f"{what}: a traceback reached the user:\n{first.stderr[-2000:]}")
+    # The fault landed where it was meant to: the run stopped there, unfinished.
+    assert run_files.run_status(run_dir) == run_files.UNFINISHED, what
     checkpoint = run_files.read_checkpoint(run_dir)
-    if checkpoint is not None:
-        logged = [row["step"] for row in run_files.read_metrics(run_dir)]
-        assert checkpoint.step <= max(logged), (
-            f"{what}: checkpoint {checkpoint.step} past rows {logged}"
-        )
+    stopped_at = (
+        [row["step"] for row in run_files.read_metrics(run_dir)],
+        None if checkpoint is None else checkpoint.step,
+    )
+    assert stopped_at == (logged, checkpoint_step), f"{what}: (rows, checkpoint) {stopped_at}"
     _resume_until_done(run_dir)
     assert _rows(run_dir) == reference, what
 
@@ -137,13 +158,15 @@ def test_sigkill_at_a_random_time_then_resume_equals_the_uninterrupted_run(
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    # Wait for the run to start logging, then kill it a seeded random time later.
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (run_dir / run_files.METRICS_FILE).exists() and process.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    time.sleep(random.Random(trial).uniform(0.0, 1.5))
+    # Kill at a seeded random time within one step's duration (measured on this run, so on
+    # this machine's speed) after row k + 1 of 5: at least two rows remain, so it lands.
+    rng = random.Random(trial)
+    k = rng.choice([1, 2])
+    row_k = _wait_for_rows(process, run_dir, k)
+    step_s = _wait_for_rows(process, run_dir, k + 1) - row_k
+    time.sleep(rng.uniform(0.0, 1.0) * step_s)
     process.kill()
-    process.wait(TIMEOUT_S)
+    assert process.wait(TIMEOUT_S) == -signal.SIGKILL, "the run ended before the kill"
+    assert run_files.run_status(run_dir) == run_files.UNFINISHED
     _resume_until_done(run_dir)
     assert _rows(run_dir) == reference

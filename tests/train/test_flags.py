@@ -155,6 +155,7 @@ def test_the_strategy_covers_every_field() -> None:
     assert set(FIELD_VALUES) | {"loss_fn", "loss_config"} == set(FIELDS)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(train_configs())
 def test_train_argv_of_a_config_parses_back_to_the_same_config(config: TrainConfig) -> None:

@@ -1,5 +1,6 @@
 """`grpo compare`: the same run for several losses x seeds, then a report, comparison.json
-and reward.png in the experiment directory.
+and reward.png in the experiment directory. Its plan is the sweep plan of a one-axis grid over
+`loss_fn` (`sweep.grid_configs`), so runs are planned, named and launched as a sweep's are.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ from grpo.tools.experiments.runner import (
     TRAIN_COMMAND,
     RunSpec,
     normalize_overrides,
-    run_dir_name,
 )
 from grpo.tools.experiments.stats import ConfigSummary, on_policy_warning, summarize_by_label
+from grpo.tools.experiments.sweep import ExperimentPlan, check_distinct, grid_configs, sweep_specs
 from grpo.train.flags import add_train_arguments, explicit_flags, load_toml, train_argv
 
 COMPARISON_FILE = "comparison.json"
@@ -68,20 +69,22 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     add_train_arguments(group, exclude=MANAGED_FLAGS | {"loss_fn"})
 
 
+def compare_plan(
+    loss_fns: Sequence[str], seeds: Sequence[int], shared: Mapping[str, Any]
+) -> ExperimentPlan:
+    """The sweep plan of a one-axis grid over `loss_fn`, each configuration labelled by its loss."""
+    configs = grid_configs(
+        {"loss_fn": list(loss_fns)}, where="--loss-fn", label=lambda overrides: overrides["loss_fn"]
+    )
+    check_distinct(configs, where="--loss-fn")
+    return ExperimentPlan(base=dict(shared), configs=tuple(configs), seeds=tuple(seeds))
+
+
 def compare_specs(
     loss_fns: Sequence[str], seeds: Sequence[int], shared: Mapping[str, Any], out: Path
 ) -> list[RunSpec]:
     """One run per loss x seed, in `out/<loss>-seed<k>`, all with the `shared` flags."""
-    return [
-        RunSpec(
-            label=loss_fn,
-            seed=seed,
-            run_dir=out / run_dir_name(loss_fn, seed),
-            overrides={**shared, "loss_fn": loss_fn, "seed": seed},
-        )
-        for loss_fn in loss_fns
-        for seed in seeds
-    ]
+    return sweep_specs(compare_plan(loss_fns, seeds, shared), out)
 
 
 def compare_command(
@@ -175,11 +178,7 @@ def compare(
 ) -> list[ConfigSummary]:
     """Run every loss x seed (skip finished, resume unfinished); write the report, JSON, plot."""
     check_positive("--seeds", seeds)
-    if not loss_fns:
-        raise ValueError("--loss-fn needs at least one loss")
-    duplicates = sorted({name for name in loss_fns if list(loss_fns).count(name) > 1})
-    if duplicates:
-        raise ValueError(f"--loss-fn lists {duplicates[0]!r} twice; name each loss once")
+    specs = compare_specs(loss_fns, range(seeds), shared, out)
     command = compare_command(loss_fns, seeds, shared, out)
 
     def render(experiment: Experiment) -> Report:
@@ -202,7 +201,6 @@ def compare(
         )
         return Report(markdown=markdown, payload=payload, figure=figure, result=summaries)
 
-    specs = compare_specs(loss_fns, range(seeds), shared, out)
     return run_and_report(
         specs,
         out=out,

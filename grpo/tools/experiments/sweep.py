@@ -56,13 +56,22 @@ RANK_ORDERS = ("max", "min")
 
 
 @attrs.frozen
-class SweepPlan:
-    """A validated sweep file: fixed flags, configurations (label, overrides), seeds, ranking."""
+class ExperimentPlan:
+    """Configurations (label, overrides) x seeds over fixed `base` flags: one run each.
 
-    path: Path
+    `grpo compare` is the plan of a one-axis grid over `loss_fn` (see `compare.compare_plan`).
+    """
+
     base: Mapping[str, Any]
     configs: tuple[tuple[str, Mapping[str, Any]], ...]
     seeds: tuple[int, ...]
+
+
+@attrs.frozen
+class SweepPlan(ExperimentPlan):
+    """A validated sweep file: its plan, the file it came from, and how it ranks."""
+
+    path: Path
     rank_by: str
     rank_order: str
 
@@ -80,6 +89,37 @@ def _format_setting(value: Any) -> str:
 def config_label(overrides: Mapping[str, Any]) -> str:
     """`key=value,key=value` of a configuration's own overrides ("base" when it has none)."""
     return ",".join(f"{key}={_format_setting(value)}" for key, value in overrides.items()) or "base"
+
+
+def grid_configs(
+    grid: Mapping[str, Sequence[Any]],
+    *,
+    where: str,
+    label: Callable[[Mapping[str, Any]], str] = config_label,
+    check: Callable[[dict[str, Any]], dict[str, Any]] = dict,
+) -> list[tuple[str, dict[str, Any]]]:
+    """The (label, overrides) of every combination of `grid`'s value lists (cartesian product,
+    first key slowest); `check` normalizes each combination's overrides."""
+    for key, values in grid.items():
+        if not isinstance(values, (list, tuple)) or not values:
+            raise ValueError(f"{where} {key} must be a non-empty list of values, got {values!r}")
+    names = list(grid)
+    configs = []
+    for combination in itertools.product(*(grid[name] for name in names)):
+        overrides = check(dict(zip(names, combination, strict=True)))
+        configs.append((label(overrides), overrides))
+    return configs
+
+
+def check_distinct(configs: Sequence[tuple[str, Mapping[str, Any]]], *, where: str) -> None:
+    """ValueError unless every configuration has its own label (its runs' directories)."""
+    labels = [label for label, _ in configs]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise ValueError(
+            f"{where}: two configurations are the same ({repeated[0]}); "
+            "give each run different overrides"
+        )
 
 
 def load_sweep(path: str | Path) -> SweepPlan:
@@ -102,13 +142,7 @@ def load_sweep(path: str | Path) -> SweepPlan:
         raise ValueError(f"{file}: [base] must be a table of train flags")
     base = normalize_overrides(base_raw, where=f"{file} [base]")
     configs = _sweep_configs(file, raw)
-    labels = [label for label, _ in configs]
-    repeated = sorted({label for label in labels if labels.count(label) > 1})
-    if repeated:
-        raise ValueError(
-            f"{file}: two configurations are the same ({repeated[0]}); "
-            "give each run different overrides"
-        )
+    check_distinct(configs, where=str(file))
     seeds = raw.get("seeds", [0])
     if (
         not isinstance(seeds, list)
@@ -147,19 +181,11 @@ def _sweep_configs(file: Path, raw: Mapping[str, Any]) -> list[tuple[str, dict[s
                 f"{file}: [grid] is empty; give at least one flag with a list of values, "
                 "e.g. learning_rate = [1e-4, 3e-4]"
             )
-        for key, values in grid.items():
-            if not isinstance(values, list) or not values:
-                raise ValueError(
-                    f"{file}: [grid] {key} must be a non-empty list of values, got {values!r}"
-                )
-        names = list(grid)
-        configs = []
-        for combination in itertools.product(*(grid[name] for name in names)):
-            overrides = normalize_overrides(
-                dict(zip(names, combination, strict=True)), where=f"{file} [grid]"
-            )
-            configs.append((config_label(overrides), overrides))
-        return configs
+        return grid_configs(
+            grid,
+            where=f"{file}: [grid]",
+            check=lambda raw: normalize_overrides(raw, where=f"{file} [grid]"),
+        )
     if "runs" in raw:
         runs = raw["runs"]
         if not isinstance(runs, list) or not runs:
@@ -183,7 +209,7 @@ def _sweep_configs(file: Path, raw: Mapping[str, Any]) -> list[tuple[str, dict[s
     )
 
 
-def sweep_specs(plan: SweepPlan, out: Path) -> list[RunSpec]:
+def sweep_specs(plan: ExperimentPlan, out: Path) -> list[RunSpec]:
     """One run per configuration x seed in `out/<label>-seed<k>`: base | configuration | seed."""
     return [
         RunSpec(
