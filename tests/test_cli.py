@@ -323,14 +323,14 @@ def test_a_full_disk_names_the_path_and_the_free_space(
 ) -> None:
     import errno
 
-    import grpo.train.loop
+    import grpo.train.run
 
     target = tmp_path / "run" / "config.json"
 
     def full_disk(*_args: object, **_kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(target))
 
-    monkeypatch.setattr(grpo.train.loop, "train", full_disk)
+    monkeypatch.setattr(grpo.train.run, "train", full_disk)
     assert main(["train", "--run-dir", str(tmp_path / "run")]) == 1
     err = capsys.readouterr().err
     assert f"no space left on the device writing {target}" in err and "MiB free there" in err

@@ -668,7 +668,7 @@ def test_run_sweep_reports_a_missing_or_bad_file_without_running(
 def test_compare_end_to_end_with_the_real_trainer(tmp_path: Path) -> None:
     try:
         import grpo.cli  # noqa: F401
-        import grpo.train.loop  # noqa: F401
+        import grpo.train.run  # noqa: F401
     except ImportError as error:
         pytest.skip(
             f"the training loop does not import yet ({error}); this test runs the real `grpo train`"
