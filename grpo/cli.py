@@ -62,12 +62,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """`grpo train`: one GRPO run; exit 0 when finished, 130 on a signal, 1 on failure."""
-    from grpo.train.loop import RunStopped, train
+    from grpo.train.run import RunStopped, train
 
     config, resume = flags.config_from_args(args)
     check_user_inputs(config)  # before anything, as a dry run makes its service client first
     if args.dry_run:
-        from grpo.train.loop import dry_run
+        from grpo.train.run import dry_run
 
         for line in dry_run(resolve_run(config), resume=resume):
             print(line)

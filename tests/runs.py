@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.train.config import TrainConfig
-from grpo.train.loop import RunResult, train
+from grpo.train.run import RunResult, train
 
 TINY = dict(
     steps=2,

@@ -25,7 +25,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "grpo"
 
 
 def _module_name(path: Path, root: Path = PACKAGE_ROOT) -> str:
-    """``grpo/train/loop.py`` -> ``grpo.train.loop``; an ``__init__`` -> its package."""
+    """``grpo/train/run.py`` -> ``grpo.train.run``; an ``__init__`` -> its package."""
     parts = path.relative_to(root.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -44,7 +44,7 @@ def imported_modules(
     """(line, module) for every import statement anywhere in ``source``.
 
     ``from X import name`` counts as importing ``X.name`` when that is a grpo module (so
-    ``from grpo.train import loop`` imports ``grpo.train.loop``), else as importing ``X``. Relative
+    ``from grpo.train import run`` imports ``grpo.train.run``), else as importing ``X``. Relative
     imports are resolved against ``module``.
     """
     package = module if is_package else module.rpartition(".")[0]
@@ -120,7 +120,7 @@ def test_the_import_scanner_sees_imports_in_functions_relative_and_from_package(
     source = textwrap.dedent(
         """
         import numpy
-        from grpo.train import loop
+        from grpo.train import run
         from . import records
         from ..backends.datums import batch_to_datums
 
@@ -132,7 +132,7 @@ def test_the_import_scanner_sees_imports_in_functions_relative_and_from_package(
         "grpo.backends.datums",
         "grpo.core.records",
         "grpo.train.custom_loss",
-        "grpo.train.loop",
+        "grpo.train.run",
         "numpy",
     ]
     assert not core_may_import("grpo.train.custom_loss") and not core_may_import("pytrio.types")

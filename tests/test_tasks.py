@@ -16,7 +16,7 @@ import pytest
 from grpo.cli import main
 from grpo.train import run_files
 from grpo.train.config import TrainConfig
-from grpo.train.loop import RunStopped
+from grpo.train.run import RunStopped
 from grpo.train.run_files import read_metrics, read_rollouts
 from tests.runs import comparable, quiet_train, tiny_config
 

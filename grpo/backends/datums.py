@@ -32,7 +32,8 @@ IGNORE_INDEX = -100
 """A target token equal to this trains nothing (the usual label-padding convention)."""
 
 
-def _at_datum(index: int | None) -> str:
+def at_datum(index: int | None) -> str:
+    """The suffix that names a datum in an error message: `` (datum 3)``, or nothing."""
     return "" if index is None else f" (datum {index})"
 
 
@@ -45,7 +46,7 @@ def datum_array(
     except KeyError:
         present = ", ".join(sorted(datum.loss_fn_inputs)) or "nothing"
         raise ValueError(
-            f"loss_fn_inputs has no {key!r}{_at_datum(index)} (it holds {present}); pass the "
+            f"loss_fn_inputs has no {key!r}{at_datum(index)} (it holds {present}); pass the "
             f"full datums (before stripping them to target_tokens)"
         ) from None
     # TensorData keeps a flat Python list; one asarray beats any per-element conversion.
@@ -55,8 +56,7 @@ def datum_array(
 def _check_length(name: str, values: np.ndarray, num_targets: int, index: int | None) -> None:
     if values.size != num_targets:
         raise ValueError(
-            f"{name} has {values.size} entries but target_tokens has "
-            f"{num_targets}{_at_datum(index)}"
+            f"{name} has {values.size} entries but target_tokens has {num_targets}{at_datum(index)}"
         )
 
 
@@ -65,7 +65,7 @@ def _check_finite(name: str, values: np.ndarray, mask: np.ndarray, index: int | 
     if bad.any():
         position = int(np.flatnonzero(bad)[0])
         raise ValueError(
-            f"{name} holds {values[position]} at position {position}{_at_datum(index)}; "
+            f"{name} holds {values[position]} at position {position}{at_datum(index)}; "
             "every entry at a trained position must be finite"
         )
 
@@ -83,7 +83,7 @@ def _mask(
         if not_binary.any():
             position = int(np.flatnonzero(not_binary)[0])
             raise ValueError(
-                f"mask holds {selector[position]} at position {position}{_at_datum(index)}, but "
+                f"mask holds {selector[position]} at position {position}{at_datum(index)}, but "
                 "a mask holds only 0 and 1; to weight positions, scale the advantages instead"
             )
     return (selector != 0) & (targets != IGNORE_INDEX)

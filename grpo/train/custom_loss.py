@@ -21,15 +21,11 @@ import torch
 from pytrio.types import Datum
 from torch import Tensor
 
-from grpo.backends.datums import read_datums
+from grpo.backends.datums import at_datum, read_datums
 from grpo.core.loss_spec import LossSpec
 from grpo.core.losses import LossKernel
 
 __all__ = ["CustomLoss", "as_custom_loss"]
-
-
-def _at_datum(index: int | None) -> str:
-    return "" if index is None else f" (datum {index})"
 
 
 @attrs.frozen
@@ -63,13 +59,13 @@ class CustomLoss:
             if logprobs.numel() != length:
                 raise ValueError(
                     f"logprobs has {logprobs.numel()} entries but target_tokens has {length}"
-                    f"{_at_datum(index)}"
+                    f"{at_datum(index)}"
                 )
             targets = datum.loss_fn_inputs.get("target_tokens")
             if targets is not None and len(targets.data) != length:
                 raise ValueError(
                     f"target_tokens has {len(targets.data)} entries but the loss was built for "
-                    f"{length}{_at_datum(index)}; build as_custom_loss from the datums you train on"
+                    f"{length}{at_datum(index)}; build as_custom_loss from the datums you train on"
                 )
         logprobs = torch.cat([tensor.reshape(-1) for tensor in logprobs_list])
         loss, metrics = self.spec(

@@ -1,4 +1,5 @@
-"""Run logging: `metrics.jsonl` in the run directory, a console line per step, and SwanLab.
+"""Run logging: `metrics.jsonl` and `rollouts.jsonl` in the run directory, a console line per
+step, and SwanLab.
 
 `metrics.jsonl` is the record of truth (each row fsynced before `log` returns, through
 `grpo.train.run_files.MetricsWriter`, so a crash loses nothing logged); SwanLab is a mirror that
@@ -12,9 +13,13 @@ import re
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo.train.run_files import MetricsWriter, RolloutsWriter
+
+if TYPE_CHECKING:
+    from grpo.core.records import ScoredGroup
+    from grpo.train.rollouts import StepRollouts
 
 # Config values whose key looks like a credential are never written anywhere.
 _SECRET_KEY = re.compile(
@@ -35,6 +40,9 @@ CONSOLE_KEYS = (
     ("cost/cum", "cost", "{:.4f}"),
 )
 
+ROLLOUT_TEXT_LIMIT = 2000
+"""Characters kept of each prompt and completion in rollouts.jsonl (the rest is elided)."""
+
 
 def scrub_secrets(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config without any key that names a credential (API keys never reach logs)."""
@@ -49,6 +57,47 @@ def console_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> s
         if value is not None:
             parts.append(f"{label}={fmt.format(value)}")
     return " | ".join(parts)
+
+
+def _clip(text: str) -> str:
+    if len(text) <= ROLLOUT_TEXT_LIMIT:
+        return text
+    half = ROLLOUT_TEXT_LIMIT // 2
+    return f"{text[:half]} [... {len(text) - 2 * half} characters ...] {text[-half:]}"
+
+
+def rollout_records(
+    rollouts: StepRollouts, groups_P: Sequence[ScoredGroup], tokenizer: Any, limit: int
+) -> list[dict[str, Any]]:
+    """The first ``limit`` groups as JSON-ready records for rollouts.jsonl (texts clipped)."""
+    records = []
+    for index, (problem, group) in enumerate(zip(rollouts.problems_P, groups_P)):
+        if index >= limit:
+            break
+        components = rollouts.scores.components_P[index]
+        records.append(
+            {
+                "group": index,
+                "row": problem.index,
+                "prompt": _clip(tokenizer.decode(list(problem.prompt_tokens))),
+                "gold": problem.gold,
+                "degenerate": group.is_degenerate,
+                "completions": [
+                    {
+                        "text": _clip(completion.text),
+                        "reward": float(group.rewards[member]),
+                        "components": {
+                            name: float(values[member]) for name, values in components.items()
+                        },
+                        "advantage": float(group.advantages[member]),
+                        "tokens": int(completion.tokens.size),
+                        "stop_reason": completion.stop_reason,
+                    }
+                    for member, completion in enumerate(group.completions)
+                ],
+            }
+        )
+    return records
 
 
 def rollout_text(group: Mapping[str, Any]) -> str:

@@ -25,6 +25,7 @@ from grpo.train import run_files
 from grpo.train.config import ConfigError, TrainConfig, check_user_inputs
 from grpo.train.prices import prices_for
 from grpo.train.rollouts import Problem, build_problems, pick_batch, tokenizer_max_len
+from grpo.train.schedule import evaluates_after, evaluates_at_start, saves_after
 
 
 @attrs.frozen
@@ -93,18 +94,21 @@ def preflight(config: TrainConfig, make_service: Callable[[], Any]) -> Preflight
 
 def count_evals(config: TrainConfig, steps: int, start_step: int = 0) -> int:
     """Evaluations the loop runs: a baseline at step 0, then every --eval-every and the last."""
-    if not config.eval_every:
-        return 0
-    baseline = 1 if start_step == 0 else 0
     done = range(start_step + 1, steps + 1)
-    return baseline + sum(1 for step in done if step % config.eval_every == 0 or step == steps)
+    return int(evaluates_at_start(config, start_step)) + sum(
+        1 for step in done if evaluates_after(config, step, steps)
+    )
 
 
 def count_checkpoints(config: TrainConfig, steps: int, start_step: int = 0) -> int:
     """Checkpoints the loop saves: every --save-every before the last step, then the final one."""
-    every = config.save_every
-    periodic = sum(1 for step in range(start_step + 1, steps) if every and step % every == 0)
+    periodic = sum(1 for step in range(start_step + 1, steps) if saves_after(config, step, steps))
     return periodic + 1
+
+
+def runs_extra_forward(config: TrainConfig) -> bool:
+    """PyTRIO's SDK runs a custom loss as a forward, then a forward_backward (one pass locally)."""
+    return config.runs_custom_loss and config.backend == "pytrio"
 
 
 def plan_usage(pre: Preflight, start_step: int = 0) -> TokenUsage:
@@ -124,7 +128,7 @@ def plan_usage(pre: Preflight, start_step: int = 0) -> TokenUsage:
         num_evals=count_evals(config, pre.steps, start_step),
         num_checkpoints=count_checkpoints(config, pre.steps, start_step),
         with_reference=config.kl_coef > 0,
-        extra_forward=config.runs_custom_loss and config.backend == "pytrio",
+        extra_forward=runs_extra_forward(config),
         proximal_forward=config.mismatch.enabled,
     )
 
@@ -153,7 +157,7 @@ def describe(pre: Preflight, usage: TokenUsage, start_step: int = 0) -> list[str
     prompt_lens = [len(problem.prompt_tokens) for problem in pre.train_problems]
     loss = (
         "custom, through forward_backward_custom"
-        + (" (+1 forward per update on PyTRIO)" if config.backend == "pytrio" else "")
+        + (" (+1 forward per update on PyTRIO)" if runs_extra_forward(config) else "")
         if config.runs_custom_loss
         else "built-in on the service"
     )

@@ -30,8 +30,6 @@ from grpo.train.config import ConfigError
 Log = Callable[[str], None]
 
 TRAIN_PURPOSE, EVAL_PURPOSE, EXTRA_PURPOSE = 0, 1, 2
-ROLLOUT_TEXT_LIMIT = 2000
-"""Characters kept of each prompt and completion in rollouts.jsonl (the rest is elided)."""
 
 
 @attrs.frozen
@@ -195,6 +193,39 @@ class RolloutJob:
             future.cancel()
 
 
+@attrs.frozen
+class Sampling:
+    """Where a run's sampling requests go: its thread pool, the tokenizer that decodes a
+    completion the backend returned without text, the retries of a request, the log."""
+
+    pool: ThreadPoolExecutor
+    tokenizer: Any
+    max_retries: int
+    log: Log
+
+    def submit(
+        self,
+        sampler: Any,
+        problems: Sequence[Problem],
+        params_for: Callable[[int], SamplingParams],
+        *,
+        num_samples: int,
+        sampler_version: int = 0,
+    ) -> RolloutJob:
+        """``num_samples`` completions of every problem; request ``i`` samples ``params_for(i)``."""
+        return RolloutJob(
+            self.pool,
+            sampler,
+            problems,
+            params_for=params_for,
+            num_samples=num_samples,
+            tokenizer=self.tokenizer,
+            max_retries=self.max_retries,
+            log=self.log,
+            sampler_version=sampler_version,
+        )
+
+
 def grade_groups(
     problems_P: Sequence[Problem], completions_P: Sequence[Sequence[Completion]]
 ) -> list[np.ndarray]:
@@ -320,16 +351,8 @@ def evaluate(
             seed=sampling_seed(seed, 0, index, purpose=EVAL_PURPOSE),
         )
 
-    job = RolloutJob(
-        pool,
-        sampler,
-        problems,
-        params_for=params,
-        num_samples=num_samples,
-        tokenizer=tokenizer,
-        max_retries=max_retries,
-        log=log,
-        sampler_version=0,
+    job = Sampling(pool, tokenizer, max_retries, log).submit(
+        sampler, problems, params, num_samples=num_samples
     )
     rewards_P = grade_groups(problems, job.result())
     correct_P = [int(rewards.sum()) for rewards in rewards_P]
@@ -417,44 +440,3 @@ def trainable_groups(groups_P: Sequence[ScoredGroup], limit: int | None) -> list
     """Step 7: the non-degenerate groups, the first ``limit`` of them when a limit is given."""
     kept = [group for group in groups_P if not group.is_degenerate]
     return kept if limit is None else kept[:limit]
-
-
-def _clip(text: str) -> str:
-    if len(text) <= ROLLOUT_TEXT_LIMIT:
-        return text
-    half = ROLLOUT_TEXT_LIMIT // 2
-    return f"{text[:half]} [... {len(text) - 2 * half} characters ...] {text[-half:]}"
-
-
-def rollout_records(
-    rollouts: StepRollouts, groups_P: Sequence[ScoredGroup], tokenizer: Any, limit: int
-) -> list[dict[str, Any]]:
-    """The first ``limit`` groups as JSON-ready records for rollouts.jsonl (texts clipped)."""
-    records = []
-    for index, (problem, group) in enumerate(zip(rollouts.problems_P, groups_P)):
-        if index >= limit:
-            break
-        components = rollouts.scores.components_P[index]
-        records.append(
-            {
-                "group": index,
-                "row": problem.index,
-                "prompt": _clip(tokenizer.decode(list(problem.prompt_tokens))),
-                "gold": problem.gold,
-                "degenerate": group.is_degenerate,
-                "completions": [
-                    {
-                        "text": _clip(completion.text),
-                        "reward": float(group.rewards[member]),
-                        "components": {
-                            name: float(values[member]) for name, values in components.items()
-                        },
-                        "advantage": float(group.advantages[member]),
-                        "tokens": int(completion.tokens.size),
-                        "stop_reason": completion.stop_reason,
-                    }
-                    for member, completion in enumerate(group.completions)
-                ],
-            }
-        )
-    return records

@@ -37,6 +37,8 @@ from typing import IO, Any
 import attrs
 import filelock
 
+from grpo.backends.files import fsync_path
+
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 ROLLOUTS_FILE = "rollouts.jsonl"
@@ -59,20 +61,6 @@ class RunDirError(ValueError):
 # --- writing -------------------------------------------------------------------------------
 
 
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename or a new file in ``directory`` durable (no-op where directories can't sync)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
     """Write ``payload`` as JSON via a temp file, fsync and rename: never half a file."""
     tmp = path.with_name(path.name + ".tmp")
@@ -81,7 +69,7 @@ def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    _fsync_directory(path.parent)
+    fsync_path(path.parent)
 
 
 def _jsonable(value: Any) -> Any:
@@ -351,7 +339,7 @@ def rewrite_metrics(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    _fsync_directory(run_dir)
+    fsync_path(run_dir)
 
 
 def prepare_metrics_for_resume(run_dir: Path, checkpoint_step: int | None) -> int:

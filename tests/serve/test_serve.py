@@ -24,7 +24,7 @@ from grpo.backends.local import LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.serve.faults import Fault, FaultPlan, parse_fault
 from grpo.train.config import TrainConfig
-from grpo.train.loop import train
+from grpo.train.run import train
 from grpo.train.run_files import read_metrics
 from tests.runs import TINY
 

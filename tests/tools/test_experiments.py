@@ -687,7 +687,7 @@ def test_run_sweep_reports_a_missing_or_bad_file_without_running(
 @pytest.mark.slow
 def test_compare_end_to_end_with_the_real_trainer(tmp_path: Path) -> None:
     import grpo.cli  # noqa: F401 - an ImportError here fails the test: it runs the real trainer
-    import grpo.train.loop  # noqa: F401
+    import grpo.train.run  # noqa: F401
 
     out = tmp_path / "cmp"
     parser = argparse.ArgumentParser()

@@ -18,8 +18,8 @@ import pytest
 from grpo.core import losses
 from grpo.train import run_files
 from grpo.train.config import TrainConfig
-from grpo.train.loop import ConfigError, RunStopped, train
 from grpo.train.rollouts import pick_batch
+from grpo.train.run import ConfigError, RunStopped, train
 from grpo.train.run_files import read_metrics
 from tests.runs import comparable, quiet_train, tiny_config
 

@@ -21,9 +21,9 @@ from grpo.core.usage import (
     usage_metrics,
 )
 from grpo.train.config import ConfigError, TrainConfig
-from grpo.train.loop import dry_run
 from grpo.train.plan import plan_usage, preflight
 from grpo.train.prices import prices_for
+from grpo.train.run import dry_run
 from grpo.train.run_files import read_metrics
 from tests import runs as tiny_runs
 

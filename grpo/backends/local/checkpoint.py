@@ -30,6 +30,7 @@ import torch
 from pytrio.errors.base import ValidationError
 from safetensors.torch import load_file, save_file
 
+from grpo.backends.files import fsync_path
 from grpo.backends.local.model import AdapterWeights, LoraSpec, ModelHost
 
 URI_SCHEME = "local://"
@@ -102,7 +103,7 @@ def write(
             torch.save(optimizer_state, staging / OPTIMIZER_FILE)
         (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
         for file in staging.iterdir():
-            _fsync(file)
+            fsync_path(file)
         size = sum(file.stat().st_size for file in staging.iterdir())
         _publish(staging, directory)
     except BaseException:
@@ -118,17 +119,9 @@ def _publish(staging: Path, directory: Path) -> None:
         retired = directory.parent / f".old-{directory.name}-{uuid.uuid4().hex}"
         os.replace(directory, retired)
     os.replace(staging, directory)
-    _fsync(directory.parent)
+    fsync_path(directory.parent)
     if retired is not None:
         shutil.rmtree(retired, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def metadata_for(

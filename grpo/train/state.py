@@ -1,0 +1,64 @@
+"""The records a run carries through its steps: ``Run`` (fixed) and ``RunState`` (changing).
+
+`grpo.train.run` builds them once a run's checks have passed; every step of
+`grpo.train.step` reads the first and advances the second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import attrs
+from pytrio.types import AdamParams
+
+from grpo.core.usage import Prices, TokenUsage
+from grpo.train.config import TrainConfig
+from grpo.train.logging import RunLogger
+from grpo.train.rollouts import Problem, RolloutJob
+
+
+@attrs.frozen
+class Run:
+    """What stays fixed during a run: the config, clients, problems and sinks."""
+
+    config: TrainConfig
+    run_dir: Path
+    steps: int
+    training_client: Any
+    tokenizer: Any
+    train_problems: list[Problem]
+    test_problems: list[Problem]
+    adam: AdamParams
+    pool: ThreadPoolExecutor
+    ref_sampler: Any
+    logger: RunLogger
+    note: Callable[[str], None]
+    prices: Prices | None = None
+
+
+@attrs.define
+class RunState:
+    """What changes during a run: progress, the sampler cache and in-flight rollouts."""
+
+    completed: int
+    """The last step whose row is on disk (the step a checkpoint of these weights covers)."""
+    last_saved_step: int
+    version: int
+    """Updates applied, at batch granularity: one per trained step."""
+    weights_dirty: bool = False
+    """True from the first optimizer step of a step until its row is logged."""
+    probe_datums: Any = None
+    """The last minibatch, stripped to targets: no checkpoint if its log-probs are not finite."""
+    sampler: Any = None
+    sampler_version: int = -1
+    jobs: dict[int, RolloutJob] = attrs.Factory(dict)
+    rollout_log: list[dict[str, Any]] = attrs.Factory(list)
+    """The groups of the step being trained, for rollouts.jsonl (written with its row)."""
+    last_metrics: dict[str, float] = attrs.Factory(dict)
+    usage: TokenUsage = TokenUsage()
+    """Tokens used since the last logged row (they go into the next one)."""
+    usage_logged: TokenUsage = TokenUsage()
+    """Tokens of every logged row, cumulative (``usage/cum_*`` of the last row)."""
