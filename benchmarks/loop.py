@@ -2,7 +2,7 @@
 
 `python -m benchmarks.loop [--quick] [--backend canned|local]`
 
-The service client handed to `grpo.train.run.train` is wrapped so that every backend call
+The service client handed to `grpo.training.run.train` is wrapped so that every backend call
 takes a fixed added latency, as a remote service's network and GPU would: 300 ms a
 `sample`, 800 ms a `forward_backward`, 100 ms an `optim_step`, 50 ms a
 `save_weights_and_get_sampling_client` or checkpoint save (--quick: a tenth of each).
@@ -59,10 +59,10 @@ from benchmarks.common import (
 )
 from grpo.backends.local.tiny import IM_END, TINY_MODEL_NAME, build_tokenizer
 from grpo.tasks.data import load_problems
-from grpo.train.config import TrainConfig
-from grpo.train.rollouts import Problem, build_problems
-from grpo.train.run import train
-from grpo.train.run_files import read_metrics
+from grpo.training.config import TrainConfig
+from grpo.training.rollouts import Problem, build_problems
+from grpo.training.run import train
+from grpo.training.run_files import read_metrics
 
 FULL_LATENCY_S = {
     "sample": 0.300,

@@ -1,6 +1,6 @@
 """The `grpo` command: train | eval | compare | sweep | plot | show | plot-losses.
 
-`grpo train` flags come from `grpo.train.config.TrainConfig` through `grpo.train.flags`,
+`grpo train` flags come from `grpo.training.config.TrainConfig` through `grpo.training.flags`,
 so `--help` shows every flag with its default and TOML files (`--config`) use the same
 names. Precedence: defaults < `--config` file < flags on the command line (and, with
 `--resume`, the run's saved config takes the place of the defaults).
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo.backends.pytrio import BackendUnavailableError
-from grpo.train import flags
-from grpo.train.config import (
+from grpo.training import flags
+from grpo.training.config import (
     BACKENDS,
     check_user_inputs,
     resolve_run,
@@ -62,12 +62,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """`grpo train`: one GRPO run; exit 0 when finished, 130 on a signal, 1 on failure."""
-    from grpo.train.run import RunStopped, train
+    from grpo.training.run import RunStopped, train
 
     config, resume = flags.config_from_args(args)
     check_user_inputs(config)  # before anything, as a dry run makes its service client first
     if args.dry_run:
-        from grpo.train.run import dry_run
+        from grpo.training.run import dry_run
 
         for line in dry_run(resolve_run(config), resume=resume):
             print(line)

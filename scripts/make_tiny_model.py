@@ -6,9 +6,10 @@
     python scripts/make_tiny_model.py --steps 600 --snapshot-steps 200,300,400 --snapshot-dir D
                                                       # also save the model at those steps
 
-Training is single-threaded and deterministic (see grpo/train/warm_start.py), so the same torch and
-transformers versions reproduce the shipped tokenizer and `model.safetensors` byte for byte.
-The tokenizer is trained first, on the warm start's own conversations (both prompt styles).
+Training is single-threaded and deterministic (see grpo/training/warm_start.py), so the same
+torch and transformers versions reproduce the shipped tokenizer and `model.safetensors` byte
+for byte. The tokenizer is trained first, on the warm start's own conversations (both
+prompt styles).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import transformers
 from grpo.backends.local.tiny import MAX_POSITIONS, TINY_MODEL_DIR, init_tiny_model, train_tokenizer
 from grpo.tasks.data import ARITHMETIC_SPLIT_SIZES, load_problems
 from grpo.tasks.prompts import FEWSHOT_PREFIX
-from grpo.train import warm_start
+from grpo.training import warm_start
 
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -117,7 +118,7 @@ def write_manifest(out: Path, *, command: str, steps: int, seed: int, results: d
     lines = [
         "# Built-in tiny model (warm start)",
         "",
-        "Produced by `grpo/train/warm_start.py` through `scripts/make_tiny_model.py`; `--check`",
+        "Produced by `grpo/training/warm_start.py` through `scripts/make_tiny_model.py`; `--check`",
         "retrains and compares the bytes with this directory. Byte equality holds for the torch,",
         "transformers and tokenizers versions below on CPU; other versions, or CPUs whose",
         "kernels pick different vector instructions, may round differently.",

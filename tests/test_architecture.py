@@ -25,7 +25,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "grpo"
 
 
 def _module_name(path: Path, root: Path = PACKAGE_ROOT) -> str:
-    """``grpo/train/run.py`` -> ``grpo.train.run``; an ``__init__`` -> its package."""
+    """``grpo/training/run.py`` -> ``grpo.training.run``; an ``__init__`` -> its package."""
     parts = path.relative_to(root.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -44,8 +44,8 @@ def imported_modules(
     """(line, module) for every import statement anywhere in ``source``.
 
     ``from X import name`` counts as importing ``X.name`` when that is a grpo module (so
-    ``from grpo.train import run`` imports ``grpo.train.run``), else as importing ``X``. Relative
-    imports are resolved against ``module``.
+    ``from grpo.training import run`` imports ``grpo.training.run``), else as importing
+    ``X``. Relative imports are resolved against ``module``.
     """
     package = module if is_package else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(source)):
@@ -120,22 +120,22 @@ def test_the_import_scanner_sees_imports_in_functions_relative_and_from_package(
     source = textwrap.dedent(
         """
         import numpy
-        from grpo.train import run
+        from grpo.training import run
         from . import records
         from ..backends.datums import batch_to_datums
 
         def later():
-            from grpo.train.custom_loss import datum_mask
+            from grpo.training.custom_loss import datum_mask
         """
     )
     assert sorted(name for _, name in imported_modules(source, "grpo.core.losses")) == [
         "grpo.backends.datums",
         "grpo.core.records",
-        "grpo.train.custom_loss",
-        "grpo.train.run",
+        "grpo.training.custom_loss",
+        "grpo.training.run",
         "numpy",
     ]
-    assert not core_may_import("grpo.train.custom_loss") and not core_may_import("pytrio.types")
+    assert not core_may_import("grpo.training.custom_loss") and not core_may_import("pytrio.types")
     assert core_may_import("grpo.core.records") and core_may_import("torch")
     assert not backend_may_import("grpo.tasks.prompts") and backend_may_import(
         "grpo.backends.datums"
@@ -167,14 +167,14 @@ def test_the_serve_rules_reject_a_local_backend_module_and_serve_outside_the_cli
         "serve/__init__.py": "",
         "serve/command.py": "from grpo.serve.server import serve_in_thread\n",
         "serve/registry.py": "from grpo.backends.local.checkpoint import resolve\n",
-        "train/__init__.py": "",
-        "train/loop.py": "def later():\n    import grpo.serve.server\n",
+        "training/__init__.py": "",
+        "training/loop.py": "def later():\n    import grpo.serve.server\n",
     }
     for relative, source in sources.items():
         (tree / relative).parent.mkdir(parents=True, exist_ok=True)
         (tree / relative).write_text(source)
     assert violations("", may_import_serve, exempt=SERVE_IMPORTERS, root=tree) == [
-        "grpo/train/loop.py:2 imports grpo.serve.server"
+        "grpo/training/loop.py:2 imports grpo.serve.server"
     ]
     assert violations("serve", serve_may_import, root=tree) == [
         "grpo/serve/registry.py:1 imports grpo.backends.local.checkpoint"

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from grpo.core.rewards import RewardInput
 from grpo.rewards import RewardError, load_rewards, parse_reward_spec, score_completions
-from grpo.train.config import ConfigError, TrainConfig, check_user_inputs
+from grpo.training.config import ConfigError, TrainConfig, check_user_inputs
 
 
 def reward_file(tmp_path: Path, body: str, name: str = "my_rewards.py") -> Path:

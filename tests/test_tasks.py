@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from grpo.cli import main
-from grpo.train import run_files
-from grpo.train.config import TrainConfig
-from grpo.train.run import RunStopped
-from grpo.train.run_files import read_metrics, read_rollouts
+from grpo.training import run_files
+from grpo.training.config import TrainConfig
+from grpo.training.run import RunStopped
+from grpo.training.run_files import read_metrics, read_rollouts
 from tests.runs import comparable, quiet_train, tiny_config
 
 
@@ -194,7 +194,7 @@ def test_dynamic_sampling_on_the_default_reward_with_the_off_policy_pipeline(
 
 def test_dynamic_sampling_resumes_exactly(tmp_path: Path) -> None:
     from grpo.backends.local import LocalServiceClient
-    from tests.train.test_loop import _StopAfterOptimSteps
+    from tests.training.test_loop import _StopAfterOptimSteps
 
     whole = quiet_train(_dynamic(tmp_path, "whole", None, steps=4, log_rollouts=2)).run_dir
     assert any(row["sampling/rounds"] > 1 for row in read_metrics(whole)), "test setup"
@@ -300,7 +300,7 @@ def test_resume_truncates_rollouts_like_metrics(tmp_path: Path) -> None:
 
 
 def test_extra_rounds_draw_their_own_problems_and_seeds() -> None:
-    from grpo.train.rollouts import extra_batch, extra_sampling_seed, sampling_seed
+    from grpo.training.rollouts import extra_batch, extra_sampling_seed, sampling_seed
 
     seeds = {
         (round_, index): extra_sampling_seed(3, 5, round_, index)
@@ -320,7 +320,7 @@ def test_extra_rounds_draw_their_own_problems_and_seeds() -> None:
 def test_swanlab_receives_the_logged_groups_as_text(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from grpo.train.logging import RunLogger
+    from grpo.training.logging import RunLogger
 
     class FakeSwanlab:
         """The swanlab module surface RunLogger uses: init, Text, log, finish."""

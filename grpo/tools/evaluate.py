@@ -3,7 +3,7 @@
 The weights come from a run directory (its final sampler weights, else its latest
 checkpoint), a checkpoint path (sampler weights or a training state), or neither (the base
 model). The config is the run's (or the defaults) with the given overrides, checked like
-every flag. Metrics are the run's own `test/*` metrics (`grpo.train.rollouts.evaluate`):
+every flag. Metrics are the run's own `test/*` metrics (`grpo.training.rollouts.evaluate`):
 mean reward over all samples and pass@k for k = 1, 2, 4, ... <= samples.
 """
 
@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from grpo.train import run_files
-from grpo.train.config import (
+from grpo.training import run_files
+from grpo.training.config import (
     ConfigError,
     TrainConfig,
     check_user_inputs,
@@ -93,8 +93,8 @@ def evaluate(
     """
     from grpo.backends.pytrio import make_service_client
     from grpo.tasks.data import SPLITS, columns_of, load_run_problems
-    from grpo.train.rollouts import build_problems, tokenizer_max_len
-    from grpo.train.rollouts import evaluate as evaluate_problems
+    from grpo.training.rollouts import build_problems, tokenizer_max_len
+    from grpo.training.rollouts import evaluate as evaluate_problems
 
     if run_dir is not None and checkpoint is not None:
         raise ConfigError("give --run-dir or --checkpoint, not both")

@@ -45,8 +45,8 @@ from grpo.tools.paths import (
     check_out,
     local_path,
 )
-from grpo.train import run_files
-from grpo.train.config import ConfigError
+from grpo.training import run_files
+from grpo.training.config import ConfigError
 
 
 def _adapter_directory(root: Path, what: str) -> Path:

@@ -24,8 +24,8 @@ from typing import Any
 import attrs
 
 from grpo.tools import paths
-from grpo.train import run_files
-from grpo.train.config import BACKENDS, ConfigError
+from grpo.training import run_files
+from grpo.training.config import BACKENDS, ConfigError
 
 PAGE = 100
 

@@ -18,8 +18,8 @@ import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
-from grpo.train import run_files
-from grpo.train.config import ConfigError
+from grpo.training import run_files
+from grpo.training.config import ConfigError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

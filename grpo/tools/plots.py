@@ -28,8 +28,8 @@ import attrs
 import numpy as np
 
 from grpo.tools import paths
-from grpo.train import run_files
-from grpo.train.run_files import STEP_KEY
+from grpo.training import run_files
+from grpo.training.run_files import STEP_KEY
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

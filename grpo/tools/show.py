@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.tools import paths
-from grpo.train import run_files
+from grpo.training import run_files
 
 _PROMPT_TAIL = 400
 """Characters of a prompt the terminal shows (its end: the question; --full for all)."""

@@ -18,7 +18,7 @@ from pytrio.errors.base import ValidationError
 from pytrio.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
 from grpo.backends.local import LocalServiceClient, LocalTrainingClient, tiny
-from grpo.train.custom_loss import as_custom_loss
+from grpo.training.custom_loss import as_custom_loss
 
 MODEL = tiny.TINY_MODEL_NAME
 ADAM = AdamParams(learning_rate=1e-2)

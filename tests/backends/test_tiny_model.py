@@ -25,7 +25,7 @@ from grpo.backends.local.tiny import (
 )
 from grpo.tasks.data import load_problems
 from grpo.tasks.prompts import FEWSHOT_PREFIX, QUESTION_SUFFIX, build_prompt_tokens
-from grpo.train import warm_start
+from grpo.training import warm_start
 
 WEIGHTS = TINY_MODEL_DIR / "model.safetensors"
 BACKENDS = Path(warm_start.__file__).parents[1] / "backends"
@@ -201,9 +201,11 @@ def test_backends_import_neither_prompts_nor_data():
             if isinstance(node, ast.Import)
             for alias in node.names
         }
-        assert not imported & {"grpo.tasks.prompts", "grpo.tasks.data", "grpo.train.warm_start"}, (
-            path.name
-        )
+        assert not imported & {
+            "grpo.tasks.prompts",
+            "grpo.tasks.data",
+            "grpo.training.warm_start",
+        }, path.name
 
 
 def test_warm_start_is_bit_for_bit_reproducible_and_changes_the_weights(tokenizer):

@@ -23,9 +23,9 @@ from grpo.backends import pytrio as pytrio_backend
 from grpo.backends.local import LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.serve.faults import Fault, FaultPlan, parse_fault
-from grpo.train.config import TrainConfig
-from grpo.train.run import train
-from grpo.train.run_files import read_metrics
+from grpo.training.config import TrainConfig
+from grpo.training.run import train
+from grpo.training.run_files import read_metrics
 from tests.runs import TINY
 
 ADAM = AdamParams(learning_rate=1e-3)

@@ -16,7 +16,7 @@ from grpo.backends.local import LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.cli import main
 from grpo.tools.export import export
-from grpo.train.config import TrainConfig
+from grpo.training.config import TrainConfig
 from tests import runs as tiny_runs
 
 TINY = {**tiny_runs.TINY, "save_every": 1, "learning_rate": 5e-3}

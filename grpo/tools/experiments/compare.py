@@ -39,7 +39,7 @@ from grpo.tools.experiments.runner import (
 )
 from grpo.tools.experiments.stats import ConfigSummary, on_policy_warning, summarize_by_label
 from grpo.tools.experiments.sweep import ExperimentPlan, check_distinct, grid_configs, sweep_specs
-from grpo.train.flags import add_train_arguments, explicit_flags, load_toml, train_argv
+from grpo.training.flags import add_train_arguments, explicit_flags, load_toml, train_argv
 
 COMPARISON_FILE = "comparison.json"
 FIGURE_FILE = "reward.png"

@@ -30,12 +30,12 @@ from grpo.tools.experiments.stats import (
     run_stats,
 )
 from grpo.tools.plots import band_figure, metric_keys, save_figure
-from grpo.train import run_files
+from grpo.training import run_files
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from grpo.train.config import TrainConfig
+    from grpo.training.config import TrainConfig
 
 DEFAULT_LAST_STEPS = 5
 REPORT_FILE = "report.md"
@@ -182,7 +182,7 @@ def dry_run_specs(specs: Sequence[RunSpec], *, echo: Callable[[str], None] = pri
     One service client per backend serves every run's checks; nothing is written or started.
     """
     from grpo.backends.pytrio import make_service_client
-    from grpo.train.plan import plan_experiment
+    from grpo.training.plan import plan_experiment
 
     services: dict[str, Any] = {}
 

@@ -24,10 +24,10 @@ from typing import Any
 
 import attrs
 
-from grpo.train import run_files
-from grpo.train.config import ConfigError, TrainConfig, check_user_inputs, config_from_dict
-from grpo.train.flags import checked_overrides, train_argv
-from grpo.train.run_files import FINISHED, NEW, UNFINISHED
+from grpo.training import run_files
+from grpo.training.config import ConfigError, TrainConfig, check_user_inputs, config_from_dict
+from grpo.training.flags import checked_overrides, train_argv
+from grpo.training.run_files import FINISHED, NEW, UNFINISHED
 
 TRAIN_COMMAND: tuple[str, ...] = (sys.executable, "-m", "grpo", "train")
 DEFAULT_JOBS = 2

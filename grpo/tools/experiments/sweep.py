@@ -46,8 +46,8 @@ from grpo.tools.experiments.stats import (
     summarize_by_label,
 )
 from grpo.tools.plots import metric_keys
-from grpo.train.config import FIELD_NAMES
-from grpo.train.flags import read_toml, train_argv
+from grpo.training.config import FIELD_NAMES
+from grpo.training.flags import read_toml, train_argv
 
 SWEEP_FILE = "sweep.json"
 FIGURE_FILE = "curves.png"

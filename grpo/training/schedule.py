@@ -1,13 +1,13 @@
 """Which steps of a run evaluate and which save a checkpoint: the one schedule.
 
-The step loop follows it and the plan (`grpo.train.plan`, `grpo train --dry-run`) counts
+The step loop follows it and the plan (`grpo.training.plan`, `grpo train --dry-run`) counts
 it. A step is named by ``done``, the number of steps finished (1 after the first step), the
 number its row is logged under.
 """
 
 from __future__ import annotations
 
-from grpo.train.config import TrainConfig
+from grpo.training.config import TrainConfig
 
 
 def evaluates_at_start(config: TrainConfig, start_step: int) -> bool:

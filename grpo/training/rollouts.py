@@ -25,7 +25,7 @@ from grpo.core.rewards import RewardInput, extract_gold, grade
 from grpo.core.usage import TokenUsage, sample_usage
 from grpo.rewards import RewardFn, RewardScores, score_completions
 from grpo.tasks.prompts import DEFAULT_TEMPLATE, PromptTemplate, build_prompt_tokens
-from grpo.train.config import ConfigError
+from grpo.training.config import ConfigError
 
 Log = Callable[[str], None]
 

@@ -1,4 +1,4 @@
-"""The field-check machinery of `grpo.train.config.TrainConfig`: the flag factory and validators.
+"""The field-check machinery of `grpo.training.config.TrainConfig`: the flag factory and validators.
 
 - `flag(default, help, *checks)`: an attrs field carrying its CLI help and its checks;
   `with_checks` (the class's field transformer) adds every field's strict type check first

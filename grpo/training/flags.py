@@ -1,10 +1,10 @@
 """`TrainConfig` <-> command lines: argparse arguments, argv lists, TOML files and overrides.
 
-The one module that turns `grpo.train.config.TrainConfig` fields into `--flags` (for `grpo train`,
-`grpo compare`, `grpo sweep`) and back into argv lists (the subprocesses `compare` and
+The one module that turns `grpo.training.config.TrainConfig` fields into `--flags` (for
+`grpo train`, `grpo compare`, `grpo sweep`) and back into argv lists (the subprocesses `compare` and
 `sweep` launch), reads TOML flag files and merges the sources of a run's configuration:
 defaults < a resumed run's config.json < `--config FILE.toml` < flags on the command line.
-Every value is checked by the field's own validators in `grpo.train.config`.
+Every value is checked by the field's own validators in `grpo.training.config`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from grpo.train import run_files
-from grpo.train.config import (
+from grpo.training import run_files
+from grpo.training.config import (
     FIELDS,
     ConfigError,
     TrainConfig,
@@ -26,7 +26,7 @@ from grpo.train.config import (
     config_from_dict,
     flag_name,
 )
-from grpo.train.fields import field_kind
+from grpo.training.fields import field_kind
 
 
 def add_train_arguments(parser: argparse._ActionsContainer, *, exclude: Iterable[str] = ()) -> None:

@@ -2,7 +2,7 @@
 step, and SwanLab.
 
 `metrics.jsonl` is the record of truth (each row fsynced before `log` returns, through
-`grpo.train.run_files.MetricsWriter`, so a crash loses nothing logged); SwanLab is a mirror that
+`grpo.training.run_files.MetricsWriter`, so a crash loses nothing logged); SwanLab is a mirror that
 may fail: a SwanLab error degrades to offline logging, then to none, with a warning, and
 never stops training.
 """
@@ -15,11 +15,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grpo.train.run_files import MetricsWriter, RolloutsWriter
+from grpo.training.run_files import MetricsWriter, RolloutsWriter
 
 if TYPE_CHECKING:
     from grpo.core.records import ScoredGroup
-    from grpo.train.rollouts import StepRollouts
+    from grpo.training.rollouts import StepRollouts
 
 # Config values whose key looks like a credential are never written anywhere.
 _SECRET_KEY = re.compile(

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from grpo.core import losses
-from grpo.train import run_files
-from grpo.train.config import TrainConfig
-from grpo.train.rollouts import pick_batch
-from grpo.train.run import ConfigError, RunStopped, train
-from grpo.train.run_files import read_metrics
+from grpo.training import run_files
+from grpo.training.config import TrainConfig
+from grpo.training.rollouts import pick_batch
+from grpo.training.run import ConfigError, RunStopped, train
+from grpo.training.run_files import read_metrics
 from tests.runs import comparable, quiet_train, tiny_config
 
 
@@ -319,7 +319,7 @@ def test_pick_batch_is_a_pure_function_covering_each_pass() -> None:
 
 
 def test_config_is_saved_without_secrets(tmp_path: Path) -> None:
-    from grpo.train.logging import scrub_secrets
+    from grpo.training.logging import scrub_secrets
 
     assert scrub_secrets(
         {"api_key": "sk-123", "PYTRIO_API_KEY": "x", "auth_token": "t", "steps": 3, "max_tokens": 8}

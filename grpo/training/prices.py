@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from grpo.core.usage import Prices
-from grpo.train.config import ConfigError, TrainConfig
-from grpo.train.flags import read_toml
+from grpo.training.config import ConfigError, TrainConfig
+from grpo.training.flags import read_toml
 
 KINDS = ("prompt", "completion", "train", "forward")
 

@@ -1,4 +1,4 @@
-"""grpo.train.flags: a TrainConfig written as `grpo train` arguments parses back the same."""
+"""grpo.training.flags: a TrainConfig written as `grpo train` arguments parses back the same."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from grpo.cli import build_parser
 from grpo.core.advantages import ADVANTAGES
 from grpo.core.losses import KL_ESTIMATORS, LOSSES, REDUCTIONS
 from grpo.core.mismatch import MISMATCH_CORRECTIONS
-from grpo.train.config import (
+from grpo.training.config import (
     BACKENDS,
     FIELDS,
     SAMPLER_DTYPES,
@@ -22,7 +22,7 @@ from grpo.train.config import (
     TrainConfig,
     to_dict,
 )
-from grpo.train.flags import checked_overrides, config_from_args, load_toml, train_argv
+from grpo.training.flags import checked_overrides, config_from_args, load_toml, train_argv
 
 TEXT = st.text(
     st.characters(min_codepoint=32, blacklist_categories=("Cs",)), min_size=1, max_size=12

@@ -3,9 +3,9 @@
 ``run_step`` is a whole step: ``train_step`` (steps 1-9: pick problems, sample, grade,
 advantages, drop degenerate groups, pack, KL shaping, update, client-side metrics), then
 step 10: evaluate when due, log the row, checkpoint when due. Sampling, grading and
-evaluation live in ``grpo.train.rollouts``, the maths in ``grpo.core``, the schedule in
-``grpo.train.schedule``; the run around the steps (resume, signals, summary) is
-``grpo.train.run``.
+evaluation live in ``grpo.training.rollouts``, the maths in ``grpo.core``, the schedule in
+``grpo.training.schedule``; the run around the steps (resume, signals, summary) is
+``grpo.training.run``.
 
 With ``max_steps_off_policy = K > 0``, sampling for the next K steps is submitted before
 this step trains, and a rollout is never used more than K updates stale.
@@ -33,13 +33,13 @@ from grpo.core.metrics import batch_metrics, mismatch_metrics, rollout_metrics, 
 from grpo.core.mismatch import correct_batch
 from grpo.core.records import TokenBatch
 from grpo.core.usage import TokenUsage, reference_usage, training_usage, usage_metrics
-from grpo.train import run_files
-from grpo.train.config import TrainConfig
-from grpo.train.custom_loss import as_custom_loss
-from grpo.train.faults import fault_point
-from grpo.train.logging import console_line, rollout_records
-from grpo.train.plan import runs_extra_forward
-from grpo.train.rollouts import (
+from grpo.training import run_files
+from grpo.training.config import TrainConfig
+from grpo.training.custom_loss import as_custom_loss
+from grpo.training.faults import fault_point
+from grpo.training.logging import console_line, rollout_records
+from grpo.training.plan import runs_extra_forward
+from grpo.training.rollouts import (
     Problem,
     RolloutJob,
     Sampling,
@@ -55,9 +55,9 @@ from grpo.train.rollouts import (
     score_groups,
     trainable_groups,
 )
-from grpo.train.schedule import checkpoint_follows, evaluates_after, saves_after
-from grpo.train.state import Run, RunState
-from grpo.train.timing import timed
+from grpo.training.schedule import checkpoint_follows, evaluates_after, saves_after
+from grpo.training.state import Run, RunState
+from grpo.training.timing import timed
 
 
 class NonFiniteUpdate(RuntimeError):

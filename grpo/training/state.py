@@ -1,7 +1,7 @@
 """The records a run carries through its steps: ``Run`` (fixed) and ``RunState`` (changing).
 
-`grpo.train.run` builds them once a run's checks have passed; every step of
-`grpo.train.step` reads the first and advances the second.
+`grpo.training.run` builds them once a run's checks have passed; every step of
+`grpo.training.step` reads the first and advances the second.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import attrs
 from pytrio.types import AdamParams
 
 from grpo.core.usage import Prices, TokenUsage
-from grpo.train.config import TrainConfig
-from grpo.train.logging import RunLogger
-from grpo.train.rollouts import Problem, RolloutJob
+from grpo.training.config import TrainConfig
+from grpo.training.logging import RunLogger
+from grpo.training.rollouts import Problem, RolloutJob
 
 
 @attrs.frozen

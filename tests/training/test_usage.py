@@ -20,11 +20,11 @@ from grpo.core.usage import (
     usage_from_row,
     usage_metrics,
 )
-from grpo.train.config import ConfigError, TrainConfig
-from grpo.train.plan import plan_usage, preflight
-from grpo.train.prices import prices_for
-from grpo.train.run import dry_run
-from grpo.train.run_files import read_metrics
+from grpo.training.config import ConfigError, TrainConfig
+from grpo.training.plan import plan_usage, preflight
+from grpo.training.prices import prices_for
+from grpo.training.run import dry_run
+from grpo.training.run_files import read_metrics
 from tests import runs as tiny_runs
 
 TINY = {

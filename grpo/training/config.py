@@ -7,7 +7,7 @@ needs no data and no model (types, ranges, finiteness, names from the registries
 `grpo.core`, the loss and its config) and raises `ConfigError` naming the flag, the value and
 the fix, so a bad flag never fails after a step ran. Building one reads no user data: the
 --reward modules and the --fewshot-file are loaded by `check_user_inputs`, the first step of
-the pre-flight (`grpo.train.plan.preflight`). The validators live in `grpo.train.fields`.
+the pre-flight (`grpo.training.plan.preflight`). The validators live in `grpo.training.fields`.
 
 No `from __future__ import annotations` here: the field transformer reads each field's type.
 """
@@ -22,7 +22,7 @@ import attrs
 
 from grpo.backends.names import TINY_MODEL_NAME
 from grpo.tasks.prompts import QUESTION_SUFFIX
-from grpo.train.fields import (
+from grpo.training.fields import (
     ADVANTAGE_NAMES,
     GOLD_RULE,
     KL_ESTIMATOR_NAMES,

@@ -1,6 +1,6 @@
 """The fault-injection hook: named points where the fault suite may signal the run.
 
-`tests/train/test_faults.py` sets ``GRPO_FAULT_POINT`` to stop a real run at a chosen place
+`tests/training/test_faults.py` sets ``GRPO_FAULT_POINT`` to stop a real run at a chosen place
 (after sampling, after an optimizer step, before a row is logged, in the middle of a
 checkpoint save, before an evaluation) and checks that the resumed run equals an uninterrupted one
 (docs/RELIABILITY.md). Unset, a point costs one environment lookup.

@@ -2,7 +2,7 @@
 
 `train` locks the run directory, checks it (a fresh run refuses one that holds a run; a
 resume loads the checkpoint and drops the rows after it), runs the pre-flight
-(`grpo.train.plan.preflight`), then the steps of `grpo.train.step` from the first one not
+(`grpo.training.plan.preflight`), then the steps of `grpo.training.step` from the first one not
 logged. SIGINT/SIGTERM stop it between steps, and any stop saves a resumable checkpoint
 of the last logged step when the weights are still that step's. A finished run leaves
 summary.json with its usage and, with prices, its cost. `dry_run` is the same checks and
@@ -29,13 +29,13 @@ from pytrio.types import AdamParams
 
 from grpo.backends.pytrio import make_service_client
 from grpo.core.usage import Prices, TokenUsage, cost, usage_from_row
-from grpo.train import run_files
-from grpo.train.config import ConfigError, TrainConfig, resolve_run, to_dict
-from grpo.train.logging import RunLogger, scrub_secrets
-from grpo.train.plan import describe, plan_usage, preflight
-from grpo.train.schedule import evaluates_at_start
-from grpo.train.state import Run, RunState
-from grpo.train.step import (
+from grpo.training import run_files
+from grpo.training.config import ConfigError, TrainConfig, resolve_run, to_dict
+from grpo.training.logging import RunLogger, scrub_secrets
+from grpo.training.plan import describe, plan_usage, preflight
+from grpo.training.schedule import evaluates_at_start
+from grpo.training.state import Run, RunState
+from grpo.training.step import (
     NonFiniteUpdate,
     evaluate_now,
     log_step,
@@ -43,7 +43,7 @@ from grpo.train.step import (
     run_step,
     save_checkpoint,
 )
-from grpo.train.timing import timed
+from grpo.training.timing import timed
 
 __all__ = ["ConfigError", "NonFiniteUpdate", "RunResult", "RunStopped", "dry_run", "train"]
 

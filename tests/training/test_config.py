@@ -12,8 +12,8 @@ import pytest
 from grpo.backends.names import TINY_MODEL_NAME
 from grpo.core.advantages import ADVANTAGES
 from grpo.core.losses import KL_ESTIMATORS, LOSSES, REDUCTIONS
-from grpo.train import fields
-from grpo.train.config import (
+from grpo.training import fields
+from grpo.training.config import (
     FIELDS,
     ConfigError,
     TrainConfig,
@@ -24,7 +24,7 @@ from grpo.train.config import (
     resolve_run,
     to_dict,
 )
-from grpo.train.plan import preflight
+from grpo.training.plan import preflight
 
 
 @pytest.mark.parametrize(

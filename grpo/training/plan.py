@@ -21,11 +21,11 @@ import attrs
 from grpo.backends.pytrio import CapabilityError, check_capabilities
 from grpo.core.usage import Prices, TokenUsage, cost, planned_usage
 from grpo.tasks.data import columns_of, load_run_problems
-from grpo.train import run_files
-from grpo.train.config import ConfigError, TrainConfig, check_user_inputs
-from grpo.train.prices import prices_for
-from grpo.train.rollouts import Problem, build_problems, pick_batch, tokenizer_max_len
-from grpo.train.schedule import evaluates_after, evaluates_at_start, saves_after
+from grpo.training import run_files
+from grpo.training.config import ConfigError, TrainConfig, check_user_inputs
+from grpo.training.prices import prices_for
+from grpo.training.rollouts import Problem, build_problems, pick_batch, tokenizer_max_len
+from grpo.training.schedule import evaluates_after, evaluates_at_start, saves_after
 
 
 @attrs.frozen
