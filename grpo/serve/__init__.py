@@ -19,7 +19,9 @@ computes what the same calls compute in process. The modules, one job each:
 - ``command``: the ``grpo serve`` CLI (options, serve until Ctrl-C);
 - ``server``: start a server, serve it on a thread, stop it (``serve_in_thread``);
 - ``client``: pytrio pointed at a server for a block (``configured_pytrio``);
-- ``handler``: the HTTP shell (dispatch, authentication, fault injection, error statuses);
+- ``handler``: the HTTP shell (dispatch, authentication, bounds, fault injection, statuses);
+- ``access``: the API key check and the per-checkpoint download tokens; ``limits``: the
+  bounds on bodies, fields and connections;
 - ``routes``: the route table of `Route` records; ``endpoints``: one function per operation;
 - ``messages``: a request and its reply;
 - ``registry``: sessions, training and sampling runs, checkpoints; ``models``: the served

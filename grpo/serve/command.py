@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 from grpo.backends.local import default_root
 from grpo.serve.faults import FaultPlan, parse_fault
+from grpo.serve.limits import MAX_CONNECTIONS, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S
 from grpo.serve.routes import OPERATIONS
-from grpo.serve.server import ServeHandle, start_server
+from grpo.serve.server import LOOPBACK_HOSTS, ServeHandle, start_server
 
 DEFAULT_PORT = 8765
 
@@ -30,8 +31,29 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
-        help="require this API key (default: accept any non-empty key); also read from "
-        "$GRPO_SERVE_API_KEY so that it stays out of the process list",
+        help="require this API key (default: accept any key, on loopback only); also read "
+        "from $GRPO_SERVE_API_KEY so that it stays out of the process list; an empty key is "
+        "an error",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=MAX_REQUEST_BYTES,
+        help=f"refuse larger request bodies with 413, unread (default {MAX_REQUEST_BYTES})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        help="connections served at once; more get 503 with Retry-After "
+        f"(default {MAX_CONNECTIONS})",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=REQUEST_TIMEOUT_S,
+        help="seconds a connection may stay silent before it is closed "
+        f"(default {REQUEST_TIMEOUT_S:g})",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seeds LoRA init / sampling when a call gives none"
@@ -65,6 +87,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-requests", action="store_true", help="log every request to stderr")
 
 
+def _check_bounds(args: argparse.Namespace) -> None:
+    """Refuse a bound that would disable itself (0 or negative)."""
+    for flag, value in (
+        ("--max-request-bytes", args.max_request_bytes),
+        ("--max-connections", args.max_connections),
+        ("--request-timeout", args.request_timeout),
+    ):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
+
+
 def _parse_alias(spec: str) -> tuple[str, str]:
     alias, separator, name = spec.partition("=")
     if not (alias and separator and name):
@@ -78,8 +111,9 @@ def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) 
     """Serve until Ctrl-C (or SIGTERM); prints the URL and the environment variables to set."""
     import os
 
-    api_key = args.api_key or os.environ.get("GRPO_SERVE_API_KEY") or None
+    api_key = args.api_key if args.api_key is not None else os.environ.get("GRPO_SERVE_API_KEY")
     try:
+        _check_bounds(args)
         faults = FaultPlan([parse_fault(spec) for spec in args.fault], seed=args.fault_seed)
         aliases = dict(_parse_alias(spec) for spec in args.model_alias)
     except ValueError as error:
@@ -96,6 +130,9 @@ def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) 
             log_requests=args.log_requests,
             aliases=aliases,
             sampler_dtype=args.sampler_dtype,
+            max_request_bytes=args.max_request_bytes,
+            max_connections=args.max_connections,
+            request_timeout_s=args.request_timeout,
         )
     except ValueError as error:
         echo(f"grpo serve: {error}")
@@ -114,8 +151,12 @@ def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) 
         f"grpo serve: PyTRIO service on {handle.url} "
         f"(local backend; checkpoints in {handle.state.registry.root})"
     )
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        echo(f"grpo serve: warning: bound to {args.host}, reachable from other machines")
+    if args.host not in LOOPBACK_HOSTS:
+        echo(
+            f"grpo serve: warning: bound to {args.host}, reachable from other machines: every "
+            "route (training, sampling, checkpoint downloads) needs the key, and the traffic "
+            "is plain HTTP; put a TLS proxy in front (docs/RELIABILITY.md)"
+        )
     for alias, name in aliases.items():
         echo(f"grpo serve: serving {name} as {alias!r} too")
     for spec in args.fault:

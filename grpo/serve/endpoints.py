@@ -14,9 +14,12 @@ import msgpack
 from pydantic import ValidationError as PydanticValidationError
 from pytrio.protocol.actor.events.event import EventEnvelope
 from pytrio.protocol.actor.sampling_run.sample import SampleRequest
+from pytrio.protocol.control.sampling_run.create import SamplingRunCreateRequest
+from pytrio.protocol.control.training_run.create import TrainingRunCreateRequest
+from pytrio.protocol.control.training_run.update import TrainingRunUpdateRequest
 
 from grpo.serve.events import TrainerEvents
-from grpo.serve.messages import Reply, Request
+from grpo.serve.messages import Reply, Request, field_errors
 from grpo.serve.registry import RunRegistry
 from grpo.serve.sampling import sample
 from grpo.serve.wire import API_KEY_INFO, ServeError, bootstrap
@@ -93,8 +96,14 @@ def renew_session(state: ServeState, request: Request, cuid: str) -> Reply:
 
 
 def close_session(state: ServeState, request: Request, cuid: str) -> Reply:
-    """Close a session with the body's status (default ENDED); 204."""
-    status = str(request.json().get("status", "ENDED"))
+    """Close a session with the body's status (ENDED, the default, or CANCELLED); 204."""
+    status = request.json().get("status", "ENDED")
+    if status not in ("ENDED", "CANCELLED"):
+        raise ServeError(
+            400,
+            "validation.invalid_request",
+            f"status must be ENDED or CANCELLED, got {status!r:.80}",
+        )
     state.registry.close_session(cuid, status)
     return Reply(204)
 
@@ -104,22 +113,25 @@ def close_session(state: ServeState, request: Request, cuid: str) -> Reply:
 
 def create_training_run(state: ServeState, request: Request, session: str) -> Reply:
     """`TrainingRunCreateResponse`."""
-    return Reply(200, state.registry.create_training_run(session, request.json()))
+    body = request.model(TrainingRunCreateRequest).model_dump()
+    return Reply(200, state.registry.create_training_run(session, body))
 
 
 def update_training_run(state: ServeState, request: Request, session: str, cuid: str) -> Reply:
     """`TrainingRunUpdateResponse` (the session in the path is not checked)."""
-    return Reply(200, state.registry.update_training_run(cuid, request.json()))
+    body = request.model(TrainingRunUpdateRequest).model_dump()
+    return Reply(200, state.registry.update_training_run(cuid, body))
 
 
 def create_sampling_run(state: ServeState, request: Request, session: str) -> Reply:
     """`SamplingRunCreateResponse`."""
-    return Reply(200, state.registry.create_sampling_run(session, request.json()))
+    body = request.model(SamplingRunCreateRequest).model_dump()
+    return Reply(200, state.registry.create_sampling_run(session, body))
 
 
 def find_by_checkpoint(state: ServeState, request: Request) -> Reply:
     """`TrainingRunByCheckpointURIResponse` of the ``checkpoint_uri`` query."""
-    return Reply(200, state.registry.find_by_checkpoint(request.query.get("checkpoint_uri", "")))
+    return Reply(200, state.registry.find_by_checkpoint(request.text_param("checkpoint_uri")))
 
 
 def list_training_runs(state: ServeState, request: Request) -> Reply:
@@ -184,9 +196,13 @@ def submit_event(state: ServeState, request: Request) -> Reply:
     try:
         raw = msgpack.unpackb(request.body, raw=False)
         envelope = EventEnvelope.model_validate(raw)
-    except (ValueError, PydanticValidationError, msgpack.UnpackException) as error:
+    except PydanticValidationError as error:
         raise ServeError(
-            400, "validation.invalid_event", f"malformed event envelope: {error}"
+            400, "validation.invalid_event", f"malformed event envelope: {field_errors(error)}"
+        ) from None
+    except (ValueError, TypeError, msgpack.UnpackException) as error:
+        raise ServeError(
+            400, "validation.invalid_event", f"body is not a msgpack event envelope: {error}"
         ) from None
     return Reply(200, state.events.submit(envelope), msgpack=True)
 
@@ -208,5 +224,5 @@ def sample_request(state: ServeState, request: Request, cuid: str) -> Reply:
     try:
         parsed = SampleRequest.model_validate(request.json())
     except PydanticValidationError as error:
-        raise ServeError(400, "validation.invalid_sampling_request", str(error)) from None
+        raise ServeError(400, "validation.invalid_sampling_request", field_errors(error)) from None
     return Reply(200, sample(state.registry, cuid, parsed))

@@ -29,6 +29,7 @@ from pytrio.protocol.actor.events.trainer.save import TrainerSavePayload
 from pytrio.types import AdamParams
 
 from grpo.backends.local import LocalTrainingClient
+from grpo.serve.limits import check_event_size
 from grpo.serve.registry import MEMORY_SCHEME, RunRegistry
 from grpo.serve.wire import (
     CheckpointRecord,
@@ -161,6 +162,7 @@ class TrainerEvents:
             payload = TrainerForwardBackwardPayload.model_validate(envelope.payload)
             datums = [datum_from_wire(item) for item in payload.data]
             event.input_tokens = sum(len(datum.model_input) for datum in datums)
+            check_event_size(len(datums), event.input_tokens)
             method = (
                 client.forward if kind == EventType.TRAINER_FORWARD else client.forward_backward
             )

@@ -1,19 +1,24 @@
-"""The HTTP shell of `grpo serve`: dispatch, authentication, fault injection, error statuses.
+"""The HTTP shell of `grpo serve`: dispatch, authentication, bounds, fault injection, statuses.
 
 `HTTPServer` is the standard library's ``ThreadingHTTPServer`` (HTTP/1.1, keep-alive, one
-thread per connection): the SDK keeps a few connections open and every request is either
-short or a long poll, so it needs no more; pytrio's own msgpack encodes the events.
+thread per connection) with a cap on the connections served at once: the SDK keeps a few
+connections open and every request is either short or a long poll. Past the cap a new
+connection gets a 503 with ``Retry-After`` and is closed; every socket read times out, so
+a client that sends nothing holds its slot for that long only (`grpo.serve.limits`).
 
-A request is matched against `grpo.serve.routes.ROUTES`, authorized (``--api-key``: a
-request without it gets 401), given its injected fault if one is due
-(`grpo.serve.faults`), then answered by its endpoint. A request the backend refuses is a
-4xx (or a failed event) that the SDK raises at once, never a 5xx it would retry for 15
-minutes; only a bug is a 500 (its traceback goes to stderr).
+A request is matched against `grpo.serve.routes.ROUTES` and authorized from its headers
+(``--api-key``: a request without it gets 401; a download needs its checkpoint's token,
+`grpo.serve.access`) before a byte of its body is read; then the body's declared size is
+checked (411/413), the body read, its injected fault applied if one is due
+(`grpo.serve.faults`), and the request answered by its endpoint. A request the backend
+refuses is a 4xx (or a failed event) that the SDK raises at once, never a 5xx it would
+retry for 15 minutes; only a bug is a 500 (its traceback goes to stderr).
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import threading
 import time
@@ -24,15 +29,17 @@ from urllib.parse import parse_qs, urlsplit
 
 import msgpack
 
+from grpo.serve.access import same_secret
 from grpo.serve.endpoints import ServeState
 from grpo.serve.faults import FaultPlan
+from grpo.serve.limits import MAX_CONNECTIONS, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S, body_length
 from grpo.serve.messages import Reply, Request, error_body
-from grpo.serve.routes import ROUTES
+from grpo.serve.routes import ROUTES, Route
 from grpo.serve.wire import ServeError
 
 
 class HTTPServer(ThreadingHTTPServer):
-    """The server: its API key, fault plan and `ServeState` (set once built)."""
+    """The server: its API key, fault plan, bounds and `ServeState` (set once built)."""
 
     daemon_threads = True
     allow_reuse_address = True
@@ -44,19 +51,66 @@ class HTTPServer(ThreadingHTTPServer):
         api_key: str | None,
         faults: FaultPlan,
         log_requests: bool,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+        max_connections: int = MAX_CONNECTIONS,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
         super().__init__(address, _Handler)
         self.api_key = api_key
         self.faults = faults
         self.log_requests = log_requests
+        self.max_request_bytes = max_request_bytes
+        self.max_connections = max_connections
+        self.request_timeout_s = request_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
         self.stopping = threading.Event()  # set at close: long polls answer at once
         self.state: ServeState | None = None
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve the connection on a thread if a slot is free, else answer 503 and close it."""
+        if not self._slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        """The connection's thread; its slot is freed when the connection ends."""
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse(self, connection: socket.socket) -> None:
+        message = (
+            f"the server already serves {self.max_connections} connections "
+            "(grpo serve --max-connections); retry shortly"
+        )
+        payload = json.dumps(error_body("service_unavailable", message, "")).encode()
+        head = (
+            "HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+            "Connection: close\r\n\r\n"
+        )
+        try:
+            connection.settimeout(1.0)  # the accept loop never waits on a slow client
+            connection.sendall(head.encode() + payload)
+        except OSError:
+            pass  # the client is gone or not reading: closing is all that is left
+        self.shutdown_request(connection)
 
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # else headers and body wait on delayed ACKs (~40 ms)
     server: HTTPServer
+
+    def setup(self) -> None:
+        self.timeout = self.server.request_timeout_s  # every socket read times out
+        super().setup()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         if self.server.log_requests:
@@ -77,15 +131,23 @@ class _Handler(BaseHTTPRequestHandler):
     def do_DELETE(self) -> None:  # noqa: N802
         self._handle()
 
+    def do_PUT(self) -> None:  # noqa: N802 - no route takes PUT: a 405, not the stdlib's 501
+        self._handle()
+
+    def do_OPTIONS(self) -> None:  # noqa: N802
+        self._handle()
+
     def _handle(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else b""
         parts = urlsplit(self.path)
         query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
-        request = Request(self.command, parts.path, query, self.headers, body)
+        request = Request(self.command, parts.path, query, self.headers, b"")
         wants_msgpack = "application/msgpack" in (self.headers.get("Accept") or "")
+        self._body_read = False
         try:
             reply = self._route(request)
+        except (TimeoutError, ConnectionError):
+            self.close_connection = True  # the body did not arrive in time: nobody to answer
+            return
         except ServeError as error:
             reply = Reply(error.status, error_body(error.code, error.message, request.path))
         except Exception as error:  # noqa: BLE001 - an unexpected bug is a 500, logged here
@@ -95,29 +157,33 @@ class _Handler(BaseHTTPRequestHandler):
             )
         if reply.status >= 400 and wants_msgpack:
             reply.msgpack = True
+        if not self._body_read and _declares_body(self.headers):
+            self.close_connection = True  # an unread body would be taken for the next request
         self._send(reply)
 
     def _route(self, request: Request) -> Reply:
-        for route in ROUTES:
-            ids = route.match(request)
-            if ids is None:
-                continue
-            self._authorize(route.auth, request)
-            operation = route.fault_operation(request)
-            if operation:
-                self._inject_fault(operation)
-            return route.handler(self.server.state, request, *ids)
-        raise ServeError(404, "not_found", f"no route for {request.method} {request.path}")
+        route, ids = _find_route(request)
+        self._authorize(route.auth, request, ids)
+        length = body_length(request.method, request.headers, self.server.max_request_bytes)
+        request.body = self.rfile.read(length) if length else b""
+        if len(request.body) < length:
+            raise ConnectionResetError("the client closed the connection mid-body")
+        self._body_read = True
+        operation = route.fault_operation(request)
+        if operation:
+            self._inject_fault(operation)
+        return route.handler(self.server.state, request, *ids)
 
-    def _authorize(self, auth: str, request: Request) -> None:
+    def _authorize(self, auth: str, request: Request, ids: tuple[str, ...]) -> None:
         key = self.server.api_key
         bearer = (request.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
         if auth == "files":
-            if request.query.get("token") != self.server.state.registry.download_token:
-                raise ServeError(403, "forbidden", "the download token is missing or wrong")
+            self.server.state.registry.downloads.check(ids[0], request.query.get("token"))
         elif key is None or auth == "none":
             return
-        elif auth == "control" and key not in (request.headers.get("X-API-Key"), bearer):
+        elif auth == "control" and not (
+            same_secret(request.headers.get("X-API-Key"), key) | same_secret(bearer, key)
+        ):
             raise ServeError(
                 401,
                 "unauthorized",
@@ -151,8 +217,34 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(reply.status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(payload)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(payload)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+
+
+def _find_route(request: Request) -> tuple[Route, tuple[str, ...]]:
+    """The route answering `request` and the path's ids; 405 or 404 when there is none."""
+    methods = []
+    for route in ROUTES:
+        ids = route.match(request)
+        if ids is not None:
+            return route, ids
+        if route.path.fullmatch(request.path):
+            methods.append(route.method)
+    if methods:
+        raise ServeError(
+            405,
+            "method_not_allowed",
+            f"{request.method} {request.path}: this path takes {', '.join(methods)}",
+        )
+    raise ServeError(404, "not_found", f"no route for {request.method} {request.path:.200}")
+
+
+def _declares_body(headers: Any) -> bool:
+    """Whether the request's headers announce a body (chunked, or a non-zero length)."""
+    length = (headers.get("Content-Length") or "0").strip()
+    return bool(headers.get("Transfer-Encoding")) or length != "0"

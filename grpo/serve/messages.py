@@ -4,11 +4,15 @@ the body of an error reply."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
+import pydantic
 
+from grpo.serve.limits import MAX_FIELD_CHARS, MAX_JSON_DEPTH, MAX_PAGE, check_name, json_depth
 from grpo.serve.wire import ServeError
+
+Model = TypeVar("Model", bound=pydantic.BaseModel)
 
 
 @attrs.define
@@ -22,25 +26,66 @@ class Request:
     body: bytes
 
     def json(self) -> dict[str, Any]:
-        """The body as a JSON object (400 if it is not one)."""
+        """The body as a JSON object at most `MAX_JSON_DEPTH` deep (400 if it is not one)."""
         try:
             data = json.loads(self.body or b"{}")
+        except RecursionError:
+            data = None  # nested past the parser's stack: refused below, as too deep
         except ValueError as error:
             raise ServeError(
                 400, "validation.invalid_request", f"body is not JSON: {error}"
             ) from None
+        if data is None or json_depth(data) > MAX_JSON_DEPTH:
+            raise ServeError(
+                400,
+                "validation.invalid_request",
+                f"body is JSON nested more than {MAX_JSON_DEPTH} levels deep",
+            )
         if not isinstance(data, dict):
             raise ServeError(400, "validation.invalid_request", "body must be a JSON object")
         return data
 
-    def int_param(self, name: str, default: int) -> int:
-        """Query parameter `name` as an int."""
+    def model(self, model: type[Model]) -> Model:
+        """The JSON body as pytrio's request `model`, its strings at most `MAX_FIELD_CHARS`;
+        400 naming the first bad field."""
         try:
-            return int(self.query.get(name, default))
+            parsed = model.model_validate(self.json())
+        except pydantic.ValidationError as error:
+            raise ServeError(400, "validation.invalid_request", field_errors(error)) from None
+        for name, value in parsed:
+            if isinstance(value, str):
+                check_name(name, value)
+        return parsed
+
+    def text_param(self, name: str, default: str = "") -> str:
+        """Query parameter `name`, at most `MAX_FIELD_CHARS` long."""
+        return check_name(f"query {name}", self.query.get(name, default))
+
+    def int_param(self, name: str, default: int) -> int:
+        """Query parameter `name` as an int in [0, `MAX_PAGE`]."""
+        raw = self.query.get(name, default)
+        try:
+            value = int(check_name(f"query {name}", str(raw)))
         except ValueError:
             raise ServeError(
-                400, "validation.invalid_request", f"query {name} must be an int"
+                400, "validation.invalid_request", f"query {name} must be an int, got {raw!r:.40}"
             ) from None
+        if not 0 <= value <= MAX_PAGE:
+            raise ServeError(
+                400,
+                "validation.invalid_request",
+                f"query {name} must be in [0, {MAX_PAGE}], got {value}",
+            )
+        return value
+
+
+def field_errors(error: pydantic.ValidationError) -> str:
+    """A pydantic error as one line naming each bad field (``data.0.tokens: ...``)."""
+    parts = [
+        f"{'.'.join(str(part) for part in item['loc']) or 'body'}: {item['msg']}"
+        for item in error.errors(include_url=False)[:5]
+    ]
+    return "; ".join(parts)[: MAX_FIELD_CHARS // 4]
 
 
 @attrs.define

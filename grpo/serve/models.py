@@ -60,7 +60,7 @@ class ModelCatalogue:
         if base_model in names:
             return base_model, self._tokenizer_directory(base_model)
         directory = Path(base_model).expanduser()
-        if directory.is_dir() and (directory / "config.json").is_file():
+        if _is_model_directory(directory):
             resolved = str(directory.resolve())
             return resolved, resolved
         raise ServeError(
@@ -82,3 +82,11 @@ class ModelCatalogue:
         with self._lock:
             self._model_ids[name] = str(directory.resolve())
             return self._model_ids[name]
+
+
+def _is_model_directory(directory: Path) -> bool:
+    """Whether `directory` holds a Hugging Face model; False for a name no path can have."""
+    try:
+        return directory.is_dir() and (directory / "config.json").is_file()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+        return False

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import io
+import secrets
 import shutil
 import tarfile
 import threading
@@ -36,6 +37,7 @@ from grpo.backends.local import (
     read_checkpoint_metadata,
     resolve_checkpoint,
 )
+from grpo.serve.access import DownloadTokens
 from grpo.serve.models import ModelCatalogue
 from grpo.serve.wire import (
     CheckpointRecord,
@@ -53,6 +55,16 @@ MEMORY_SCHEME = "memory://"
 _MEMORY_SAMPLERS_KEPT = 16
 _SAMPLING_RUNS_KEPT = 32  # the most recently used; each may hold a copy of LoRA weights
 _JWT_LIFETIME = timedelta(days=7)
+METADATA_FILE = "grpo_local.json"  # the local backend's record (its package does not export it)
+
+
+def _damaged(path: Path, problem: str) -> ServeError:
+    """The 409 of a damaged store entry, naming its file."""
+    return ServeError(
+        409,
+        "checkpoint.damaged",
+        f"{path} is damaged ({problem:.300}); restore it from a backup, or delete the checkpoint",
+    )
 
 
 class RunRegistry:
@@ -70,7 +82,7 @@ class RunRegistry:
         self.root = root
         self.actor_endpoint = actor_endpoint
         self.files_url = files_url
-        self.download_token = uuid.uuid4().hex
+        self.downloads = DownloadTokens()
         self.catalogue = ModelCatalogue(local, root, aliases)
         self._lock = threading.Lock()
         self._sessions: dict[str, dict[str, Any]] = {}
@@ -155,7 +167,7 @@ class RunRegistry:
     # --- runs -------------------------------------------------------------------------
 
     def _actor(self) -> dict[str, Any]:
-        token = uuid.uuid4().hex
+        token = secrets.token_urlsafe(32)
         with self._lock:
             self.actor_tokens.add(token)
         return {
@@ -269,9 +281,10 @@ class RunRegistry:
         """`TrainingRunFindByCheckpointURIResponse`: the LoRA config a checkpoint was saved with."""
         metadata = self._checkpoint_metadata(uri)
         _name, model_id = self.catalogue.resolve(str(metadata["base_model"]))
-        return {"base_model": model_id, **checkpoint_lora_spec(metadata).to_wire()}
+        return {"base_model": model_id, **self._lora_spec(uri, metadata).to_wire()}
 
     def _checkpoint_metadata(self, uri: str) -> dict[str, object]:
+        """A checkpoint's `grpo_local.json`: 404 if there is none, 409 naming it if damaged."""
         if uri.startswith(MEMORY_SCHEME):
             raise ServeError(
                 400,
@@ -279,9 +292,33 @@ class RunRegistry:
                 f"{uri!r} holds sampler weights only; save_state gives a loadable checkpoint",
             )
         try:
-            return read_checkpoint_metadata(resolve_checkpoint(uri))
+            directory = resolve_checkpoint(uri)
         except PyTrioError as error:
             raise ServeError(404, error.code, error.message) from None
+        except (OSError, ValueError) as error:  # a name too long for the file system, a NUL
+            raise ServeError(
+                400,
+                "validation.checkpoint_not_found",
+                f"no local checkpoint at {uri!r:.200}: {error}",
+            ) from None
+        try:
+            metadata = read_checkpoint_metadata(directory)
+            if isinstance(metadata, dict) and isinstance(metadata.get("base_model"), str):
+                return metadata
+            problem = "it holds no base_model"
+        except PyTrioError as error:
+            raise ServeError(409, error.code, error.message) from None
+        except (OSError, ValueError, AttributeError) as error:
+            problem = f"{type(error).__name__}: {error}"
+        raise _damaged(directory / METADATA_FILE, problem)
+
+    def _lora_spec(self, uri: str, metadata: dict[str, object]) -> Any:
+        """The LoRA spec of a checkpoint's metadata (409 naming the file if it has none)."""
+        try:
+            return checkpoint_lora_spec(metadata)
+        except (PyTrioError, KeyError, ValueError, TypeError) as error:
+            message = error.message if isinstance(error, PyTrioError) else repr(error)
+            raise _damaged(resolve_checkpoint(uri) / METADATA_FILE, message) from None
 
     def create_sampling_run(self, session: str, request: dict[str, Any]) -> dict[str, Any]:
         """`SamplingRunCreateResponse` for the base model or saved/in-memory LoRA weights."""
@@ -294,6 +331,8 @@ class RunRegistry:
                     raise not_found("in-memory sampler weights", source)
                 client = self._memory[source]
         else:
+            if source:
+                self._checkpoint_metadata(source)  # a damaged store entry: a 409 naming it
             client = local_call(lambda: self.local.create_sampling_client(name, source or None))
         created = now_iso()
         run = SamplingRun(
@@ -377,12 +416,13 @@ class RunRegistry:
             return self._checkpoints[cuid]
 
     def download_url(self, cuid: str) -> dict[str, Any]:
-        """`CheckpointDownloadResponse`: a tar of the checkpoint directory, served here."""
+        """`CheckpointDownloadResponse`: a tar of the checkpoint directory, served here, at a
+        URL whose token opens this checkpoint only, until `expires_at`."""
         self._checkpoint(cuid)
-        expires = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+        token, expires = self.downloads.issue(cuid)
         return {
-            "url": f"{self.files_url}/checkpoints/{cuid}.tar?token={self.download_token}",
-            "expires_at": expires,
+            "url": f"{self.files_url}/checkpoints/{cuid}.tar?token={token}",
+            "expires_at": expires.isoformat(),
             "source": "object_storage",
             "checkpoint_status": "READY",
             "tls_cert_pem": None,
@@ -391,7 +431,7 @@ class RunRegistry:
 
     def archive(self, cuid: str) -> bytes:
         """The checkpoint directory as an uncompressed tar, its files at the top level."""
-        directory = resolve_checkpoint(self._checkpoint(cuid).uri)
+        directory = self._directory(self._checkpoint(cuid))
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w") as archive:
             for path in sorted(directory.iterdir()):
@@ -401,9 +441,21 @@ class RunRegistry:
     def delete_checkpoint(self, cuid: str) -> None:
         """Delete a checkpoint's directory and record."""
         checkpoint = self._checkpoint(cuid)
-        shutil.rmtree(resolve_checkpoint(checkpoint.uri), ignore_errors=True)
+        shutil.rmtree(self._directory(checkpoint), ignore_errors=True)
         with self._lock:
             self._checkpoints.pop(cuid, None)
+
+    def _directory(self, checkpoint: CheckpointRecord) -> Path:
+        """A listed checkpoint's directory (409 if it was removed behind the server's back)."""
+        try:
+            return resolve_checkpoint(checkpoint.uri)
+        except PyTrioError:
+            raise ServeError(
+                409,
+                "checkpoint.missing",
+                f"checkpoint {checkpoint.cuid} ({checkpoint.uri}) is listed but its directory or "
+                f"its {METADATA_FILE} is gone from disk",
+            ) from None
 
     def add_checkpoint(self, checkpoint: CheckpointRecord) -> None:
         """Record a named save; an overwritten save replaces the record of its URI."""

@@ -26,7 +26,7 @@ def sample(registry: RunRegistry, cuid: str, request: SampleRequest) -> dict[str
     tokens = [token for chunk in request.prompt.chunks for token in chunk.tokens]
     prompt = ModelInput.from_ints(tokens)
     if request.return_prompt_logprobs and not request.return_token_logprobs:
-        prompt_logprobs = local_call(lambda: client.compute_logprobs(prompt)).result()
+        prompt_logprobs = local_call(lambda: client.compute_logprobs(prompt).result())
         return {
             "request_id": request.request_id,
             "sampling_run": cuid,
@@ -43,8 +43,8 @@ def sample(registry: RunRegistry, cuid: str, request: SampleRequest) -> dict[str
             request.return_prompt_logprobs,
             request.topk_prompt_logprobs,
             request.return_text,
-        )
-    ).result()
+        ).result()
+    )
     sequences = [
         {
             "tokens": list(seq.tokens),

@@ -10,11 +10,15 @@ import threading
 from pathlib import Path
 
 from grpo.backends.local import LocalServiceClient, default_root
+from grpo.serve.access import checked_api_key
 from grpo.serve.endpoints import ServeState
 from grpo.serve.events import TrainerEvents
 from grpo.serve.faults import FaultPlan
 from grpo.serve.handler import HTTPServer
+from grpo.serve.limits import MAX_CONNECTIONS, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S
 from grpo.serve.registry import RunRegistry
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class ServeHandle:
@@ -57,10 +61,29 @@ def start_server(
     log_requests: bool = False,
     aliases: dict[str, str] | None = None,
     sampler_dtype: str = "float32",
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+    max_connections: int = MAX_CONNECTIONS,
+    request_timeout_s: float = REQUEST_TIMEOUT_S,
 ) -> tuple[HTTPServer, LocalServiceClient]:
-    """A bound, not yet serving server on a local backend under `root`; port 0 = any free port."""
+    """A bound, not yet serving server on a local backend under `root`; port 0 = any free port.
+
+    An empty or whitespace `api_key` is a ValueError (it must not turn the check off), and
+    so is a `host` off loopback without a key: every route would be open to the network.
+    """
+    api_key = checked_api_key(api_key)
+    if api_key is None and host not in LOOPBACK_HOSTS:
+        raise ValueError(
+            f"--host {host} makes the server reachable from other machines: give it a key "
+            "(--api-key, or $GRPO_SERVE_API_KEY)"
+        )
     server = HTTPServer(
-        (host, port), api_key=api_key, faults=faults or FaultPlan(), log_requests=log_requests
+        (host, port),
+        api_key=api_key,
+        faults=faults or FaultPlan(),
+        log_requests=log_requests,
+        max_request_bytes=max_request_bytes,
+        max_connections=max_connections,
+        request_timeout_s=request_timeout_s,
     )
     root_path = Path(root) if root is not None else default_root()
     local = LocalServiceClient(root=root_path, seed=seed, sampler_dtype=sampler_dtype)
@@ -88,11 +111,15 @@ def serve_in_thread(
     seed: int = 0,
     aliases: dict[str, str] | None = None,
     sampler_dtype: str = "float32",
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+    max_connections: int = MAX_CONNECTIONS,
+    request_timeout_s: float = REQUEST_TIMEOUT_S,
 ) -> ServeHandle:
     """Serve on a daemon thread (for tests and notebooks); close the handle to stop.
 
     `aliases` maps model names a program asks for to served models (``--model-alias``);
-    `sampler_dtype` "bfloat16" samples in reduced precision (a sampler-trainer mismatch).
+    `sampler_dtype` "bfloat16" samples in reduced precision (a sampler-trainer mismatch);
+    the bounds are `grpo.serve.limits`' (``--max-request-bytes`` ...).
     """
     server, local = start_server(
         root=root,
@@ -103,6 +130,9 @@ def serve_in_thread(
         seed=seed,
         aliases=aliases,
         sampler_dtype=sampler_dtype,
+        max_request_bytes=max_request_bytes,
+        max_connections=max_connections,
+        request_timeout_s=request_timeout_s,
     )
     thread = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="grpo-serve", daemon=True
