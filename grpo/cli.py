@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.backends.pytrio import BackendUnavailableError
-from grpo.training import flags
+from grpo.training import flags, run_files
 from grpo.training.config import (
     BACKENDS,
     check_user_inputs,
@@ -74,6 +74,46 @@ def run_train(args: argparse.Namespace) -> int:
         return 0
     try:
         train(resolve_run(config), resume=resume)
+    except RunStopped as stopped:
+        print(f"[grpo] {stopped}", file=sys.stderr)
+        return stopped.exit_code
+    return 0
+
+
+def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every SftConfig flag (its own and those shared with `grpo train`), --resume, --dry-run."""
+    from grpo.training.sft_config import SFT_FIELDS
+
+    flags.add_train_arguments(parser, fields=SFT_FIELDS)
+    parser.add_argument(
+        "--resume", default=None, metavar="RUN_DIR", help="continue an SFT run directory"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="read and check the data, print the plan (tokens, steps, cost) and exit; "
+        "nothing is written",
+    )
+
+
+def run_sft(args: argparse.Namespace) -> int:
+    """`grpo sft`: supervised fine-tuning; exit 0 when finished, 130 on a signal, 1 on failure."""
+    from grpo.training.run import RunStopped
+    from grpo.training.sft import dry_run_sft, sft
+    from grpo.training.sft_config import SFT_FIELDS, sft_config_from_dict
+
+    values = flags.explicit_flags(args, fields=SFT_FIELDS)
+    if args.resume is not None:
+        saved = run_files.read_config(Path(args.resume))
+        saved.pop("recipe", None)
+        values = {**saved, **values, "run_dir": str(args.resume)}
+    config = sft_config_from_dict(values, where="grpo sft")
+    if args.dry_run:
+        for line in dry_run_sft(config, resume=args.resume is not None):
+            print(line)
+        return 0
+    try:
+        sft(config, resume=args.resume is not None)
     except RunStopped as stopped:
         print(f"[grpo] {stopped}", file=sys.stderr)
         return stopped.exit_code
@@ -180,6 +220,12 @@ COMMANDS: tuple[tuple[str, str, str, str], ...] = (
         "one GRPO run (default: offline on the built-in model)",
         "grpo.cli:add_train_arguments",
         "grpo.cli:run_train",
+    ),
+    (
+        "sft",
+        "supervised fine-tuning on completion / assistant tokens (then grpo train --init-from)",
+        "grpo.cli:add_sft_arguments",
+        "grpo.cli:run_sft",
     ),
     (
         "eval",

@@ -81,6 +81,12 @@ class TrainConfig:
     lora_rank: int = flag(
         32, f"LoRA rank ({LORA_RANKS.start}..{LORA_RANKS.stop - 1})", InRange(LORA_RANKS)
     )
+    init_from: str | None = flag(
+        None,
+        "start from the final weights of a finished `grpo sft` or `grpo train` run directory "
+        "(same backend, base model and LoRA rank; the --kl-coef reference stays the base model)",
+        NOT_EMPTY,
+    )
     # Data
     dataset: str = flag(
         "arithmetic",

@@ -29,10 +29,16 @@ from grpo.training.config import (
 from grpo.training.fields import field_kind
 
 
-def add_train_arguments(parser: argparse._ActionsContainer, *, exclude: Iterable[str] = ()) -> None:
-    """One `--flag` per TrainConfig field but `exclude`; unset flags stay out of the namespace."""
+def add_train_arguments(
+    parser: argparse._ActionsContainer,
+    *,
+    exclude: Iterable[str] = (),
+    fields: Mapping[str, Any] = FIELDS,
+) -> None:
+    """One `--flag` per field of `fields` (TrainConfig's) but `exclude`; unset flags stay out of
+    the namespace."""
     excluded = set(exclude)
-    for name, field in FIELDS.items():
+    for name, field in fields.items():
         if name in excluded:
             continue
         kind, _ = field_kind(field)
@@ -50,11 +56,13 @@ def add_train_arguments(parser: argparse._ActionsContainer, *, exclude: Iterable
         parser.add_argument(flag_name(name), **kwargs)
 
 
-def explicit_flags(args: argparse.Namespace, *, exclude: Iterable[str] = ()) -> dict[str, Any]:
-    """The train flags set on the command line (those `add_train_arguments` added)."""
+def explicit_flags(
+    args: argparse.Namespace, *, exclude: Iterable[str] = (), fields: Mapping[str, Any] = FIELDS
+) -> dict[str, Any]:
+    """The flags of `fields` set on the command line (those `add_train_arguments` added)."""
     excluded = set(exclude)
     return {
-        name: getattr(args, name) for name in FIELDS if name not in excluded and hasattr(args, name)
+        name: getattr(args, name) for name in fields if name not in excluded and hasattr(args, name)
     }
 
 

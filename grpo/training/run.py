@@ -31,6 +31,7 @@ from grpo.backends.pytrio import make_service_client
 from grpo.core.usage import Prices, TokenUsage, cost, usage_from_row
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig, resolve_run, to_dict
+from grpo.training.init_from import init_state_path, init_training_client
 from grpo.training.logging import RunLogger, scrub_secrets
 from grpo.training.plan import describe, plan_usage, preflight
 from grpo.training.schedule import evaluates_at_start
@@ -99,6 +100,8 @@ def dry_run(config: TrainConfig, *, resume: bool = False, service_client: Any = 
     if checkpoint is False:
         return [f"{run_dir} already finished its steps; nothing to plan"]
     start_step = checkpoint.step if checkpoint is not None else 0
+    if checkpoint is None and config.init_from is not None:
+        init_state_path(config)
     service = service_client or _make_service(config, run_dir)
     try:
         pre = preflight(config, lambda: service)
@@ -164,6 +167,7 @@ def _train_in(
     progress: bool,
 ) -> RunResult:
     start_step = checkpoint.step if checkpoint is not None else 0
+    init_path = init_state_path(config) if checkpoint is None and config.init_from else None
     pre = preflight(config, lambda: service_client or _make_service(config, run_dir))
     service, steps = pre.service, pre.steps
 
@@ -175,6 +179,8 @@ def _train_in(
         note(warning)
     if checkpoint is not None:
         training_client = _load_checkpoint(service, run_dir, checkpoint)
+    elif init_path is not None:
+        training_client = init_training_client(service, config, init_path)
     else:
         training_client = service.create_lora_training_client(
             base_model=config.base_model, rank=config.lora_rank, seed=config.seed

@@ -50,6 +50,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "backend": st.sampled_from(BACKENDS),
     "base_model": TEXT,
     "lora_rank": st.integers(4, 64),
+    "init_from": st.none() | TEXT,
     "dataset": TEXT,
     "all_data": st.booleans(),
     "difficulty": st.integers(1, 6),

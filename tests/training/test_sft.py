@@ -1,0 +1,195 @@
+"""`grpo sft` end to end on the local backend, and `grpo train --init-from` its weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from pytrio.types import ModelInput
+
+from grpo.training import run_files
+from grpo.training.config import ConfigError, TrainConfig
+from grpo.training.init_from import init_state_path, init_training_client
+from grpo.training.run import RunStopped
+from grpo.training.sft import dry_run_sft, example_datum, sft
+from grpo.training.sft_config import SftConfig
+from tests.runs import comparable
+
+
+def _data(tmp_path: Path, rows: int = 24) -> Path:
+    path = tmp_path / "sft.jsonl"
+    with path.open("w") as out:
+        for i in range(rows):
+            chat = [
+                {"role": "user", "content": f"What is {i} plus 1?"},
+                {"role": "assistant", "content": f"{i}+1={i + 1}. \\boxed{{{i + 1}}}"},
+            ]
+            out.write(json.dumps({"messages": chat}) + "\n")
+    return path
+
+
+def _config(tmp_path: Path, name: str, **overrides: Any) -> SftConfig:
+    values: dict[str, Any] = {
+        "data": str(_data(tmp_path)),
+        "run_dir": str(tmp_path / name),
+        "batch_tokens": 200,
+        "epochs": 2,
+        "learning_rate": 1e-3,
+        "warmup_steps": 1,
+        "lr_schedule": "cosine",
+        "eval_every": 2,
+        "eval_fraction": 0.25,
+        "save_every": 2,
+        **overrides,
+    }
+    return SftConfig(**values)
+
+
+def _quiet(config: SftConfig, **kwargs: Any) -> Any:
+    return sft(config, echo=lambda _line: None, progress=False, **kwargs)
+
+
+class _SigintAfter:
+    """A service whose training client sends SIGINT to this process after n optimizer steps."""
+
+    def __init__(self, inner: Any, n: int) -> None:
+        self._inner, self._n = inner, n
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._inner, name)
+        if name != "create_lora_training_client":
+            return attribute
+
+        def create(*args: Any, **kwargs: Any) -> Any:
+            client = attribute(*args, **kwargs)
+            step, remaining = client.optim_step, [self._n]
+
+            def optim_step(*a: Any, **k: Any) -> Any:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    os.kill(os.getpid(), signal.SIGINT)
+                return step(*a, **k)
+
+            client.optim_step = optim_step
+            return client
+
+        return create
+
+
+def test_sft_lowers_the_loss_and_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    from grpo.backends.local import LocalServiceClient
+
+    whole = _quiet(_config(tmp_path, "whole"))
+    rows = run_files.read_metrics(whole.run_dir)
+    evals = [row["eval/loss"] for row in rows if "eval/loss" in row]
+    assert rows[0]["step"] == 0 and len(evals) >= 3 and evals[-1] < evals[0]
+    summary = json.loads((whole.run_dir / "summary.json").read_text())
+    assert summary["finished"] and summary["sampler_path"] == whole.sampler_path
+    # Every training row once per epoch, within the token budget.
+    trained = [row for row in rows if "loss" in row]
+    assert all(row["positions"] <= 200 for row in trained)
+    for epoch in (0.0, 1.0):
+        assert sum(row["rows"] for row in trained if row["epoch"] == epoch) == 18
+
+    config = _config(tmp_path, "stopped")
+    service = _SigintAfter(LocalServiceClient(root=tmp_path / "stopped" / "backend", seed=0), n=3)
+    with pytest.raises(RunStopped) as stopped:
+        _quiet(config, service_client=service)
+    assert stopped.value.exit_code == 130
+    assert run_files.read_checkpoint(tmp_path / "stopped").step == 3
+    resumed = _quiet(config, resume=True)
+    assert comparable(run_files.read_metrics(resumed.run_dir)) == comparable(rows)
+
+
+def test_eval_loss_is_over_the_held_out_rows_only(tmp_path: Path) -> None:
+    from grpo.training.sft import SftRun
+
+    config = _config(tmp_path, "eval", epochs=1)
+    calls: list[int] = []
+    original = SftRun.eval_loss
+
+    def spy(self: SftRun) -> dict[str, float]:
+        calls.append(len(self.plan.eval))
+        held = {tuple(e.tokens_T.tolist()) for e in self.plan.eval}
+        assert held and not held & {tuple(e.tokens_T.tolist()) for e in self.plan.train}
+        return original(self)
+
+    SftRun.eval_loss = spy  # type: ignore[method-assign]
+    try:
+        _quiet(config)
+    finally:
+        SftRun.eval_loss = original  # type: ignore[method-assign]
+    assert calls and set(calls) == {6}
+
+
+def test_dry_run_writes_nothing_and_bad_data_is_named(tmp_path: Path) -> None:
+    config = _config(tmp_path, "dry")
+    lines = dry_run_sft(config)
+    assert "every check passed" in lines[0] and not (tmp_path / "dry").exists()
+    (tmp_path / "bad.jsonl").write_text('{"question": "x"}\n')
+    with pytest.raises(ConfigError, match="bad.jsonl row 1: no 'messages'"):
+        dry_run_sft(_config(tmp_path, "bad", data=str(tmp_path / "bad.jsonl")))
+    with pytest.raises(ConfigError, match="row .* has .* tokens, more than the batch budget"):
+        dry_run_sft(_config(tmp_path, "big", batch_tokens=10))
+    with pytest.raises(ConfigError, match="--data is required"):
+        SftConfig()
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "big").exists()
+
+
+def test_init_from_starts_from_the_sft_weights(tmp_path: Path) -> None:
+    from grpo.backends.local import LocalServiceClient
+
+    source = _quiet(_config(tmp_path, "source", epochs=1))
+    config = TrainConfig(
+        init_from=str(source.run_dir), run_dir=str(tmp_path / "rl"), steps=1, eval_every=0
+    )
+    with LocalServiceClient(root=tmp_path / "rl-backend", seed=0) as service:
+        client = init_training_client(service, config, init_state_path(config))
+        tokens = list(range(5, 30))
+        datum = example_datum_for(tokens)
+        trained = np.asarray(
+            client.forward([datum], loss_fn="cross_entropy")
+            .result()
+            .loss_fn_outputs[0]["logprobs"]
+            .data
+        )
+        sft_sampler = service.create_sampling_client(
+            base_model=config.base_model, model_path=source.sampler_path
+        )
+        base_sampler = service.create_sampling_client(base_model=config.base_model)
+        prompt = ModelInput.from_ints(tokens)
+        sft_lp = np.asarray(sft_sampler.compute_logprobs(prompt).result()[1:], dtype=np.float32)
+        base_lp = np.asarray(base_sampler.compute_logprobs(prompt).result()[1:], dtype=np.float32)
+    np.testing.assert_allclose(trained, sft_lp, atol=1e-5)
+    assert np.abs(trained - base_lp).max() > 1e-3  # SFT moved the weights
+
+    from grpo.training.run import train
+
+    result = train(config, echo=lambda _line: None, progress=False)
+    assert result.sampler_path and run_files.read_summary(result.run_dir)["finished"]
+
+
+def example_datum_for(tokens: list[int]) -> Any:
+    from grpo.core.sft import SftExample
+
+    example = SftExample(tokens_T=tokens, mask_T=np.arange(len(tokens)) > 0)
+    return example_datum(example, example.mask_T.astype(np.float32))
+
+
+def test_init_from_refuses_an_unfinished_run_or_another_base_model(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not a run directory"):
+        init_state_path(TrainConfig(init_from=str(tmp_path / "nothing")))
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    (unfinished / "config.json").write_text(json.dumps({"recipe": "sft"}))
+    with pytest.raises(ConfigError, match="has not finished .* `grpo sft --resume"):
+        init_state_path(TrainConfig(init_from=str(unfinished)))
+    (unfinished / "summary.json").write_text(json.dumps({"finished": True}))
+    (unfinished / "config.json").write_text(json.dumps({"base_model": "Qwen/Qwen3-8B"}))
+    with pytest.raises(ConfigError, match="that run has base_model 'Qwen/Qwen3-8B'"):
+        init_state_path(TrainConfig(init_from=str(unfinished)))
