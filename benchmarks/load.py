@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 
@@ -126,9 +125,6 @@ def load_average() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Time the run in every scenario under both thread settings and print the table."""
     args = argument_parser(__doc__.splitlines()[0]).parse_args(argv)
-    if threading.current_thread() is threading.main_thread():
-        # A SIGTERM (a CI timeout, `kill`) unwinds through the `finally` that kills competitors.
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     run_args, scenarios = (QUICK_RUN, QUICK_SCENARIOS) if args.quick else (FULL_RUN, SCENARIOS)
     print_header(
         "grpo train under load (tiny model)",
@@ -178,4 +174,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # A SIGTERM (a CI timeout, `kill`) unwinds through the `finally` that kills competitors.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     raise SystemExit(main())
