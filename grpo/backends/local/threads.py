@@ -9,9 +9,10 @@ each op waits for a descheduled thread and a run slows far below its fair share
 
 - ``--threads N`` (``threads=N``, N >= 1): the worker runs on N threads.
 - ``threads=0`` (auto) when the user set nothing: the worker runs on
-  ``auto_threads(parameter_count, cores)`` threads: 1 below ``MANY_PARAMETERS`` (the
-  built-in ~1M-parameter model's matmuls are too small to split: measured no faster on 2
-  threads quiet, and several times slower under load), every core above it.
+  ``auto_threads(parameter_count, cores)`` threads: 1 below ``MANY_PARAMETERS``, every
+  core above it. The built-in ~1M-parameter model's ops are small: on idle cores 2
+  threads made them 1.3-1.8x faster, on shared cores the whole run 2.3-4.3x slower
+  (benchmarks/README.md, "Speed under load"), and shared cores are the common case.
 - ``threads=0`` when the user chose a count (``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS``
   set, or ``torch.set_num_threads`` called, seen as a count other than torch's default):
   torch's setting is left exactly as it is, on every thread.
@@ -30,7 +31,9 @@ from collections.abc import Mapping
 import attrs
 import torch
 
-MANY_PARAMETERS = 20_000_000  # below this, one thread per op is as fast as several
+# Below this, ops are too small for several threads to pay for their barriers under load
+# (measured on the built-in model only: no larger model is available offline here).
+MANY_PARAMETERS = 20_000_000
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 # The count this module last set: a fresh thread starts with the last count set anywhere, so
