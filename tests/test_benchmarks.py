@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import datums, local, loop, losses, mismatch, serve
+from benchmarks import datums, load, local, loop, losses, mismatch, serve
 
 
 @pytest.mark.slow
@@ -33,8 +33,9 @@ from benchmarks import datums, local, loop, losses, mismatch, serve
             ["| float32 | 1 | 1 |", "| bfloat16 | 0.7 | 0.9 |", "forward / forward_backward"],
         ),
         (serve, ["| forward_backward_custom (8 datums) |", "| default config, 2 steps |"]),
+        (load, ["| quiet | ", "| torch process + CPU hog | "]),
     ],
-    ids=["losses", "datums", "loop", "local", "mismatch", "serve"],
+    ids=["losses", "datums", "loop", "local", "mismatch", "serve", "load"],
 )
 def test_quick_benchmark_completes_and_prints_its_table(
     benchmark: object, expected: list[str], capsys: pytest.CaptureFixture[str]

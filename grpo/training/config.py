@@ -211,6 +211,13 @@ class TrainConfig:
         "sampler-trainer mismatch; training stays float32)",
         OneOf(SAMPLER_DTYPES),
     )
+    threads: int = flag(
+        0,
+        "local backend: torch intra-op threads of its worker (0 = auto: 1 for small models "
+        "such as the built-in one, every core for large ones; OMP_NUM_THREADS or "
+        "torch.set_num_threads, when set, are left alone)",
+        AtLeast(0),
+    )
     kl_coef: float = flag(
         0.0, "KL-to-base-model penalty folded into token advantages (0 = off)", AtLeast(0)
     )

@@ -1,8 +1,9 @@
 """What a local service and all its clients share: the worker, loaded models, seeds, root.
 
 ``Engine`` owns the one worker thread every torch call runs on, the base models loaded
-so far (one ``ModelHost`` each, loaded on first use), the service's seeded generator and
-the checkpoint root.
+so far (one ``ModelHost`` each, loaded on first use), the service's seeded generator, the
+checkpoint root and the thread policy (``threads.py``): each load sizes the worker's and
+the caller's intra-op threads to the largest model loaded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from grpo.backends.local import threads as thread_policy
 from grpo.backends.local.model import ModelHost, load_host
 from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.backends.local.worker import Worker
@@ -31,14 +33,18 @@ class Engine:
         seed: int,
         kernel_metrics: bool,
         sampler_dtype: torch.dtype = torch.float32,
+        threads: int = 0,
     ) -> None:
         self.root = root
+        self.threads = thread_policy.check_threads(threads)
+        self.thread_plan: thread_policy.ThreadPlan | None = None
         self.kernel_metrics = kernel_metrics
         self.sampler_dtype = sampler_dtype
         self.worker = Worker(name=f"grpo-local-{uuid.uuid4().hex[:6]}")
         self._rng = np.random.default_rng(seed)
         self._rng_lock = threading.Lock()
         self._hosts: dict[str, ModelHost] = {}
+        self._parameter_counts: dict[str, int] = {}
         weakref.finalize(self, self.worker.close)
 
     def draw_seed(self) -> int:
@@ -55,7 +61,22 @@ class Engine:
         )
         if key not in self._hosts:
             self._hosts[key] = load_host(base_model)
+            # Counted before any adapter attaches: the base model's weights set the op sizes.
+            self._parameter_counts[key] = sum(
+                parameter.numel() for parameter in self._hosts[key].model.parameters()
+            )
+            largest = max(self._parameter_counts.values())
+            self.thread_plan = thread_policy.plan_here(self.threads, largest)
+            thread_policy.set_threads(self.thread_plan.worker)
         return self._hosts[key]
+
+    def load(self, base_model: str) -> ModelHost:
+        """`host(base_model)` run on the worker; the calling thread then takes the plan's
+        caller count, so the worker and the caller share the cores."""
+        host = self.run(lambda: self.host(base_model))
+        assert self.thread_plan is not None
+        thread_policy.set_threads(self.thread_plan.caller)
+        return host
 
     def run(self, function: Callable[[], Any]) -> Any:
         """Run `function` on the worker and wait for it."""

@@ -47,7 +47,9 @@ How it differs from the service, on purpose:
   request without ``SamplingParams.seed``. A request with an explicit seed samples the
   same tokens and log-probs whatever else it is batched with.
 
-All torch work runs on one worker thread per service; calls return futures at once.
+All torch work runs on one worker thread per service; calls return futures at once. Its
+intra-op thread count follows ``threads.py`` (``threads=0``: sized to the model, the
+user's own setting respected).
 The clients live in ``service.py`` (this one), ``training.py`` (with the loss execution
 in ``loss_execution.py``) and ``sampling_client.py``; what they share in ``engine.py``.
 """
@@ -55,7 +57,6 @@ in ``loss_execution.py``) and ``sampling_client.py``; what they share in ``engin
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 from pathlib import Path
 
@@ -95,6 +96,9 @@ class LocalServiceClient:
             ``"bfloat16"``: sampling runs its matmuls in bfloat16 (CPU autocast) while
             training stays float32, the usual source of a real service's sampler-trainer
             mismatch, reproduced offline (docs/FORMULAS.md, "Sampler–trainer mismatch").
+        threads: torch intra-op threads of the worker (0 = auto: 1 for small models such as
+            the built-in one, every core for large ones, and whatever the user set through
+            ``OMP_NUM_THREADS`` or ``torch.set_num_threads`` left alone; see ``threads.py``).
     """
 
     def __init__(
@@ -105,6 +109,7 @@ class LocalServiceClient:
         seed: int = 0,
         kernel_metrics: bool = False,
         sampler_dtype: str = "float32",
+        threads: int = 0,
     ) -> None:
         del api_key
         if sampler_dtype not in SAMPLER_DTYPES:
@@ -112,7 +117,9 @@ class LocalServiceClient:
                 f"sampler_dtype must be one of {', '.join(SAMPLER_DTYPES)}, got {sampler_dtype!r}"
             )
         root_path = Path(root) if root is not None else default_root()
-        self._engine = Engine(root_path, seed, kernel_metrics, SAMPLER_DTYPES[sampler_dtype])
+        self._engine = Engine(
+            root_path, seed, kernel_metrics, SAMPLER_DTYPES[sampler_dtype], threads
+        )
 
     def close(self) -> None:
         """Stop the worker thread once queued work is done (clients stop working)."""
@@ -132,7 +139,7 @@ class LocalServiceClient:
         """The named models' real limits: context length = max sequence length = model positions."""
         models = []
         for name in self.get_supported_models():
-            host = self._engine.run(functools.partial(self._engine.host, name))
+            host = self._engine.load(name)
             limits = ModelOperationCapabilities(
                 available=True,
                 max_batch_size=None,
@@ -174,7 +181,7 @@ class LocalServiceClient:
             train_attn=train_attn,
             train_unembed=train_unembed,
         )
-        host = self._engine.run(lambda: self._engine.host(base_model))
+        host = self._engine.load(base_model)
         return LocalTrainingClient(self._engine, host, spec)
 
     async def create_lora_training_client_async(
@@ -201,7 +208,7 @@ class LocalServiceClient:
         self, base_model: str, model_path: str | None = None
     ) -> LocalSamplingClient:
         """A sampler of the base model, or of LoRA weights saved at `model_path`."""
-        host = self._engine.run(lambda: self._engine.host(base_model))
+        host = self._engine.load(base_model)
         weights = None if model_path is None else read_sampler_weights(model_path, host)
         return LocalSamplingClient(self._engine, host, weights)
 
@@ -233,7 +240,7 @@ class LocalServiceClient:
         directory = checkpoints.resolve(path)
         metadata = checkpoints.read_metadata(directory)
         base_model = str(metadata["base_model"])
-        host = self._engine.run(lambda: self._engine.host(base_model))
+        host = self._engine.load(base_model)
         client = LocalTrainingClient(self._engine, host, checkpoints.spec_from(metadata))
         client._restore(directory, metadata, with_optimizer=with_optimizer)
         return client
