@@ -119,6 +119,7 @@ def _make_service(config: TrainConfig, run_dir: Path) -> Any:
         connect_timeout_s=config.connect_timeout,
         concurrency=config.concurrency,
         sampler_dtype=config.sampler_dtype,
+        threads=config.threads,
     )
 
 
