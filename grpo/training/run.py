@@ -29,6 +29,7 @@ from pytrio.types import AdamParams
 
 from grpo.backends.pytrio import make_service_client
 from grpo.core.usage import Prices, TokenUsage, cost, usage_from_row
+from grpo.reward_calls import reward_session
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig, resolve_run, to_dict
 from grpo.training.logging import RunLogger, scrub_secrets
@@ -253,7 +254,16 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
     clock: dict[str, float] = {}
     with timed("wall_time_s", clock):
         try:
-            with stop_on_signals() as stop_requested:
+            with (
+                stop_on_signals() as stop_requested,
+                reward_session(
+                    run.config.reward_fns,
+                    workers=run.config.reward_workers,
+                    timeout=run.config.reward_timeout,
+                    stop=stop_requested,
+                    note=run.note,
+                ),
+            ):
                 sampler_path = _steps_then_final_save(run, state, stop_requested, bar, write)
         except KeyboardInterrupt:
             _stop_with_checkpoint(run, state)
