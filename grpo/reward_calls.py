@@ -46,6 +46,7 @@ __all__ = [
     "CallFailed",
     "CallTimedOut",
     "RewardCaller",
+    "RewardStartError",
     "active_caller",
     "reward_session",
     "uses_processes",
@@ -78,6 +79,10 @@ class CallExited:
     """The reward raised SystemExit or KeyboardInterrupt (it may not end the run)."""
 
     why: str
+
+
+class RewardStartError(RuntimeError):
+    """The worker processes of the plugin rewards did not start."""
 
 
 Result = dict[str, float] | CallFailed | CallTimedOut | CallExited
@@ -177,9 +182,17 @@ class RewardCaller:
             size, initializer=_worker_start, initargs=(tuple(r.spec for r in self.rewards),)
         )
         waiting = pool.map_async(_worker_ready, range(size), chunksize=1)
+        deadline = time.monotonic() + self.timeout
         try:
             while not waiting.ready():
                 self._check_stop()
+                if time.monotonic() > deadline:
+                    raise RewardStartError(
+                        f"the reward worker processes did not start within --reward-timeout "
+                        f"{self.timeout:g}s (a script that calls grpo.train must do so under "
+                        "`if __name__ == '__main__':`, as each worker imports the script); or "
+                        "pass --reward-timeout 0 to call the rewards in this process"
+                    )
                 waiting.wait(_POLL_S)
             waiting.get()
         except BaseException:
