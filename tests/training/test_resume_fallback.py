@@ -56,6 +56,7 @@ def test_the_resume_error_keeps_its_fix_through_the_cli_trimming(tmp_path: Path)
 def test_a_moved_finished_run_points_at_its_own_final_weights(tmp_path: Path) -> None:
     quiet_train(tiny_config(tmp_path, "before", steps=1))
     recorded = json.loads((tmp_path / "before" / "summary.json").read_text())
+    assert recorded["sampler_scheme"] == "local://"
     assert not Path(recorded["sampler_path"]).is_absolute()
     (tmp_path / "before").rename(tmp_path / "after")
     path = Path(eval_weights_path(tmp_path / "after").removeprefix("local://"))
