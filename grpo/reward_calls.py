@@ -54,6 +54,7 @@ __all__ = [
 
 BUILTIN_MODULES = frozenset({"grpo.rewards", "grpo.core.rewards"})
 _POLL_S = 0.05
+_START_S = 60.0  # the workers' start (imports) may take longer than one call may
 _WORKER_REWARDS: tuple[RewardFn, ...] = ()
 _ACTIVE: ContextVar[RewardCaller | None] = ContextVar("grpo_reward_caller", default=None)
 
@@ -182,14 +183,15 @@ class RewardCaller:
             size, initializer=_worker_start, initargs=(tuple(r.spec for r in self.rewards),)
         )
         waiting = pool.map_async(_worker_ready, range(size), chunksize=1)
-        deadline = time.monotonic() + self.timeout
+        start_s = max(self.timeout, _START_S)
+        deadline = time.monotonic() + start_s
         try:
             while not waiting.ready():
                 self._check_stop()
                 if time.monotonic() > deadline:
                     raise RewardStartError(
-                        f"the reward worker processes did not start within --reward-timeout "
-                        f"{self.timeout:g}s (a script that calls grpo.train must do so under "
+                        f"the reward worker processes did not start within {start_s:g}s "
+                        "(a script that calls grpo.train must do so under "
                         "`if __name__ == '__main__':`, as each worker imports the script); or "
                         "pass --reward-timeout 0 to call the rewards in this process"
                     )
