@@ -20,8 +20,12 @@ in a sandbox, `grpo/tasks/sandbox.py`).
 A reward that raises or returns NaN, infinity or a non-number raises `RewardError` naming
 the row index and the completion (`--reward-errors stop`, the run then stops with a
 checkpoint), or scores 0 for that component and is counted in `reward/errors`
-(`--reward-errors zero`). `--reward-workers N` calls rewards from N threads; results are
-collected in completion order, so they equal the serial ones.
+(`--reward-errors zero`); so does a call past `--reward-timeout`. A reward that raises
+SystemExit or KeyboardInterrupt raises `RewardExit` (the run stops with a checkpoint).
+Built-ins run in this process (`--reward-workers N`: on N threads); user plugins run in
+worker processes with a timeout, each call on its own copy of the row
+(`grpo/reward_calls.py`). Results are collected in completion order, so they equal the
+serial ones.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import math
 import numbers
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +51,19 @@ from grpo.core.rewards import (
     overlong_penalty,
     weighted_total,
 )
+from grpo.reward_calls import CallExited, CallFailed, CallTimedOut, RewardCaller
 from grpo.tasks.code_grading import pass_fraction
 from grpo.tasks.math_grading import math_gold, verify_pooled
 
 __all__ = [
     "DEFAULT_REWARD",
     "RewardError",
+    "RewardExit",
     "RewardFn",
     "RewardScores",
     "boxed_format",
     "boxed_match",
+    "checked_values",
     "code_tests",
     "code_tests_partial",
     "load_rewards",
@@ -73,7 +79,11 @@ _TEXT_PREVIEW = 300
 
 
 class RewardError(ValueError):
-    """A reward callable that raised or returned something that is not a finite number."""
+    """A reward callable that raised, timed out or returned something not a finite number."""
+
+
+class RewardExit(RuntimeError):
+    """A reward raised SystemExit or KeyboardInterrupt: the run stops with a checkpoint."""
 
 
 def math_verify(completion: str, row: Mapping[str, Any], sample: RewardInput) -> float:
@@ -267,7 +277,7 @@ def _preview(text: str) -> str:
     return text if len(text) <= _TEXT_PREVIEW else text[:_TEXT_PREVIEW] + "..."
 
 
-def _checked_values(reward: RewardFn, value: Any) -> dict[str, float] | str:
+def checked_values(reward: RewardFn, value: Any) -> dict[str, float] | str:
     """The named values of one call, or why the value is not a finite number (or dict of them)."""
     items = value.items() if isinstance(value, Mapping) else [(None, value)]
     checked: dict[str, float] = {}
@@ -283,16 +293,6 @@ def _checked_values(reward: RewardFn, value: Any) -> dict[str, float] | str:
     return checked
 
 
-def _call(
-    reward: RewardFn, completion: str, row: Mapping[str, Any], sample: RewardInput
-) -> dict[str, float] | str:
-    try:
-        value = reward(completion, row, sample)
-    except Exception as error:  # noqa: BLE001 - the user's reward; reported with its input
-        return f"raised {type(error).__name__}: {error}"
-    return _checked_values(reward, value)
-
-
 def score_completions(
     rewards: Sequence[RewardFn],
     items: Sequence[tuple[str, Mapping[str, Any], RewardInput]],
@@ -300,31 +300,58 @@ def score_completions(
     *,
     on_error: str = "stop",
     workers: int = 0,
+    timeout: float = 0.0,
+    caller: RewardCaller | None = None,
 ) -> RewardScores:
     """Every reward of every (completion, row, sample), grouped, with the weighted totals.
 
     The components are the union of the names returned, in order of first appearance; a
     completion that lacks one (a failed call under on_error="zero", a dict without that key)
-    scores 0 for it.
+    scores 0 for it. Calls go through `caller` (the run's, `grpo/reward_calls.py`), else a
+    caller made for this call from `workers` and `timeout`. A call that raised SystemExit or
+    KeyboardInterrupt raises `RewardExit`; one past the timeout is an error like a raise.
     """
-    calls = [(reward, item) for item in items for reward in rewards]
-    if workers > 0:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward") as pool:
-            results = list(pool.map(lambda call: _call(call[0], *call[1]), calls))
-    else:
-        results = [_call(reward, *item) for reward, item in calls]
+    calls = [(which, item) for item in items for which in range(len(rewards))]
+    own = caller is None
+    if caller is None:
+        caller = RewardCaller(rewards, workers=workers, timeout=timeout)
+    try:
+        results = caller.results(calls)
+    finally:
+        if own:
+            caller.close()
     weights: dict[str, float] = {}
     values: list[dict[str, float]] = [{} for _ in items]
     errors = 0
-    for position, ((reward, (completion, _row, sample)), result) in enumerate(
+    for position, ((which, (completion, _row, sample)), result) in enumerate(
         zip(calls, results, strict=True)
     ):
-        if isinstance(result, str):
+        reward = rewards[which]
+        where = f"on row {sample.index} for the completion {_preview(completion)!r}"
+        if isinstance(result, CallExited):
+            raise RewardExit(
+                f"reward {reward.spec!r} {result.why} {where}; a reward may not end the run: "
+                "return a number (or raise an exception, see --reward-errors)"
+            )
+        if isinstance(result, CallTimedOut) and on_error == "stop":
+            raise RewardError(
+                f"reward {reward.spec!r} did not return within --reward-timeout "
+                f"{result.seconds:g}s {where}; make it faster, raise --reward-timeout, or pass "
+                "--reward-errors zero to score such calls 0"
+            )
+        if isinstance(result, CallTimedOut):
+            if caller.note is not None:
+                caller.note(
+                    f"reward {reward.spec!r} timed out after {result.seconds:g}s on row "
+                    f"{sample.index}; scored 0 (--reward-errors zero)"
+                )
+            errors += 1
+            continue
+        if isinstance(result, CallFailed):
             if on_error == "stop":
                 raise RewardError(
-                    f"reward {reward.spec!r} {result} on row {sample.index} for the completion "
-                    f"{_preview(completion)!r}; fix the reward, or pass --reward-errors zero "
-                    "to score such cases 0"
+                    f"reward {reward.spec!r} {result.why} {where}; fix the reward, or pass "
+                    "--reward-errors zero to score such cases 0"
                 )
             errors += 1
             continue

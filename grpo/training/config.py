@@ -165,7 +165,17 @@ class TrainConfig:
         OneOf(("stop", "zero")),
     )
     reward_workers: int = flag(
-        0, "threads calling the rewards (0 = serial; results are identical)", AtLeast(0)
+        0,
+        "threads calling built-in rewards, worker processes calling plugins (0 = serial; "
+        "results are identical)",
+        AtLeast(0),
+    )
+    reward_timeout: float = flag(
+        60.0,
+        "seconds a plugin reward call may take (it runs in a worker process; past it the run "
+        "stops, or the call scores 0 under --reward-errors zero); 0 = call plugins in this "
+        "process with no limit",
+        AtLeast(0),
     )
     overlong_buffer: int | None = flag(
         None,

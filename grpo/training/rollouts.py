@@ -23,6 +23,7 @@ from grpo.core.metrics import pass_at_k
 from grpo.core.records import Completion, ScoredGroup
 from grpo.core.rewards import RewardInput, extract_gold, grade
 from grpo.core.usage import TokenUsage, sample_usage
+from grpo.reward_calls import active_caller
 from grpo.rewards import RewardFn, RewardScores, score_completions
 from grpo.tasks.prompts import DEFAULT_TEMPLATE, PromptTemplate, build_prompt_tokens
 from grpo.training.config import ConfigError
@@ -247,8 +248,10 @@ def reward_groups(
     overlong_buffer: int,
     on_error: str,
     workers: int,
+    timeout: float = 0.0,
 ) -> RewardScores:
-    """Every --reward of every completion (see `grpo.rewards.score_completions`)."""
+    """Every --reward of every completion (see `grpo.rewards.score_completions`), called by
+    the run's reward caller when one is active (`grpo.reward_calls.reward_session`)."""
     items = [
         (
             completion.text,
@@ -271,6 +274,8 @@ def reward_groups(
         [len(completions) for completions in completions_P],
         on_error=on_error,
         workers=workers,
+        timeout=timeout,
+        caller=active_caller(),
     )
 
 
@@ -410,6 +415,7 @@ def grade_rollouts(
         overlong_buffer=config.overlong_tokens,
         on_error=config.reward_errors,
         workers=config.reward_workers,
+        timeout=config.reward_timeout,
     )
     return StepRollouts(
         problems_P=tuple(problems_P),

@@ -29,6 +29,7 @@ from pytrio.types import AdamParams
 
 from grpo.backends.pytrio import make_service_client
 from grpo.core.usage import Prices, TokenUsage, cost, usage_from_row
+from grpo.reward_calls import reward_session
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig, resolve_run, to_dict
 from grpo.training.init_from import init_state_path, init_training_client
@@ -167,7 +168,6 @@ def _train_in(
     echo: Callable[[str], None],
     progress: bool,
 ) -> RunResult:
-    start_step = checkpoint.step if checkpoint is not None else 0
     init_path = init_state_path(config) if checkpoint is None and config.init_from else None
     pre = preflight(config, lambda: service_client or _make_service(config, run_dir))
     service, steps = pre.service, pre.steps
@@ -179,16 +179,21 @@ def _train_in(
     if warning is not None and config.mismatch.mode != "recompute":
         note(warning)
     if checkpoint is not None:
-        training_client = _load_checkpoint(service, run_dir, checkpoint)
+        training_client, checkpoint = _load_checkpoint(service, run_dir, checkpoint, note)
     elif init_path is not None:
         training_client = init_training_client(service, config, init_path)
     else:
         training_client = service.create_lora_training_client(
             base_model=config.base_model, rank=config.lora_rank, seed=config.seed
         )
+    start_step = checkpoint.step if checkpoint is not None else 0
     # Every check has passed: only now does the directory become (or continue as) a run.
     dropped = run_files.prepare_metrics_for_resume(run_dir, checkpoint.step if checkpoint else None)
     run_files.prepare_rollouts_for_resume(run_dir, checkpoint.step if checkpoint else None)
+    if checkpoint is not None and checkpoint != run_files.read_checkpoint(run_dir):
+        # The fallback becomes the run's checkpoint (a later stop does not look for it again).
+        run_name = config.run_name or run_dir.name
+        run_files.write_checkpoint(run_dir, checkpoint, run_name=str(run_name))
     if dropped:
         note(f"resuming at step {start_step}: {dropped} logged row(s) after it will be redone")
     (run_dir / run_files.SUMMARY_FILE).unlink(missing_ok=True)
@@ -230,19 +235,47 @@ def _train_in(
     return _run_steps(run, state, echo, progress)
 
 
-def _load_checkpoint(service: Any, run_dir: Path, checkpoint: run_files.Checkpoint) -> Any:
-    """The training client of the run's checkpoint; a ConfigError saying what to do if gone."""
+def _load_checkpoint(
+    service: Any, run_dir: Path, checkpoint: run_files.Checkpoint, note: Callable[[str], None]
+) -> tuple[Any, run_files.Checkpoint]:
+    """The training client of the run's checkpoint and the checkpoint it came from.
+
+    When the recorded one cannot be loaded (its files deleted), the newest intact earlier
+    checkpoint on disk is used, with a message; if none loads, a ConfigError saying what to do.
+    """
     try:
-        return service.create_training_client_from_state_with_optimizer(checkpoint.state_path)
+        return service.create_training_client_from_state_with_optimizer(
+            checkpoint.state_path
+        ), checkpoint
     except Exception as error:  # noqa: BLE001 - every backend has its own not-found error
-        raise ConfigError(
-            f"--resume {run_dir}: the checkpoint of step {checkpoint.step} "
-            f"({checkpoint.state_path}) "
-            f"cannot be loaded: {error}. Restore it (the local backend keeps it under "
-            f"{run_dir / run_files.BACKEND_DIR}), or delete "
-            f"{run_dir / run_files.CHECKPOINT_FILE} and "
-            f"{run_dir / run_files.METRICS_FILE} to rerun from the start"
-        ) from error
+        failure = error
+    # PyTRIO's own hint would make the CLI drop the fix below (it keeps the text before it).
+    reason = str(failure).split(" | Hint:")[0]
+    earlier = [
+        candidate
+        for candidate in run_files.intact_checkpoints(run_dir)
+        if candidate.step <= checkpoint.step and candidate.state_path != checkpoint.state_path
+    ]
+    for candidate in reversed(earlier):
+        try:
+            client = service.create_training_client_from_state_with_optimizer(candidate.state_path)
+        except Exception:  # noqa: BLE001 - try the next older one
+            continue
+        note(
+            f"the checkpoint of step {checkpoint.step} ({checkpoint.state_path}) cannot be "
+            f"loaded ({reason}); resuming from step {candidate.step}, the newest intact "
+            f"checkpoint ({candidate.state_path}): steps {candidate.step + 1}.."
+            f"{checkpoint.step} are redone"
+        )
+        return client, candidate
+    raise ConfigError(
+        f"--resume {run_dir}: the checkpoint of step {checkpoint.step} "
+        f"({checkpoint.state_path}) cannot be loaded: {reason}; no intact earlier checkpoint "
+        f"was found. Restore it (the local backend keeps it under "
+        f"{run_dir / run_files.BACKEND_DIR}), or delete "
+        f"{run_dir / run_files.CHECKPOINT_FILE} and "
+        f"{run_dir / run_files.METRICS_FILE} to rerun from the start"
+    ) from failure
 
 
 def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress: bool) -> RunResult:
@@ -260,7 +293,16 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
     clock: dict[str, float] = {}
     with timed("wall_time_s", clock):
         try:
-            with stop_on_signals() as stop_requested:
+            with (
+                stop_on_signals() as stop_requested,
+                reward_session(
+                    run.config.reward_fns,
+                    workers=run.config.reward_workers,
+                    timeout=run.config.reward_timeout,
+                    stop=stop_requested,
+                    note=run.note,
+                ),
+            ):
                 sampler_path = _steps_then_final_save(run, state, stop_requested, bar, write)
         except KeyboardInterrupt:
             _stop_with_checkpoint(run, state)
@@ -292,7 +334,7 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
             "wall_time_s": wall_time,
             "final": state.last_metrics,
             "test/reward": state.last_metrics.get("test/reward"),
-            "sampler_path": sampler_path,
+            **run_files.summary_sampler_path(run.run_dir, sampler_path),
             "run_name": run.config.run_name,
             **usage_summary(state.usage_logged + state.usage, run.prices),
         },

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import sys
 import time
@@ -52,6 +53,13 @@ STEP_KEY = "step"
 FINISHED, UNFINISHED, NEW = "finished", "unfinished", "new"
 
 _LOCAL_SCHEME = "local://"
+# The files of a local state checkpoint (grpo/backends/local/checkpoint.py).
+_STATE_FILES = (
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    "optimizer.pt",
+    "grpo_local.json",
+)
 
 
 class RunDirError(ValueError):
@@ -166,8 +174,20 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
     """
     summary = _optional_json(run_dir / SUMMARY_FILE, what="run summary")
     if summary is not None and isinstance(summary.get("sampler_path"), str):
-        summary["sampler_path"] = _in_this_run(run_dir, summary["sampler_path"])
+        if "sampler_scheme" in summary:  # stored relative to the run directory
+            record = {"state_path": summary["sampler_path"], "scheme": summary["sampler_scheme"]}
+            summary["sampler_path"] = _loaded_path(run_dir, record)
+        else:
+            summary["sampler_path"] = _in_this_run(run_dir, summary["sampler_path"])
     return summary
+
+
+def summary_sampler_path(run_dir: Path, path: str) -> dict[str, str]:
+    """summary.json's ``sampler_path`` (and ``sampler_scheme``): relative when inside the run."""
+    stored = _stored_path(run_dir, path)
+    if "scheme" not in stored:
+        return {"sampler_path": path}
+    return {"sampler_path": stored["state_path"], "sampler_scheme": stored["scheme"]}
 
 
 def _in_this_run(run_dir: Path, path: str) -> str:
@@ -234,6 +254,21 @@ def read_checkpoint(run_dir: Path) -> Checkpoint | None:
             "damaged: restore it or start a new run"
         )
     return Checkpoint(step=record[STEP_KEY], state_path=_loaded_path(run_dir, record))
+
+
+def intact_checkpoints(run_dir: Path) -> list[Checkpoint]:
+    """The run's local ``step-N`` checkpoints on disk with every file, oldest first.
+
+    They lie under ``run_dir/backend/<run_id>/weights/step-NNNNNN`` (`grpo/backends/local/
+    checkpoint.py`); a resumed run's later ones under another run id.
+    """
+    found = []
+    for directory in (run_dir / BACKEND_DIR).glob("*/weights/step-*"):
+        match = re.fullmatch(r"step-(\d+)", directory.name)
+        if match and all((directory / name).is_file() for name in _STATE_FILES):
+            path = _LOCAL_SCHEME + str(directory.resolve())
+            found.append(Checkpoint(step=int(match.group(1)), state_path=path))
+    return sorted(found, key=lambda checkpoint: (checkpoint.step, checkpoint.state_path))
 
 
 def run_status(run_dir: Path) -> str:

@@ -469,7 +469,7 @@ class SftRun:
                 "wall_time_s": clock["wall_time_s"],
                 "final": self.last_metrics,
                 "eval/loss": self.last_metrics.get("eval/loss"),
-                "sampler_path": sampler_path,
+                **run_files.summary_sampler_path(self.run_dir, sampler_path),
                 "run_name": self.config.run_name,
                 **usage_summary(self.usage_logged + self.usage, self.plan.prices),
             },

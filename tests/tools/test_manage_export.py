@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.cli import main
 from grpo.tools.export import export
 from grpo.training.config import TrainConfig
+from grpo.training.run_files import read_summary
 from tests import runs as tiny_runs
 
 TINY = {**tiny_runs.TINY, "save_every": 1, "learning_rate": 5e-3}
@@ -54,7 +54,7 @@ def test_runs_and_checkpoints_list_show_sizes_and_expiry(
     assert TINY_MODEL_NAME in runs and str(trained_run) in runs
     listed = _cli(capsys, "checkpoints", "list", "--root", root)
     lines = [line for line in listed.splitlines() if "local://" in line]
-    summary = json.loads((trained_run / "summary.json").read_text())
+    summary = read_summary(trained_run)
     assert len(lines) == 3  # state step-000001, state final, sampler weights
     assert any(summary["sampler_path"] in line and line.startswith("sampler") for line in lines)
     assert all("never" in line for line in lines)  # local checkpoints carry no TTL here
@@ -109,7 +109,7 @@ def test_exported_adapter_and_merged_model_give_the_local_samplers_logprobs(
 
     from grpo.backends.local.tiny import load_tiny_model
 
-    summary = json.loads((trained_run / "summary.json").read_text())
+    summary = read_summary(trained_run)
     service = LocalServiceClient(root=tmp_path / "unused")
     sampler = service.create_sampling_client(TINY_MODEL_NAME, model_path=summary["sampler_path"])
     tokenizer = sampler.get_tokenizer()
@@ -146,7 +146,7 @@ def test_exported_adapter_and_merged_model_give_the_local_samplers_logprobs(
 def test_export_of_a_downloaded_archive_equals_the_checkpoint(
     trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    checkpoint = json.loads((trained_run / "summary.json").read_text())["sampler_path"]
+    checkpoint = read_summary(trained_run)["sampler_path"]
     archive = tmp_path / "weights.tar"
     root = str(trained_run / "backend")
     _cli(capsys, "checkpoints", "download", checkpoint, "--out", str(archive), "--root", root)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,8 @@ from grpo.tools.experiments.stats import (
 )
 from grpo.tools.plots import band_figure, metric_keys, save_figure
 from grpo.training import run_files
+
+LARGE_PLAN = 200
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -176,17 +179,45 @@ def add_experiment_arguments(parser: argparse.ArgumentParser, *, last_steps_help
     )
 
 
-def dry_run_specs(specs: Sequence[RunSpec], *, echo: Callable[[str], None] = print) -> None:
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def warn_if_large(specs: Sequence[RunSpec], *, what: str, warn: Callable[[str], None]) -> None:
+    """A warning before planning more than LARGE_PLAN runs (each is checked, ~1 s a run)."""
+    if len(specs) > LARGE_PLAN:
+        warn(
+            f"warning: {what} of {len(specs)} runs (more than {LARGE_PLAN}): every run is "
+            f"checked first, about {len(specs)} s; progress follows on stderr. Narrow the grid "
+            "or the seeds if that is not meant"
+        )
+
+
+def dry_run_specs(
+    specs: Sequence[RunSpec],
+    *,
+    echo: Callable[[str], None] = print,
+    progress: Callable[[str], None] = _stderr,
+) -> None:
     """`--dry-run`: every planned run's pre-flight and planned tokens (and cost), and the totals.
 
     One service client per backend serves every run's checks; nothing is written or started.
+    Past LARGE_PLAN runs a warning comes first; progress goes to `progress` (stderr), every
+    run's check counted, one line per tenth of the plan.
     """
     from grpo.backends.pytrio import make_service_client
     from grpo.training.plan import plan_experiment
 
+    warn_if_large(specs, what="a dry run", warn=progress)
     services: dict[str, Any] = {}
+    checked = [0]
+    every = max(1, len(specs) // 10)
 
     def service(config: TrainConfig) -> Any:
+        # Called once at the start of every run's pre-flight: the progress count.
+        checked[0] += 1
+        if checked[0] == 1 or checked[0] % every == 0 or checked[0] == len(specs):
+            progress(f"checking run {checked[0]}/{len(specs)}: {Path(str(config.run_dir)).name}")
         if config.backend not in services:
             services[config.backend] = make_service_client(config.backend, seed=config.seed)
         return services[config.backend]
@@ -219,6 +250,7 @@ def run_and_report(
     and the flag). Returns the report's `result`.
     """
     check_positive("--last-steps", last_steps)
+    warn_if_large(specs, what="an experiment", warn=_stderr)
     planned_configs(specs)
     execute_runs(specs, jobs=jobs, train_command=train_command, echo=echo)
     runs = [read_run(spec.run_dir) for spec in specs]

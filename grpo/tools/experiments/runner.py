@@ -5,7 +5,9 @@
   error naming the run and the flag, never a failure inside a subprocess;
 - execution: `execute_runs` skips finished runs (summary.json), resumes unfinished ones
   (config.json, no summary.json) with `--resume`, starts the rest, `--jobs` at a time, each
-  with its output in the run's train.log; an interrupted experiment resumes by rerunning it.
+  with its output in the run's train.log; an interrupted experiment resumes by rerunning it;
+- stopping: SIGINT or SIGTERM to the experiment is forwarded to every running trainer (each
+  stops with a checkpoint), no new one starts, and the experiment waits for them.
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import attrs
 
@@ -125,8 +130,69 @@ class RunOutcome:
     seconds: float
 
 
+class Trainers:
+    """The trainer subprocesses running now; a stop request is passed on to each of them.
+
+    Each trainer has its own session, so a terminal's Ctrl-C reaches the experiment only and
+    is passed on once (a second SIGINT to a trainer aborts it without a checkpoint).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: set[subprocess.Popen[bytes]] = set()
+        self.stop_signal: int | None = None
+
+    def run(self, command: Sequence[str], log: IO[str], env: Mapping[str, str]) -> int | None:
+        """Run one trainer to its end (None: not started, the experiment is stopping)."""
+        with self._lock:
+            if self.stop_signal is not None:
+                return None
+            process = subprocess.Popen(
+                list(command),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(env),
+                start_new_session=True,
+            )
+            self._live.add(process)
+        try:
+            return process.wait()
+        finally:
+            with self._lock:
+                self._live.discard(process)
+
+    def forward(self, signum: int) -> None:
+        """Start no new trainer; send `signum` to every running one (each saves a checkpoint)."""
+        with self._lock:
+            self.stop_signal = signum
+            for process in self._live:
+                if process.poll() is None:
+                    process.send_signal(signum)
+
+
+@contextmanager
+def forwarding_signals(trainers: Trainers) -> Iterator[None]:
+    """SIGINT and SIGTERM to the experiment are forwarded to its trainers (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {
+        sig: signal.signal(sig, lambda signum, _frame: trainers.forward(signum))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def _launch(
-    spec: RunSpec, status: str, train_command: Sequence[str], env: Mapping[str, str]
+    spec: RunSpec,
+    status: str,
+    train_command: Sequence[str],
+    env: Mapping[str, str],
+    trainers: Trainers,
 ) -> RunOutcome:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     command = launch_command(spec, status, train_command)
@@ -134,12 +200,12 @@ def _launch(
     with (spec.run_dir / run_files.LOG_FILE).open("a", encoding="utf-8") as log:
         log.write(f"$ {shlex.join(command)}\n")
         log.flush()
-        completed = subprocess.run(
-            command, stdout=log, stderr=subprocess.STDOUT, env=dict(env), check=False
-        )
+        returncode = trainers.run(command, log, env)
     action = "resumed" if status == UNFINISHED else "started"
+    if returncode is None:
+        action = "not started"
     return RunOutcome(
-        spec=spec, action=action, returncode=completed.returncode, seconds=time.monotonic() - start
+        spec=spec, action=action, returncode=returncode, seconds=time.monotonic() - start
     )
 
 
@@ -178,18 +244,21 @@ def execute_runs(
             echo(f"skip   {spec.run_dir} (finished)")
         else:
             pending.append((index, spec, status))
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
+    trainers = Trainers()
+    with forwarding_signals(trainers), ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {}
         for index, spec, status in pending:
             echo(
                 f"{'resume' if status == UNFINISHED else 'start '} {spec.run_dir} "
                 f"(log: {spec.run_dir / run_files.LOG_FILE})"
             )
-            futures[pool.submit(_launch, spec, status, train_command, env)] = index
+            futures[pool.submit(_launch, spec, status, train_command, env, trainers)] = index
         try:
             for future in as_completed(futures):
                 outcome = future.result()
                 outcomes[futures[future]] = outcome
+                if outcome.returncode is None:
+                    continue
                 if outcome.returncode == 0:
                     verdict = "done  "
                 elif run_files.run_status(outcome.spec.run_dir) == FINISHED:
@@ -199,12 +268,17 @@ def execute_runs(
                     verdict = f"FAILED (exit {outcome.returncode})"
                 echo(f"{verdict} {outcome.spec.run_dir} in {outcome.seconds:.1f}s")
         except KeyboardInterrupt:
-            # Ctrl-C reaches the trainers too (same process group): each saves a checkpoint.
-            # Start nothing new; rerunning the same command resumes every unfinished run.
             for future in futures:
                 future.cancel()
-            echo("interrupted: no new runs started; rerun the same command to resume")
+            trainers.forward(signal.SIGINT)
             raise
+    if trainers.stop_signal is not None:
+        # Every running trainer got the signal and saved a checkpoint; nothing new started.
+        echo(
+            f"stopped by {signal.Signals(trainers.stop_signal).name}: the running trainers saved "
+            "checkpoints, no new runs started; rerun the same command to resume"
+        )
+        raise KeyboardInterrupt
     ordered = [outcomes[index] for index in range(len(specs))]
     counts = {
         action: sum(outcome.action == action for outcome in ordered)
