@@ -88,7 +88,7 @@ def test_sft_lowers_the_loss_and_resume_equals_an_uninterrupted_run(tmp_path: Pa
     rows = run_files.read_metrics(whole.run_dir)
     evals = [row["eval/loss"] for row in rows if "eval/loss" in row]
     assert rows[0]["step"] == 0 and len(evals) >= 3 and evals[-1] < evals[0]
-    summary = json.loads((whole.run_dir / "summary.json").read_text())
+    summary = run_files.read_summary(whole.run_dir)  # summary.json stores it run-relative
     assert summary["finished"] and summary["sampler_path"] == whole.sampler_path
     # Every training row once per epoch, within the token budget.
     trained = [row for row in rows if "loss" in row]
