@@ -1,4 +1,4 @@
-"""The `grpo` command: train | eval | compare | sweep | plot | show | plot-losses.
+"""The `grpo` command: train | distill | eval | compare | sweep | plot | show | plot-losses.
 
 `grpo train` flags come from `grpo.training.config.TrainConfig` through `grpo.training.flags`,
 so `--help` shows every flag with its default and TOML files (`--config`) use the same
@@ -78,6 +78,12 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"[grpo] {stopped}", file=sys.stderr)
         return stopped.exit_code
     return 0
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    """`grpo distill`: `grpo train` with --recipe distill (a teacher's log-probs as the reward)."""
+    args.recipe = "distill"
+    return run_train(args)
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -180,6 +186,12 @@ COMMANDS: tuple[tuple[str, str, str, str], ...] = (
         "one GRPO run (default: offline on the built-in model)",
         "grpo.cli:add_train_arguments",
         "grpo.cli:run_train",
+    ),
+    (
+        "distill",
+        "on-policy distillation: `grpo train` with --teacher's log-probs as the reward",
+        "grpo.cli:add_train_arguments",
+        "grpo.cli:run_distill",
     ),
     (
         "eval",
