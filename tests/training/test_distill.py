@@ -134,3 +134,18 @@ def test_default_run_has_no_distill_metrics(tmp_path: Path) -> None:
     rows = read_metrics(quiet_train(tiny_config(tmp_path, "plain", steps=1)).run_dir)
     assert not any(key.startswith("distill/") for row in rows for key in row)
     assert np.isfinite(rows[0]["reward"])
+
+
+def test_grpo_distill_needs_a_teacher_and_records_its_recipe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from grpo.cli import main
+
+    assert main(["distill", "--run-dir", str(tmp_path / "none"), "--dry-run"]) == 2
+    assert "--recipe distill needs --teacher" in capsys.readouterr().err
+    flags = ["--steps", "1", "--batch-size", "2", "--group-size", "2", "--eval-every", "0"]
+    run_dir = tmp_path / "cli"
+    assert main(["distill", "--teacher", TINY_MODEL_NAME, *flags, "--run-dir", str(run_dir)]) == 0
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert (saved["recipe"], saved["teacher"]) == ("distill", TINY_MODEL_NAME)
+    assert "distill/reverse_kl" in read_metrics(run_dir)[0]
