@@ -1,6 +1,6 @@
 """The OPD vs GRPO plot of docs/distill/README.md from the experiment's run directories.
 
-python docs/distill/make_plot.py RUNS_ROOT  (holds grpo-seed*/ and distill-seed*/)
+python docs/distill/make_plot.py RUNS_ROOT  (every run directory directly under it)
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from grpo.training.run_files import merge_rows_by_step, read_metrics  # noqa: E402
+from grpo.training.run_files import merge_rows_by_step, read_config, read_metrics  # noqa: E402
 
 X_AXES = (
     ("step", "training step"),
@@ -33,8 +33,8 @@ def curves(run_dir: Path) -> dict[str, list[float]]:
 def main(root: Path) -> None:
     figure, axes = plt.subplots(1, len(X_AXES), figsize=(15, 4), sharey=True)
     colors = {"grpo": "tab:blue", "distill": "tab:orange"}
-    for run_dir in sorted(root.glob("*-seed*")):
-        recipe = run_dir.name.split("-seed")[0]
+    for run_dir in sorted(path.parent for path in root.glob("*/config.json")):
+        recipe = str(read_config(run_dir).get("recipe", "grpo"))
         found = curves(run_dir)
         for axis, (key, label) in zip(axes, X_AXES, strict=True):
             axis.plot(found[key], found["test/reward"], marker="o", color=colors[recipe],
