@@ -1,4 +1,4 @@
-"""The `grpo` command: train | eval | compare | sweep | plot | show | plot-losses.
+"""The `grpo` command: train | distill | eval | compare | sweep | plot | show | plot-losses.
 
 `grpo train` flags come from `grpo.training.config.TrainConfig` through `grpo.training.flags`,
 so `--help` shows every flag with its default and TOML files (`--config`) use the same
@@ -120,6 +120,12 @@ def run_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_distill(args: argparse.Namespace) -> int:
+    """`grpo distill`: `grpo train` with --recipe distill (a teacher's log-probs as the reward)."""
+    args.recipe = "distill"
+    return run_train(args)
+
+
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `grpo eval`."""
     source = parser.add_mutually_exclusive_group()
@@ -226,6 +232,12 @@ COMMANDS: tuple[tuple[str, str, str, str], ...] = (
         "supervised fine-tuning on completion / assistant tokens (then grpo train --init-from)",
         "grpo.cli:add_sft_arguments",
         "grpo.cli:run_sft",
+    ),
+    (
+        "distill",
+        "on-policy distillation: `grpo train` with --teacher's log-probs as the reward",
+        "grpo.cli:add_train_arguments",
+        "grpo.cli:run_distill",
     ),
     (
         "eval",

@@ -379,3 +379,26 @@ def policy_datums(
         )
         current_logprobs.append(current.astype(np.float32))
     return datums, current_logprobs
+
+
+# --- on-policy distillation (tests/core/test_distill.py) ---
+
+
+@st.composite
+def distill_batches(draw: st.DrawFn, max_sequences: int = 5, max_len: int = 9) -> dict:
+    """A packed batch for distillation: prompt and completion runs per sequence, s, q, Â."""
+    count = draw(st.integers(1, max_sequences))
+    prompt_lens = draw(st.lists(st.integers(0, 3), min_size=count, max_size=count))
+    completion_lens = draw(st.lists(st.integers(1, max_len), min_size=count, max_size=count))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    mask = np.concatenate(
+        [np.r_[np.zeros(p), np.ones(c)] for p, c in zip(prompt_lens, completion_lens, strict=True)]
+    )
+    size = mask.size
+    return {
+        "seq_lens": np.array(prompt_lens) + np.array(completion_lens),
+        "mask": mask,
+        "student": rng.uniform(-8.0, 0.0, size) * mask,
+        "teacher": rng.uniform(-8.0, 0.0, size) * mask,
+        "task": np.repeat(rng.normal(size=count), np.array(prompt_lens) + completion_lens) * mask,
+    }

@@ -31,9 +31,11 @@ __all__ = [
     "Prices",
     "TokenUsage",
     "cost",
+    "planned_teacher_tokens",
     "planned_usage",
     "reference_usage",
     "sample_usage",
+    "teacher_usage",
     "training_usage",
     "usage_from_row",
     "usage_metrics",
@@ -120,6 +122,11 @@ def reference_usage(groups: Sequence[ScoredGroup]) -> TokenUsage:
     )
 
 
+def teacher_usage(teacher_prompt_lens_C: Sequence[int], completion_lens_C: Sequence[int]) -> int:
+    """Teacher scoring: one ``compute_logprobs`` of x_T + y per completion, Σ (|x_T| + |y|)."""
+    return int(sum(teacher_prompt_lens_C) + sum(completion_lens_C))
+
+
 def training_usage(parts: Sequence[TokenBatch], *, passes: int, extra_forward: bool) -> TokenUsage:
     """``passes`` × Σ positions of the minibatches (as many forward-only with extra_forward)."""
     positions = passes * sum(part.num_tokens for part in parts)
@@ -139,6 +146,13 @@ def usage_metrics(
     return metrics
 
 
+def planned_teacher_tokens(
+    teacher_prompt_lens: Sequence[int], group_size: int, max_tokens: int
+) -> int:
+    """The bound on one step's teacher tokens: G·Σ_b (p_T,b + max_tokens)."""
+    return group_size * sum(p + max_tokens for p in teacher_prompt_lens)
+
+
 def usage_from_row(row: Mapping[str, object]) -> TokenUsage:
     """The cumulative usage a metrics row records (zero for a row without usage keys)."""
     return TokenUsage(*(int(row.get(f"usage/cum_{kind}", 0) or 0) for kind in USAGE_KINDS))
@@ -156,6 +170,7 @@ def planned_usage(
     with_reference: bool,
     extra_forward: bool,
     proximal_forward: bool = False,
+    teacher_prompt_lens_by_step: Sequence[Sequence[int]] | None = None,
 ) -> TokenUsage:
     """An upper bound on a run's usage, exact in the prompts it sends for sampling.
 
@@ -165,7 +180,8 @@ def planned_usage(
     trained ≤ epochs·G·Σ (p_b + max_tokens − 1), reference log-probs ≤ G·Σ (p_b + max_tokens);
     each evaluation sends its prompts once and samples ≤ max_tokens per problem; each
     checkpoint check forwards at most one step's batch; with proximal_forward (a mismatch
-    correction) every step forwards its batch once more.
+    correction) every step forwards its batch once more; with teacher prompt lengths
+    (distillation) every step sends the teacher ≤ G·Σ (p_T,b + max_tokens) prompt tokens.
     """
     total = TokenUsage()
     largest_batch = 0
@@ -179,6 +195,10 @@ def planned_usage(
             trained_tokens=epochs * positions,
             forward_tokens=(epochs * positions if extra_forward else 0)
             + (positions if proximal_forward else 0),
+        )
+    for teacher_lens in teacher_prompt_lens_by_step or ():
+        total += TokenUsage(
+            prompt_tokens=planned_teacher_tokens(teacher_lens, group_size, max_tokens)
         )
     evaluation = TokenUsage(
         prompt_tokens=sum(eval_prompt_lens), completion_tokens=len(eval_prompt_lens) * max_tokens

@@ -58,6 +58,7 @@ SAMPLER_DTYPES = ("float32", "bfloat16")
 LORA_RANKS = range(4, 65)
 # numpy's SeedSequence needs seeds >= 0 and the samplers take 31-bit seeds.
 SEEDS = range(0, 2**31)
+RECIPES = ("grpo", "distill")
 
 
 # --- the configuration -------------------------------------------------------------------
@@ -135,7 +136,7 @@ class TrainConfig:
     steps: int = flag(80, "number of training steps (batches)", AtLeast(1))
     batch_size: int = flag(8, "prompts per step", AtLeast(1))
     group_size: int = flag(
-        8, "completions sampled per prompt", AtLeast(2, " (a group of one has no baseline)")
+        8, "completions sampled per prompt (>= 2; 1 allowed under grpo distill)", AtLeast(1)
     )
     max_tokens: int = flag(24, "maximum generated tokens per completion", AtLeast(1))
     temperature: float = flag(1.0, "sampling temperature", AtLeast(0))
@@ -234,6 +235,41 @@ class TrainConfig:
     kl_estimator: str = flag(
         "k1", "KL estimator for the penalty (k1, k2 or k3)", OneOf(KL_ESTIMATOR_NAMES)
     )
+    # On-policy distillation (`grpo distill`; docs/FORMULAS.md, "On-policy distillation")
+    recipe: str = flag(
+        "grpo",
+        "what trains: grpo (the task reward) or distill (a teacher's log-probs; set by "
+        "`grpo distill`)",
+        OneOf(RECIPES),
+    )
+    teacher: str | None = flag(
+        None,
+        "distill: the teacher, a model name, a sampler or state path, or a finished run "
+        "directory (its final weights)",
+        NOT_EMPTY,
+    )
+    teacher_system_prompt: str | None = flag(
+        None,
+        "distill: the teacher's own system message (context distillation; default: the "
+        "teacher scores the student's prompt)",
+    )
+    distill_coef: float = flag(
+        1.0, "distill: c, the weight of the per-token reverse KL s_t - q_t", AtLeast(0)
+    )
+    distill_discount: float = flag(
+        0.0,
+        "distill: gamma of the reverse-KL return in [0, 1] (0 = per token, 1 = undiscounted)",
+        AtLeast(0),
+    )
+    task_reward_weight: float = flag(
+        0.0, "distill: w, the weight of the task reward's group advantage (0 = pure)", AtLeast(0)
+    )
+    distill_clip: float = flag(
+        0.0, "distill: clamp each |c (s_t - q_t)| to this bound (0 = off)", AtLeast(0)
+    )
+    teacher_concurrency: int = flag(
+        16, "distill: teacher scoring requests in flight at once", AtLeast(1)
+    )
     num_substeps: int = flag(
         2, "minibatches per step, one optimizer step each (1..--batch-size)", AtLeast(1)
     )
@@ -304,6 +340,11 @@ class TrainConfig:
     )
 
     def __attrs_post_init__(self) -> None:
+        if self.group_size < 2 and self.recipe != "distill":
+            raise ConfigError(
+                f"--group-size must be >= 2 (a group of one has no baseline), got {self.group_size}"
+            )
+        check_recipe(self)
         if self.num_substeps > self.batch_size:
             raise ConfigError(
                 f"--num-substeps must be in [1, --batch-size={self.batch_size}], "
@@ -419,6 +460,24 @@ class TrainConfig:
         if self.fewshot is not None:
             return self.fewshot
         return self.fewshot_file is not None or self.base_model != TINY_MODEL_NAME
+
+
+def check_recipe(config: "TrainConfig") -> None:
+    """--recipe distill needs --teacher (and no --dynamic-sampling); --teacher needs distill."""
+    if config.distill_discount > 1:
+        raise ConfigError(f"--distill-discount must be in [0, 1], got {config.distill_discount}")
+    if config.recipe == "distill" and config.teacher is None:
+        raise ConfigError("--recipe distill needs --teacher MODEL | CHECKPOINT | RUN_DIR")
+    if config.recipe != "distill" and config.teacher is not None:
+        raise ConfigError(
+            f"--teacher {config.teacher} is for distillation; run `grpo distill` (or --recipe "
+            "distill), or drop --teacher"
+        )
+    if config.recipe == "distill" and config.dynamic_sampling:
+        raise ConfigError(
+            "--dynamic-sampling refills degenerate groups, and under grpo distill no group is "
+            "degenerate (the teacher scores every one); drop --dynamic-sampling"
+        )
 
 
 FIELDS: Mapping[str, "attrs.Attribute[Any]"] = attrs.fields_dict(TrainConfig)

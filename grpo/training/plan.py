@@ -42,6 +42,8 @@ class Preflight:
     train_problems: list[Problem]
     test_problems: list[Problem]
     prices: Prices | None
+    teacher: Any = None
+    """`grpo distill`'s teacher, resolved and its tokenizer checked (None otherwise)."""
 
 
 def preflight(config: TrainConfig, make_service: Callable[[], Any]) -> Preflight:
@@ -79,7 +81,13 @@ def preflight(config: TrainConfig, make_service: Callable[[], Any]) -> Preflight
             check_capabilities(service, config.base_model, longest_prompt, config.max_tokens)
         except CapabilityError as error:
             raise ConfigError(str(error)) from None
+    teacher = None
+    if config.teacher is not None:
+        from grpo.training.distill import resolve_teacher
+
+        teacher = resolve_teacher(service, config, tokenizer)
     return Preflight(
+        teacher=teacher,
         config=config,
         steps=steps,
         service=service,
@@ -130,6 +138,17 @@ def plan_usage(pre: Preflight, start_step: int = 0) -> TokenUsage:
         with_reference=config.kl_coef > 0,
         extra_forward=runs_extra_forward(config),
         proximal_forward=config.mismatch.enabled,
+        teacher_prompt_lens_by_step=_teacher_lens(pre, start_step),
+    )
+
+
+def _teacher_lens(pre: Preflight, start_step: int) -> list[list[int]] | None:
+    if pre.teacher is None:
+        return None
+    from grpo.training.distill import planned_teacher_lens
+
+    return planned_teacher_lens(
+        pre.teacher, pre.train_problems, pre.config, range(start_step, pre.steps)
     )
 
 
@@ -175,8 +194,17 @@ def describe(pre: Preflight, usage: TokenUsage, start_step: int = 0) -> list[str
         f"minibatch(es); {count_evals(config, pre.steps, start_step)} evaluation(s) of "
         f"{len(pre.test_problems)} problems; "
         f"{count_checkpoints(config, pre.steps, start_step)} checkpoint(s)",
+        *_teacher_line(pre, start_step),
         *usage_lines(usage, pre.prices),
     ]
+
+
+def _teacher_line(pre: Preflight, start_step: int) -> list[str]:
+    if pre.teacher is None:
+        return []
+    from grpo.training.distill import teacher_plan_line
+
+    return [teacher_plan_line(pre.teacher, _teacher_lens(pre, start_step) or [], pre.config)]
 
 
 def plan_experiment(

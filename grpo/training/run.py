@@ -178,6 +178,12 @@ def _train_in(
     warning = sampling_mismatch_note(config)
     if warning is not None and config.mismatch.mode != "recompute":
         note(warning)
+    if pre.teacher is not None:
+        from grpo.training.distill import sampling_note
+
+        distill_warning = sampling_note(config)
+        if distill_warning is not None:
+            note(distill_warning)
     if checkpoint is not None:
         training_client, checkpoint = _load_checkpoint(service, run_dir, checkpoint, note)
     elif init_path is not None:
@@ -225,6 +231,7 @@ def _train_in(
         ),
         note=note,
         prices=pre.prices,
+        teacher=pre.teacher,
     )
     state = RunState(
         completed=start_step,
@@ -322,6 +329,8 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
             for pending in state.jobs.values():
                 pending.cancel()
             run.pool.shutdown(wait=False, cancel_futures=True)
+            if run.teacher is not None:
+                run.teacher.close()
             bar.close()
             run.logger.close()
 
@@ -359,7 +368,14 @@ def _steps_then_final_save(
 ) -> str:
     """The baseline evaluation, every step not yet logged, the final checkpoint and weights."""
     if evaluates_at_start(run.config, state.completed):
-        log_step(run, state, 0, evaluate_now(run, state), write)
+        baseline = evaluate_now(run, state)
+        if run.teacher is not None:  # distillation: the teacher's own test reward, once
+            from grpo.training.distill import teacher_test_metrics
+
+            found, usage = teacher_test_metrics(run, run.teacher)
+            baseline.update(found)
+            state.usage += usage
+        log_step(run, state, 0, baseline, write)
     for step in range(state.completed, run.steps):
         if stop_requested.is_set():
             raise KeyboardInterrupt

@@ -37,6 +37,8 @@ class Run:
     logger: RunLogger
     note: Callable[[str], None]
     prices: Prices | None = None
+    teacher: Any = None
+    """The checked teacher of `grpo distill` (`grpo.training.distill.Teacher`), else None."""
 
 
 @attrs.define

@@ -95,6 +95,7 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
         completions_P = job.result()  # 2. ... a group of G completions per prompt
         state.usage += job.usage()
         fault_point("sampled")
+    scoring = submit_teacher(run, job.problems, completions_P)  # 2b. distill: the teacher scores
     rollouts = grade_rollouts(job.problems, completions_P, config)  # 3. grade (--reward)
     if config.dynamic_sampling:  # DAPO: sample more prompts until batch_size groups can train
         rollouts = refill(
@@ -112,12 +113,13 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
         "off_policy_steps": float(staleness),
     }
     limit = config.batch_size if config.dynamic_sampling else None
-    trainable_P = trainable_groups(groups_P, limit)
+    trainable_P = trainable_groups(groups_P, limit) if scoring is None else list(groups_P)
     if config.dynamic_sampling:
         metrics.update(sampling_metrics(rollouts, trainable_P))
     state.rollout_log = rollout_records(rollouts, groups_P, run.tokenizer, config.log_rollouts)
     with timed("time/train", timings):
         batch = pack_groups(trainable_P, drop_degenerate=False)  # 6. align + pack a TokenBatch
+        teacher_N = None if scoring is None else teacher_logprobs(state, scoring, batch, metrics)
         if config.mask_truncated:  # DAPO: truncated completions train no tokens
             batch = mask_sequences(batch, truncated_sequences(trainable_P))
         if batch.num_train_tokens:
@@ -127,8 +129,11 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
                 )
                 batch, metrics["kl"] = shape_with_kl(batch, ref_logprobs_N, config)
                 state.usage += reference_usage(trainable_P)
+            reshape = None
+            if teacher_N is not None:  # 7b. distill: the teacher's log-probs as the advantages
+                batch, reshape = distill_now(batch, teacher_N, config, metrics)
             metrics.update(batch_metrics(batch))
-            metrics.update(update(run, state, batch, staleness))  # 8.-9. update, its metrics
+            metrics.update(update(run, state, batch, staleness, reshape))  # 8.-9. update, metrics
             state.version += 1
         else:
             metrics.update(batch_metrics(batch))
@@ -227,18 +232,28 @@ def shape_with_kl(
     return attrs.evolve(batch, advantages=shaped), kl_mean
 
 
-def update(run: Run, state: RunState, batch: TokenBatch, staleness: int = 0) -> dict[str, float]:
+def update(
+    run: Run,
+    state: RunState,
+    batch: TokenBatch,
+    staleness: int = 0,
+    reshape: Callable[[TokenBatch], tuple[TokenBatch, dict[str, float]]] | None = None,
+) -> dict[str, float]:
     """Epochs x minibatches of forward_backward + optim_step; metrics averaged over them.
 
     ``ratio/max_abs_log`` is the maximum over the updates. Each update's loss is checked
     finite before its optimizer step, so non-finite numbers never reach the weights. The
     mismatch metrics come from the trainer's log-probs before the step's first update (the
-    first minibatch's, or the proximal forward's when a correction is on).
+    first minibatch's, or the proximal forward's when a correction is on). ``reshape``
+    rewrites the corrected batch before the first update (distillation under recompute).
     """
     config, client, spec = run.config, run.training_client, run.config.loss_spec
     loss_fn_config = spec.to_loss_fn_config()
     collected: list[dict[str, float]] = []
     batch, measured = correct_for_mismatch(run, batch, staleness)
+    reshaped: dict[str, float] = {}
+    if reshape is not None:
+        batch, reshaped = reshape(batch)
     if config.mismatch.enabled:  # the proximal forward: once a step, every position
         state.usage += TokenUsage(forward_tokens=batch.num_tokens)
     with_mask = config.mismatch.enabled and spec.reduction != "sum"
@@ -280,7 +295,42 @@ def update(run: Run, state: RunState, batch: TokenBatch, staleness: int = 0) -> 
     averaged = {key: float(np.mean([m[key] for m in collected])) for key in collected[0]}
     averaged["ratio/max_abs_log"] = max(m["ratio/max_abs_log"] for m in collected)
     averaged["optim_steps"] = float(len(collected))
-    return {**averaged, **measured}
+    return {**averaged, **measured, **reshaped}
+
+
+def submit_teacher(run: Run, problems: list[Problem], completions_P: Any) -> Any:
+    """Distillation's step 2b: the teacher scoring of every completion, submitted (or None)."""
+    if run.teacher is None:
+        return None
+    from grpo.training.distill import TeacherScoring
+
+    return TeacherScoring(
+        run.teacher, problems, completions_P, max_retries=run.config.max_retries, log=run.note
+    )
+
+
+def teacher_logprobs(
+    state: RunState, scoring: Any, batch: TokenBatch, metrics: dict[str, float]
+) -> np.ndarray:
+    """q on the batch's completion positions; its time and usage into the step's row."""
+    teacher_N = scoring.result_N(batch)
+    metrics["time/teacher"] = scoring.seconds()
+    metrics["usage/teacher_prompt_tokens"] = float(scoring.num_tokens())
+    state.usage += scoring.usage()
+    return teacher_N
+
+
+def distill_now(
+    batch: TokenBatch, teacher_N: np.ndarray, config: TrainConfig, metrics: dict[str, float]
+) -> tuple[TokenBatch, Any]:
+    """The distilled batch now (s = the sampler's), or a hook for the update (s = trainer's)."""
+    from grpo.training.distill import distill_batch, in_update
+
+    if in_update(config):
+        return batch, lambda corrected: distill_batch(corrected, teacher_N, config)
+    batch, found = distill_batch(batch, teacher_N, config)
+    metrics.update(found)
+    return batch, None
 
 
 def mismatch_row(

@@ -110,6 +110,14 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "question_suffix": TEXT,
     "fewshot_file": st.none(),
     "dynamic_sampling": st.booleans(),
+    "recipe": st.sampled_from(("grpo", "distill")),
+    "teacher": st.none() | TEXT,
+    "teacher_system_prompt": st.none() | TEXT,
+    "distill_coef": _floats(0.0, 5.0),
+    "distill_discount": _floats(0.0, 1.0),
+    "task_reward_weight": _floats(0.0, 5.0),
+    "distill_clip": _floats(0.0, 5.0),
+    "teacher_concurrency": st.integers(1, 64),
     "max_sampling_rounds": st.integers(1, 8),
     "reward": st.lists(
         st.sampled_from(
@@ -139,6 +147,8 @@ def train_configs(draw: st.DrawFn) -> TrainConfig:
         overrides["num_substeps"] = draw(
             st.integers(1, overrides.get("batch_size", FIELDS["batch_size"].default))
         )
+    if overrides.get("teacher") is not None:  # a teacher is for distillation only
+        overrides.update(recipe="distill", dynamic_sampling=False)
     loss_fn = draw(st.sampled_from(sorted(LOSSES)))
     overrides.update(loss_fn=loss_fn, loss_config=draw(_loss_config(loss_fn)))
     try:

@@ -1,0 +1,315 @@
+"""The shell of on-policy distillation (`grpo distill`): the teacher, its scoring, step pieces.
+
+docs/FORMULAS.md, "On-policy distillation". The student samples as in `grpo train`; then:
+
+- `resolve_teacher` (pre-flight, before any training call): --teacher as a finished run
+  directory (its final sampler weights, else its last checkpoint), a weights path (sampler
+  weights or a training state), or a model name; refused unless its tokenizer equals the
+  student's (`check_same_tokenizer`: vocabulary and chat template).
+- `TeacherScoring` (step 2b): one ``compute_logprobs(x_T + y)`` per completion on the
+  teacher's own thread pool (--teacher-concurrency), retried like every call, while the
+  step grades; ``result_N`` places q on the batch's completion positions.
+- `distill_batch` (step 7b): the batch with A_t of `grpo.core.distill.distill_advantages`
+  and the `distill/*` metrics; under --mismatch-correction recompute it runs inside the
+  update on the trainer's log-probs (``update``'s ``reshape`` hook).
+- `teacher_test_metrics`: the teacher's own test reward, measured once (the baseline row).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+from pytrio.types import ModelInput
+
+from grpo.backends.pytrio import call_with_retries
+from grpo.core.distill import distill_advantages, distill_metrics, teacher_logprobs_of_completion
+from grpo.core.records import Completion, TokenBatch
+from grpo.core.usage import TokenUsage, planned_teacher_tokens, teacher_usage
+from grpo.tasks.prompts import build_prompt_tokens
+from grpo.training import run_files
+from grpo.training.config import ConfigError, TrainConfig
+from grpo.training.rollouts import Problem, evaluate, pick_batch
+
+Log = Callable[[str], None]
+
+
+@attrs.frozen
+class Teacher:
+    """The teacher's sampler, what --teacher named, the weights it resolved to, its pool."""
+
+    sampler: Any
+    source: str
+    weights: str | None
+    pool: ThreadPoolExecutor = attrs.field(eq=False, repr=False)
+    tokenizer: Any = attrs.field(eq=False, repr=False)
+    config: TrainConfig = attrs.field(eq=False, repr=False)
+
+    def prompt_tokens(self, problem: Problem) -> tuple[int, ...]:
+        """x_T: the student's prompt, or the question under --teacher-system-prompt."""
+        if self.config.teacher_system_prompt is None:
+            return problem.prompt_tokens
+        template = attrs.evolve(
+            self.config.prompt_template, system_prompt=self.config.teacher_system_prompt
+        )
+        return tuple(
+            build_prompt_tokens(
+                self.tokenizer, problem.question, fewshot=self.config.use_fewshot, template=template
+            )
+        )
+
+    def close(self) -> None:
+        """Drop scoring requests that have not started."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _is_run_dir(path: Path) -> bool:
+    return path.is_dir() and any(
+        (path / name).is_file()
+        for name in (run_files.SUMMARY_FILE, run_files.CHECKPOINT_FILE, run_files.METRICS_FILE)
+    )
+
+
+def _is_model_dir(path: Path) -> bool:
+    return path.is_dir() and any(
+        (path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+    )
+
+
+def _weights_sampler(service: Any, base_model: str, path: str, source: str) -> Any:
+    """A sampler on sampler weights at ``path``, else on a training state's weights."""
+    try:
+        return service.create_sampling_client(base_model=base_model, model_path=path)
+    except Exception:  # noqa: BLE001 - not sampler weights: try it as a training state
+        pass
+    try:
+        return service.create_training_client_from_state(
+            path
+        ).save_weights_and_get_sampling_client()
+    except Exception as error:  # noqa: BLE001 - the message below says what the path must be
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(
+            f"--teacher {source}: {path} is neither sampler weights nor a training state on "
+            f"{base_model} ({reason}); give a finished run directory, the sampler_path of its "
+            f"{run_files.SUMMARY_FILE}, or a model name"
+        ) from None
+
+
+def teacher_sampler(service: Any, config: TrainConfig) -> tuple[Any, str | None]:
+    """The sampler --teacher names and the weights path it resolved to (None: a base model)."""
+    source = str(config.teacher)
+    path = Path(source).expanduser()
+    if _is_run_dir(path):
+        saved = run_files.read_config(path)
+        try:
+            weights = run_files.eval_weights_path(path)
+        except run_files.RunDirError as error:
+            raise ConfigError(f"--teacher {source}: {error}") from None
+        base_model = str(saved.get("base_model", config.base_model))
+        return _weights_sampler(service, base_model, weights, source), weights
+    if "://" in source or (path.exists() and not _is_model_dir(path)):
+        return _weights_sampler(service, config.base_model, source, source), source
+    try:
+        return service.create_sampling_client(base_model=source), None
+    except Exception as error:  # noqa: BLE001 - every backend has its own not-found error
+        raise ConfigError(
+            f"--teacher {source}: not a run directory, a weights path or a model the service "
+            f"has ({str(error).splitlines()[0] if str(error) else type(error).__name__})"
+        ) from None
+
+
+def check_same_tokenizer(
+    teacher: Any, student: Any, *, teacher_name: str, student_name: str
+) -> None:
+    """ConfigError naming both models unless the vocabularies and chat templates are equal."""
+    teacher_vocab, student_vocab = teacher.get_vocab(), student.get_vocab()
+    problems = []
+    if teacher_vocab != student_vocab:
+        differing = sum(
+            1
+            for token in set(teacher_vocab) | set(student_vocab)
+            if teacher_vocab.get(token) != student_vocab.get(token)
+        )
+        problems.append(
+            f"vocabularies differ ({len(teacher_vocab)} vs {len(student_vocab)} tokens, "
+            f"{differing} token ids disagree)"
+        )
+    if getattr(teacher, "chat_template", None) != getattr(student, "chat_template", None):
+        problems.append("chat templates differ")
+    if problems:
+        raise ConfigError(
+            f"--teacher {teacher_name}: its tokenizer is not the student's ({student_name}): "
+            f"{'; '.join(problems)}. The teacher scores the student's token ids, so both need "
+            "one tokenizer; choose a teacher of the student's model family"
+        )
+
+
+def resolve_teacher(service: Any, config: TrainConfig, student_tokenizer: Any) -> Teacher:
+    """The checked teacher of --teacher (tokenizer equal to the student's), before any work."""
+    sampler, weights = teacher_sampler(service, config)
+    tokenizer = sampler.get_tokenizer()
+    check_same_tokenizer(
+        tokenizer,
+        student_tokenizer,
+        teacher_name=str(config.teacher),
+        student_name=config.base_model,
+    )
+    return Teacher(
+        sampler=sampler,
+        source=str(config.teacher),
+        weights=weights,
+        pool=ThreadPoolExecutor(
+            max_workers=config.teacher_concurrency, thread_name_prefix="teacher"
+        ),
+        tokenizer=tokenizer,
+        config=config,
+    )
+
+
+def sampling_note(config: TrainConfig) -> str | None:
+    """The start-up warning of a distillation that does not sample at T = 1, top-p 1."""
+    if config.temperature == 1.0 and config.top_p == 1.0:
+        return None
+    return (
+        f"distilling at temperature {config.temperature:g}, top-p {config.top_p:g}: s_t is then "
+        "not the student's own distribution, so s_t - q_t is not a reverse-KL sample; use "
+        "--temperature 1 --top-p 1 (or --mismatch-correction recompute for s)"
+    )
+
+
+class TeacherScoring:
+    """Step 2b: the teacher's log-probs of every completion, requested concurrently."""
+
+    def __init__(
+        self,
+        teacher: Teacher,
+        problems_P: Sequence[Problem],
+        completions_P: Sequence[Sequence[Completion]],
+        *,
+        max_retries: int,
+        log: Log,
+    ) -> None:
+        self._started = time.perf_counter()
+        self._finished: list[float] = []
+        self._prompt_lens_C: list[int] = []
+        self._completion_lens_C: list[int] = []
+
+        def score(prompt: tuple[int, ...], completion: Completion) -> np.ndarray:
+            tokens = [*prompt, *completion.tokens.tolist()]
+            values = call_with_retries(
+                lambda: teacher.sampler.compute_logprobs(ModelInput.from_ints(tokens)).result(),
+                what="teacher compute_logprobs",
+                max_retries=max_retries,
+                on_retry=log,
+            )
+            self._finished.append(time.perf_counter())
+            return teacher_logprobs_of_completion(values, int(completion.tokens.size))
+
+        self._futures_C: list[Future[np.ndarray]] = []
+        for problem, completions in zip(problems_P, completions_P, strict=True):
+            prompt = teacher.prompt_tokens(problem)
+            for completion in completions:
+                self._prompt_lens_C.append(len(prompt))
+                self._completion_lens_C.append(int(completion.tokens.size))
+                self._futures_C.append(teacher.pool.submit(score, prompt, completion))
+
+    def result_N(self, batch: TokenBatch) -> np.ndarray:
+        """q on ``batch``'s completion positions (mask 1, as packed), 0 elsewhere."""
+        values_C = [future.result() for future in self._futures_C]
+        mask = np.asarray(batch.mask, dtype=bool)
+        teacher_N = np.zeros(mask.size, dtype=np.float64)
+        flat = np.concatenate(values_C) if values_C else np.zeros(0)
+        if flat.size != int(mask.sum()):
+            raise AssertionError(
+                f"the teacher scored {flat.size} completion tokens, the batch has "
+                f"{int(mask.sum())}: the groups must be packed in sampling order"
+            )
+        teacher_N[mask] = flat
+        return teacher_N
+
+    def seconds(self) -> float:
+        """Wall time from the first request to the last answer (valid after ``result_N``)."""
+        return max(self._finished, default=self._started) - self._started
+
+    def usage(self) -> TokenUsage:
+        """The prompt tokens sent to the teacher: Σ (|x_T| + |y|) over the completions."""
+        return TokenUsage(prompt_tokens=self.num_tokens())
+
+    def num_tokens(self) -> int:
+        """Σ (|x_T| + |y|): the teacher-token count (``usage/teacher_prompt_tokens``)."""
+        return teacher_usage(self._prompt_lens_C, self._completion_lens_C)
+
+
+def distill_batch(
+    batch: TokenBatch, teacher_N: np.ndarray, config: TrainConfig
+) -> tuple[TokenBatch, dict[str, float]]:
+    """The batch with the distillation advantages (s = its sampling log-probs), and the metrics."""
+    terms = distill_advantages(
+        batch.advantages,
+        batch.sampling_logprobs,
+        teacher_N,
+        batch.mask,
+        batch.seq_lens,
+        coef=config.distill_coef,
+        discount=config.distill_discount,
+        task_weight=config.task_reward_weight,
+        clip=config.distill_clip,
+    )
+    metrics = distill_metrics(batch.sampling_logprobs, teacher_N, batch.mask, terms.clipped_N)
+    return attrs.evolve(batch, advantages=terms.advantages_N), metrics
+
+
+def in_update(config: TrainConfig) -> bool:
+    """Whether the advantages are computed inside the update, on the trainer's log-probs."""
+    return config.mismatch.mode == "recompute"
+
+
+def planned_teacher_lens(
+    teacher: Teacher, problems: Sequence[Problem], config: TrainConfig, steps: range
+) -> list[list[int]]:
+    """|x_T| of every problem of every step (the dry run's teacher-token bound)."""
+    lens = [len(teacher.prompt_tokens(problem)) for problem in problems]
+    return [
+        [lens[index] for index in pick_batch(len(lens), config.batch_size, step, config.seed)]
+        for step in steps
+    ]
+
+
+def teacher_plan_line(
+    teacher: Teacher, lens_by_step: Sequence[Sequence[int]], config: TrainConfig
+) -> str:
+    """The dry run's teacher line: what it resolved to and its token bound."""
+    bound = sum(
+        planned_teacher_tokens(lens, config.group_size, config.max_tokens) for lens in lens_by_step
+    )
+    return (
+        f"  teacher: {teacher.source}"
+        + (f" (weights {teacher.weights})" if teacher.weights else " (a base model)")
+        + f", tokenizer equal to the student's; teacher prompt tokens <= {bound:,} "
+        "(in the prompt tokens below)"
+    )
+
+
+def teacher_test_metrics(run: Any, teacher: Teacher) -> tuple[dict[str, float], TokenUsage]:
+    """The teacher's own test reward, evaluated as the student's (``distill/teacher_test_*``)."""
+    config = run.config
+    metrics, usage = evaluate(
+        run.pool,
+        teacher.sampler,
+        run.test_problems,
+        run.tokenizer,
+        num_samples=1,
+        temperature=config.temperature,
+        max_tokens=config.max_tokens,
+        seed=config.seed,
+        max_retries=config.max_retries,
+        log=run.note,
+    )
+    return {
+        f"distill/teacher_{key.replace('/', '_')}": value for key, value in metrics.items()
+    }, usage
