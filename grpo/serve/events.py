@@ -1,7 +1,9 @@
 """Trainer events of `grpo serve`: PyTRIO's Actor API events run on a registered training run.
 
 ``trainer.init_run`` creates the run's `LocalTrainingClient` (and loads the checkpoint the
-run was created from); later events call its methods in arrival order, which is PyTRIO's
+run was created from), ``trainer.end_run`` (``TrainingClient.close`` of pytrio 0.2.0/0.2.1)
+ends it; older clients' forward payloads are upgraded first (`grpo.serve.compat`). Other
+events call its methods in arrival order, which is PyTRIO's
 submission order. An event is answered with its result when it finishes within a few
 milliseconds (an optimizer step, a save), else ``running``, and then resolved by long
 polls (``Prefer: wait=N``, at most 20 s, cut short when the server stops). A refused
@@ -29,6 +31,7 @@ from pytrio.protocol.actor.events.trainer.save import TrainerSavePayload
 from pytrio.types import AdamParams
 
 from grpo.backends.local import LocalTrainingClient
+from grpo.serve.compat import upgrade_forward_payload
 from grpo.serve.limits import check_event_size
 from grpo.serve.registry import MEMORY_SCHEME, RunRegistry
 from grpo.serve.wire import (
@@ -153,13 +156,25 @@ class TrainerEvents:
                 self._init_run(run, TrainerInitRunPayload.model_validate(envelope.payload))
             )
             return
+        if run.ended:
+            raise ServeError(
+                409,
+                "validation.run_ended",
+                f"run {run.cuid} was ended (TrainingClient.close); create a new training client",
+            )
+        if kind == EventType.TRAINER_END_RUN:
+            run.ended, run.client = True, None  # its trainer's memory is freed
+            event.future.set_result({})
+            return
         client = run.client
         if client is None:
             raise ServeError(
                 409, "validation.not_initialized", "the run got an event before trainer.init_run"
             )
         if kind in (EventType.TRAINER_FORWARD, EventType.TRAINER_FORWARD_BACKWARD):
-            payload = TrainerForwardBackwardPayload.model_validate(envelope.payload)
+            payload = TrainerForwardBackwardPayload.model_validate(
+                upgrade_forward_payload(envelope.payload)
+            )
             datums = [datum_from_wire(item) for item in payload.data]
             event.input_tokens = sum(len(datum.model_input) for datum in datums)
             check_event_size(len(datums), event.input_tokens)

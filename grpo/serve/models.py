@@ -3,7 +3,9 @@
 A training run's ``model_id`` is the directory holding its tokenizer (for the built-in
 model, a copy written under ``<root>/tokenizers/``): pytrio's ``get_tokenizer`` loads
 ``AutoTokenizer.from_pretrained(model_id, local_files_only=True)``, so this finds it
-offline. The catalogue and ``get_supported_models`` keep the model's name. A program may
+offline; the same files go into ``<root>/hub-cache`` for older clients, which look the
+tokenizer up by name (`grpo.serve.compat`). The catalogue and ``get_supported_models``
+keep the model's name. A program may
 also name a local Hugging Face model directory, or an alias (``--model-alias``).
 """
 
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.backends.local import LocalServiceClient
+from grpo.serve.compat import write_hub_caches
 from grpo.serve.wire import ServeError, model_list
 
 
@@ -79,6 +82,9 @@ class ModelCatalogue:
         directory = self.root / "tokenizers" / name.replace("/", "--")
         tokenizer = self.local.create_sampling_client(name).get_tokenizer()
         tokenizer.save_pretrained(str(directory))
+        # pytrio before 0.2.9 looks the tokenizer up by the name asked for, on a hub.
+        names = [name, *(alias for alias, served in self.aliases.items() if served == name)]
+        write_hub_caches(self.root, directory, names)
         with self._lock:
             self._model_ids[name] = str(directory.resolve())
             return self._model_ids[name]
