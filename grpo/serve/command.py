@@ -1,7 +1,8 @@
 """The `grpo serve` command: its options, and serving until Ctrl-C (or SIGTERM).
 
 It prints the URL and the environment variables (``PYTRIO_BASE_URL``,
-``PYTRIO_API_KEY``) a PyTRIO program needs to run against the server.
+``PYTRIO_API_KEY``) a PyTRIO program needs to run against the server, and, for pytrio
+0.2.0-0.2.3, the ``trio login`` line and the tokenizer caches (`grpo.serve.compat`).
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import argparse
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 from grpo.backends.local import default_root
+from grpo.serve.compat import HUB_CACHE_DIRECTORY, hub_cache_exports
 from grpo.serve.faults import FaultPlan, parse_fault
 from grpo.serve.limits import MAX_CONNECTIONS, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S
 from grpo.serve.routes import OPERATIONS
@@ -164,6 +167,13 @@ def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) 
     echo("In the shell that runs your PyTRIO program:")
     echo(f"  export PYTRIO_BASE_URL={handle.url}")
     echo(f"  export PYTRIO_API_KEY={key_hint}")
+    hub = Path(handle.state.registry.root) / HUB_CACHE_DIRECTORY
+    echo(
+        "pytrio 0.2.0-0.2.3 read neither: log in with `trio login --api-key KEY --base-url "
+        f"{handle.url}`, and let get_tokenizer find the served tokenizers offline with:"
+    )
+    for line in hub_cache_exports(hub):
+        echo(f"  {line}")
     echo("Ctrl-C stops the server.")
     # Ctrl-C and SIGTERM stop it, even when started in the background (SIGINT ignored there).
     previous = {

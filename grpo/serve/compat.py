@@ -15,7 +15,7 @@ a body is one form or the other, never both):
 
 Everything else (paths, the API key headers, the control bodies, the event envelope, every
 response: their models ignore unknown fields) is common to the four versions. What the
-server cannot change: clients before 0.2.4 call ``get_tokenizer(base_model)`` with the name
+server cannot change: clients 0.2.0-0.2.3 call ``get_tokenizer(base_model)`` with the name
 the program asked for, not the ``model_id`` the server answers, and look it up on the
 ModelScope hub (or Hugging Face's, without modelscope). `write_hub_caches` copies each
 served tokenizer under every served name into both hubs' offline cache layouts; the user
@@ -144,7 +144,8 @@ def write_hub_caches(root: Path, tokenizer_directory: Path, names: Iterable[str]
       ``models/<owner>/<name with . as ___>``, the layout modelscope before 1.38 writes and
       1.38+ still reads;
     - Hugging Face (``HF_HUB_CACHE=<root>/hub-cache/huggingface``):
-      ``models--<owner>--<name>/snapshots/grpo-serve/`` with ``refs/main`` naming it.
+      ``models--<owner>--<name>/snapshots/grpo-serve/`` with ``refs/main`` naming it (and a
+      missing ``config.json`` recorded under ``.no_exist/``).
     """
     base = root / HUB_CACHE_DIRECTORY
     files = [path for path in tokenizer_directory.iterdir() if path.is_file()]
@@ -160,14 +161,19 @@ def write_hub_caches(root: Path, tokenizer_directory: Path, names: Iterable[str]
             target.mkdir(parents=True, exist_ok=True)
             for file in files:
                 shutil.copyfile(file, target / file.name)
-        refs = base / "huggingface" / f"models--{owner}--{model}" / "refs"
-        refs.mkdir(parents=True, exist_ok=True)
-        (refs / "main").write_text(_SNAPSHOT)
+        repo = base / "huggingface" / f"models--{owner}--{model}"
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(_SNAPSHOT)
+        if not (tokenizer_directory / "config.json").is_file():
+            # Recorded as absent on the hub, so that transformers' AutoTokenizer (which
+            # asks for the model config first) goes on offline instead of failing.
+            (repo / ".no_exist" / _SNAPSHOT).mkdir(parents=True, exist_ok=True)
+            (repo / ".no_exist" / _SNAPSHOT / "config.json").touch()
     return base
 
 
 def hub_cache_exports(base: Path) -> list[str]:
-    """The shell lines that point a pre-0.2.4 client's ``get_tokenizer`` at `base`."""
+    """The shell lines that point a 0.2.0-0.2.3 client's ``get_tokenizer`` at `base`."""
     return [
         f"export MODELSCOPE_CACHE={base / 'modelscope'}",
         f"export HF_HUB_CACHE={base / 'huggingface'}",
