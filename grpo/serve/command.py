@@ -12,7 +12,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from grpo.backends.local import default_root
+from grpo.backends.local import NORMALIZATIONS, default_root
 from grpo.serve.compat import HUB_CACHE_DIRECTORY, hub_cache_exports
 from grpo.serve.faults import FaultPlan, parse_fault
 from grpo.serve.limits import MAX_CONNECTIONS, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S
@@ -87,12 +87,41 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="sample in this precision while training stays float32 (bfloat16 reproduces a "
         "real service's sampler-trainer mismatch; default float32)",
     )
+    parser.add_argument(
+        "--service-normalization",
+        choices=NORMALIZATIONS,
+        default="sum",
+        help="the trainer's gradient scale: the loss (sum, the default) or divided by the "
+        "logical batch's active tokens, advantage tokens or samples, as pytrio 0.2.9 sends "
+        "them (docs/FORMULAS.md, 'Service normalization')",
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="advertise this trainer limit: pytrio 0.2.9 splits a larger forward_backward "
+        "into micro-batches (default: none)",
+    )
+    parser.add_argument(
+        "--max-tokens-per-request",
+        type=int,
+        default=None,
+        help="advertise this trainer limit on a micro-batch's input tokens (default: none)",
+    )
     parser.add_argument("--log-requests", action="store_true", help="log every request to stderr")
 
 
 def _check_bounds(args: argparse.Namespace) -> None:
     """Refuse a bound that would disable itself (0 or negative)."""
     for flag, value in (
+        *(
+            (flag, value)
+            for flag, value in (
+                ("--max-batch-size", args.max_batch_size),
+                ("--max-tokens-per-request", args.max_tokens_per_request),
+            )
+            if value is not None
+        ),
         ("--max-request-bytes", args.max_request_bytes),
         ("--max-connections", args.max_connections),
         ("--request-timeout", args.request_timeout),
@@ -136,6 +165,9 @@ def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) 
             max_request_bytes=args.max_request_bytes,
             max_connections=args.max_connections,
             request_timeout_s=args.request_timeout,
+            service_normalization=args.service_normalization,
+            max_batch_size=args.max_batch_size,
+            max_tokens_per_request=args.max_tokens_per_request,
         )
     except ValueError as error:
         echo(f"grpo serve: {error}")

@@ -30,7 +30,7 @@ from pytrio.protocol.actor.events.trainer.optimize_step import TrainerOptimizeSt
 from pytrio.protocol.actor.events.trainer.save import TrainerSavePayload
 from pytrio.types import AdamParams
 
-from grpo.backends.local import LocalTrainingClient
+from grpo.backends.local import GradientTotals, LocalTrainingClient
 from grpo.serve.compat import upgrade_forward_payload
 from grpo.serve.limits import check_event_size
 from grpo.serve.registry import MEMORY_SCHEME, RunRegistry
@@ -178,15 +178,21 @@ class TrainerEvents:
             datums = [datum_from_wire(item) for item in payload.data]
             event.input_tokens = sum(len(datum.model_input) for datum in datums)
             check_event_size(len(datums), event.input_tokens)
-            method = (
-                client.forward if kind == EventType.TRAINER_FORWARD else client.forward_backward
-            )
             config = dict(payload.loss.config) or None
-            chain(
-                method(datums, payload.loss.type, config, payload.auto_shift),
-                event.future,
-                forward_result,
-            )
+            args = (datums, payload.loss.type, config, payload.auto_shift)
+            if kind == EventType.TRAINER_FORWARD:
+                future = client.forward(*args)
+            else:  # one micro-batch: its gradient is scaled by the logical batch's totals
+                spec = payload.gradient_accumulation
+                future = client.forward_backward(
+                    *args,
+                    gradient_accumulation=GradientTotals(
+                        samples=spec.total_samples,
+                        active_tokens=spec.total_active_tokens,
+                        advantage_tokens=spec.total_advantage_tokens,
+                    ),
+                )
+            chain(future, event.future, forward_result)
         elif kind == EventType.TRAINER_OPTIMIZE_STEP:
             adam = TrainerOptimizeStepPayload.model_validate(envelope.payload).adam_params
             chain(

@@ -24,9 +24,16 @@ class ModelCatalogue:
     """The served models, their aliases and their model ids (all methods thread-safe)."""
 
     def __init__(
-        self, local: LocalServiceClient, root: Path, aliases: dict[str, str] | None = None
+        self,
+        local: LocalServiceClient,
+        root: Path,
+        aliases: dict[str, str] | None = None,
+        batch_limits: tuple[int | None, int | None] = (None, None),
     ) -> None:
         self.local = local
+        # (max_batch_size, max_tokens_per_request) advertised to trainers: pytrio 0.2.9
+        # splits a call above them into micro-batches (--max-batch-size ...).
+        self.batch_limits = batch_limits
         self.root = root
         self._lock = threading.Lock()
         self._model_ids: dict[str, str] = {}  # model name -> model_id (tokenizer directory)
@@ -41,13 +48,15 @@ class ModelCatalogue:
         """`ModelListResponse`: the served models (and aliases) with their real limits."""
         return model_list(self._capabilities.supported_models, self.aliases, limit, offset)
 
-    def limits(self, base_model: str) -> dict[str, Any]:
-        """The trainer/sampler limits of a run on `base_model` (the sequence length, if known)."""
+    def limits(self, base_model: str, *, trainer: bool = True) -> dict[str, Any]:
+        """The trainer (or sampler) limits of a run on `base_model`: the sequence length if
+        known, and for a trainer the advertised batch limits."""
+        batch_size, tokens = self.batch_limits if trainer else (None, None)
         for model in self._capabilities.supported_models:
             if model.model_name == base_model:
                 return {
-                    "max_batch_size": None,
-                    "max_tokens_per_request": None,
+                    "max_batch_size": batch_size,
+                    "max_tokens_per_request": tokens,
                     "max_seq_len": model.training.max_seq_len,
                 }
         return {"max_batch_size": None, "max_tokens_per_request": None, "max_seq_len": None}
