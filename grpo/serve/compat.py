@@ -13,6 +13,9 @@ a body is one form or the other, never both):
   (`gradient_accumulation`), so an old client's batch trains exactly as a 0.2.9 one;
 - a sample request carries ``input_token_ids`` where 0.2.9 sends ``prompt`` (chunks).
 
+and their ``RestClient`` asks ``checkpoints/{id}/archive`` where 0.2.9 asks
+``checkpoints/{id}/download-url``: one route more (`grpo.serve.routes`), the same answer.
+
 Everything else (paths, the API key headers, the control bodies, the event envelope, every
 response: their models ignore unknown fields) is common to the four versions. What the
 server cannot change: clients 0.2.0-0.2.3 call ``get_tokenizer(base_model)`` with the name

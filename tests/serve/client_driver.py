@@ -3,10 +3,11 @@
 ``python client_driver.py URL KEY MODEL [--tokenizer-only]``: log in with the client's own
 `ensure_login` (pytrio before 0.2.9 reads no environment variables), then create, sample,
 forward_backward, a custom loss, optim_step, save_state, save_weights_for_sampler, a
-sampler on the saved weights, load_state into a new client (whose forward must equal the
-trained one's) and close (where the client has it). Prints one ``STEP name json`` line per
-call and ``DONE`` at the end; tests/serve/test_client_versions.py reads them. Imports
-pytrio, numpy and torch only: never grpo.
+sampler on the saved weights, the RestClient's archive of them, load_state into a new
+client (whose forward must equal the trained one's) and close (where the client has it).
+Prints one ``STEP name json`` line per call and ``DONE`` at the end;
+tests/serve/test_client_versions.py reads them. Imports pytrio, numpy and torch only:
+never grpo.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import urllib.request
 
 
 def step(name: str, value: object = None) -> None:
@@ -88,6 +90,16 @@ def main(url: str, key: str, model: str, tokenizer_only: bool) -> None:
         prompt=trio.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params
     ).result()
     step("sample_saved", len(again.sequences))
+    rest = service.create_rest_client()
+    listed = rest.list_user_checkpoints().result().checkpoints
+    ids = [
+        c.checkpoint_id
+        for c in listed
+        if weights.path in (getattr(c, "path", None), getattr(c, "tinker_path", None))
+    ]
+    url = rest.get_checkpoint_archive_url(ids[0]).result().url  # 0.2.0-0.2.3: .../archive
+    with urllib.request.urlopen(url, timeout=30) as response:
+        step("archive", {"bytes": len(response.read())})
     trained = trainer.forward(datums, loss_fn="importance_sampling").result().metrics
     restored = service.create_lora_training_client(base_model=model, rank=4)
     restored.load_state(state.path).result()

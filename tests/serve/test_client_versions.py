@@ -131,6 +131,7 @@ def test_client_version_drives_the_whole_flow(clients, server, tmp_path, version
     assert steps["sample"] == [6, 6] or all(0 < n <= 6 for n in steps["sample"])
     assert steps["forward_backward"]["token_count"] > 0
     assert steps["sample_saved"] == 1
+    assert steps["archive"]["bytes"] > 0
     loaded = steps["load_state"]
     assert loaded["loaded"] == pytest.approx(loaded["trained"], rel=1e-5, abs=1e-5)
     assert ("close" in steps) == (version in ("0.2.0", "0.2.1"))
