@@ -82,7 +82,13 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _run(
-    script: str, client: Path, server, tmp_path: Path, *extra: str, path: list[Path] = ()
+    script: str,
+    client: Path,
+    server,
+    tmp_path: Path,
+    *extra: str,
+    path: list[Path] = (),
+    model: str = TINY_MODEL_NAME,
 ) -> list[str]:
     """Run `script` with `client` first on sys.path, offline; its stdout lines (must end DONE)."""
     hub = server.state.registry.root / HUB_CACHE_DIRECTORY
@@ -101,7 +107,7 @@ def _run(
     env.pop("PYTRIO_BASE_URL", None)
     env.pop("PYTRIO_API_KEY", None)
     done = subprocess.run(
-        [sys.executable, str(HERE / script), server.url, KEY, TINY_MODEL_NAME, *extra],
+        [sys.executable, str(HERE / script), server.url, KEY, model, *extra],
         env=env,
         cwd=tmp_path,
         capture_output=True,
@@ -159,3 +165,26 @@ def test_article_sync_flow_runs_to_its_last_line_on_pytrio_0_2_1(clients, server
     saved = [line for line in lines if line.startswith("Saved weights path: local://")]
     assert saved and int(saved[0].rsplit(" ", 1)[1]) >= 1  # at least one step trained
     assert sum(line.startswith("Step ") for line in lines) == 2
+
+
+def test_old_client_finds_an_aliased_dotted_name_offline(clients, tmp_path):
+    """The article's default model name, served by alias: the ModelScope copy sits under
+    ``Qwen/Qwen3___5-4B`` (dots as ``___``), where modelscope looks for it."""
+    from grpo.serve.server import serve_in_thread
+
+    alias = "Qwen/Qwen3.5-4B"
+    with serve_in_thread(
+        root=tmp_path / "served", api_key=KEY, aliases={alias: TINY_MODEL_NAME}
+    ) as handle:
+        lines = _run(
+            "client_driver.py",
+            _client(clients, "0.2.3"),
+            handle,
+            tmp_path,
+            "--tokenizer-only",
+            model=alias,
+        )
+    assert lines[-1] == "DONE"
+    assert (
+        tmp_path / "served" / HUB_CACHE_DIRECTORY / "modelscope/models/Qwen/Qwen3___5-4B"
+    ).is_dir()
