@@ -26,8 +26,8 @@ import numpy as np
 from pytrio.types import Datum, ModelInput
 
 from benchmarks.common import argument_parser, markdown_table, measure, print_header
-from grpo.backends.datums import batch_to_datums
-from grpo.core.alignment import PAD_TOKEN_ID, align, pack, pack_groups
+from grpo.backends.datums import IGNORE_INDEX, batch_to_datums
+from grpo.core.alignment import align, pack, pack_groups
 from grpo.core.records import Completion, ScoredGroup, TokenBatch
 
 FULL_TOKENS = 1_000_000
@@ -85,7 +85,7 @@ def per_token_lists(groups: Sequence[ScoredGroup]) -> list[Datum]:
             for token in tokens[:-1]:
                 input_tokens.append(token)
             for _ in range(len(prompt) - 1):
-                target_tokens.append(PAD_TOKEN_ID)
+                target_tokens.append(IGNORE_INDEX)  # masked out: what the loop's datums hold
                 sampling_logprobs.append(0.0)
                 advantages.append(0.0)
             for token, logprob in zip(tokens, logprobs, strict=True):
@@ -113,7 +113,9 @@ def validated_datums(batch: TokenBatch) -> list[Datum]:
             Datum(
                 model_input=ModelInput.from_ints(sequence.input_tokens.tolist()),
                 loss_fn_inputs={
-                    "target_tokens": sequence.target_tokens,
+                    "target_tokens": np.where(
+                        sequence.mask != 0, sequence.target_tokens, IGNORE_INDEX
+                    ),
                     "logprobs": sequence.sampling_logprobs.astype(np.float32),
                     "advantages": sequence.advantages.astype(np.float32),
                 },

@@ -8,10 +8,12 @@ Everything that knows how a `Datum` is laid out lives here, once:
   `as_custom_loss`, so both mask identically;
 - ``read_datums``: datums to the flat arrays a loss kernel takes (one reader for the local
   backend and the custom-loss adapter);
-- ``batch_to_datums``: a core `TokenBatch` to datums. Its arrays come from validated core
-  records, so it builds the pydantic objects with ``model_construct``, skipping a second
-  per-element validation that costs more than everything else on the client at a million
-  tokens (``benchmarks/datums.py``); the result equals a validated construction.
+- ``batch_to_datums``: a core `TokenBatch` to datums, masked-out targets (the prompt) as
+  ``IGNORE_INDEX``, so that pytrio's planner counts as active exactly the trained tokens.
+  Its arrays come from validated core records, so it builds the pydantic objects with
+  ``model_construct``, skipping a second per-element validation that costs more than
+  everything else on the client at a million tokens (``benchmarks/datums.py``); the result
+  equals a validated construction.
 
 Backends may import this module (and the core); see docs/DESIGN.md.
 """
@@ -172,7 +174,9 @@ def _model_input(tokens: np.ndarray) -> ModelInput:
 
 
 def batch_to_datums(batch: TokenBatch, *, with_mask: bool = False) -> list[Datum]:
-    """One policy-loss Datum per packed sequence: input tokens plus target/logprobs/advantages.
+    """One policy-loss Datum per packed sequence: input tokens plus target/logprobs/advantages,
+    the target IGNORE_INDEX wherever the batch's mask is 0 (so the service's active-token
+    count is the trained-token count).
 
     ``with_mask`` adds the batch's mask as a ``mask`` entry, so a masked-in token whose
     advantage is 0 still trains (counts in a mean's denominator; docs/FORMULAS.md).
@@ -183,8 +187,12 @@ def batch_to_datums(batch: TokenBatch, *, with_mask: bool = False) -> list[Datum
     def split(values: object, dtype: type) -> list[np.ndarray]:
         return np.split(np.asarray(values, dtype=dtype), offsets)
 
+    # Positions the mask leaves out (the prompt) get the ignore index: pytrio's planner, and
+    # so the service, counts every other target as active (docs/FORMULAS.md, "Service
+    # normalization"); the local backend trains the same positions either way.
+    targets = np.where(np.asarray(batch.mask) != 0, batch.target_tokens, IGNORE_INDEX)
     columns = {
-        "target_tokens": (split(batch.target_tokens, np.int64), "int64"),
+        "target_tokens": (split(targets, np.int64), "int64"),
         "logprobs": (split(batch.sampling_logprobs, np.float32), "float32"),
         "advantages": (split(batch.advantages, np.float32), "float32"),
     }

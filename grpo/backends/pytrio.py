@@ -38,19 +38,25 @@ def make_service_client(
     concurrency: int | None = None,
     sampler_dtype: str = "float32",
     threads: int = 0,
+    service_normalization: str = "sum",
 ) -> Any:
     """A service client: `LocalServiceClient` for 'local', `pytrio.ServiceClient` for 'pytrio'.
 
     For 'pytrio', `concurrency` sampling requests may be in flight (see
     `configure_concurrency`), and a service that does not answer within `connect_timeout_s`
     raises `BackendUnavailableError` naming the URL (pytrio alone would retry for 15 minutes).
-    `sampler_dtype` and `threads` (0 = auto) are the local backend's (`LocalServiceClient`).
+    `sampler_dtype`, `threads` (0 = auto) and `service_normalization` are the local backend's
+    (`LocalServiceClient`).
     """
     if backend == "local":
         from grpo.backends.local import LocalServiceClient
 
         return LocalServiceClient(
-            root=local_root, seed=seed, sampler_dtype=sampler_dtype, threads=threads
+            root=local_root,
+            seed=seed,
+            sampler_dtype=sampler_dtype,
+            threads=threads,
+            service_normalization=service_normalization,
         )
     if backend == "pytrio":
         import pytrio

@@ -1,6 +1,7 @@
 """``grpo serve``: the PyTRIO service on localhost, backed by the embedded local backend.
 
-pytrio 0.2.9's own, unchanged client (and so any PyTRIO program) runs against it offline:
+pytrio 0.2.9's own, unchanged client (and so any PyTRIO program) runs against it offline
+(clients 0.2.0, 0.2.1 and 0.2.3 too: README, "pytrio client versions"):
 start ``grpo serve``, then run the program with ``PYTRIO_BASE_URL`` and ``PYTRIO_API_KEY``
 set as it prints. The wire protocol is the part of PyTRIO's that the SDK's
 ``ServiceClient``, ``TrainingClient``, ``SamplingClient`` and ``RestClient`` use:
@@ -27,5 +28,7 @@ computes what the same calls compute in process. The modules, one job each:
 - ``registry``: sessions, training and sampling runs, checkpoints; ``models``: the served
   models and their ids;
 - ``events``: trainer events and their long polls; ``sampling``: one sample request;
-- ``wire``: the error type, run records and wire conversions; ``faults``: fault injection.
+- ``wire``: the error type, run records and wire conversions; ``faults``: fault injection;
+- ``compat``: pytrio 0.2.0-0.2.3's request bodies upgraded to 0.2.9's, and the served
+  tokenizers in the hub-cache layouts those clients' ``get_tokenizer`` reads offline.
 """

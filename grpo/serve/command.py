@@ -1,7 +1,8 @@
 """The `grpo serve` command: its options, and serving until Ctrl-C (or SIGTERM).
 
 It prints the URL and the environment variables (``PYTRIO_BASE_URL``,
-``PYTRIO_API_KEY``) a PyTRIO program needs to run against the server.
+``PYTRIO_API_KEY``) a PyTRIO program needs to run against the server, and, for pytrio
+0.2.0-0.2.3, the ``trio login`` line and the tokenizer caches (`grpo.serve.compat`).
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import argparse
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
-from grpo.backends.local import default_root
+from grpo.backends.local import NORMALIZATIONS, default_root
+from grpo.serve.compat import HUB_CACHE_DIRECTORY, hub_cache_exports
 from grpo.serve.faults import FaultPlan, parse_fault
 from grpo.serve.limits import MAX_CONNECTIONS, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S
 from grpo.serve.routes import OPERATIONS
@@ -84,12 +87,41 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="sample in this precision while training stays float32 (bfloat16 reproduces a "
         "real service's sampler-trainer mismatch; default float32)",
     )
+    parser.add_argument(
+        "--service-normalization",
+        choices=NORMALIZATIONS,
+        default="sum",
+        help="the trainer's gradient scale: the loss (sum, the default) or divided by the "
+        "logical batch's active tokens, advantage tokens or samples, as pytrio 0.2.9 sends "
+        "them (docs/FORMULAS.md, 'Service normalization')",
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="advertise this trainer limit: pytrio 0.2.9 splits a larger forward_backward "
+        "into micro-batches (default: none)",
+    )
+    parser.add_argument(
+        "--max-tokens-per-request",
+        type=int,
+        default=None,
+        help="advertise this trainer limit on a micro-batch's input tokens (default: none)",
+    )
     parser.add_argument("--log-requests", action="store_true", help="log every request to stderr")
 
 
 def _check_bounds(args: argparse.Namespace) -> None:
     """Refuse a bound that would disable itself (0 or negative)."""
     for flag, value in (
+        *(
+            (flag, value)
+            for flag, value in (
+                ("--max-batch-size", args.max_batch_size),
+                ("--max-tokens-per-request", args.max_tokens_per_request),
+            )
+            if value is not None
+        ),
         ("--max-request-bytes", args.max_request_bytes),
         ("--max-connections", args.max_connections),
         ("--request-timeout", args.request_timeout),
@@ -133,6 +165,9 @@ def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) 
             max_request_bytes=args.max_request_bytes,
             max_connections=args.max_connections,
             request_timeout_s=args.request_timeout,
+            service_normalization=args.service_normalization,
+            max_batch_size=args.max_batch_size,
+            max_tokens_per_request=args.max_tokens_per_request,
         )
     except ValueError as error:
         echo(f"grpo serve: {error}")
@@ -164,6 +199,13 @@ def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) 
     echo("In the shell that runs your PyTRIO program:")
     echo(f"  export PYTRIO_BASE_URL={handle.url}")
     echo(f"  export PYTRIO_API_KEY={key_hint}")
+    hub = Path(handle.state.registry.root) / HUB_CACHE_DIRECTORY
+    echo(
+        "pytrio 0.2.0-0.2.3 read neither: log in with `trio login --api-key KEY --base-url "
+        f"{handle.url}`, and let get_tokenizer find the served tokenizers offline with:"
+    )
+    for line in hub_cache_exports(hub):
+        echo(f"  {line}")
     echo("Ctrl-C stops the server.")
     # Ctrl-C and SIGTERM stop it, even when started in the background (SIGINT ignored there).
     previous = {

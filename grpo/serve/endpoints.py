@@ -18,6 +18,7 @@ from pytrio.protocol.control.sampling_run.create import SamplingRunCreateRequest
 from pytrio.protocol.control.training_run.create import TrainingRunCreateRequest
 from pytrio.protocol.control.training_run.update import TrainingRunUpdateRequest
 
+from grpo.serve.compat import upgrade_sample_request
 from grpo.serve.events import TrainerEvents
 from grpo.serve.messages import Reply, Request, field_errors
 from grpo.serve.registry import RunRegistry
@@ -222,7 +223,7 @@ def heartbeat(state: ServeState, request: Request) -> Reply:
 def sample_request(state: ServeState, request: Request, cuid: str) -> Reply:
     """`ActorSampleResponse` of a JSON `SampleRequest`."""
     try:
-        parsed = SampleRequest.model_validate(request.json())
+        parsed = SampleRequest.model_validate(upgrade_sample_request(request.json()))
     except PydanticValidationError as error:
         raise ServeError(400, "validation.invalid_sampling_request", field_errors(error)) from None
     return Reply(200, sample(state.registry, cuid, parsed))

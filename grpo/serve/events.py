@@ -1,7 +1,9 @@
 """Trainer events of `grpo serve`: PyTRIO's Actor API events run on a registered training run.
 
 ``trainer.init_run`` creates the run's `LocalTrainingClient` (and loads the checkpoint the
-run was created from); later events call its methods in arrival order, which is PyTRIO's
+run was created from), ``trainer.end_run`` (``TrainingClient.close`` of pytrio 0.2.0/0.2.1)
+ends it; older clients' forward payloads are upgraded first (`grpo.serve.compat`). Other
+events call its methods in arrival order, which is PyTRIO's
 submission order. An event is answered with its result when it finishes within a few
 milliseconds (an optimizer step, a save), else ``running``, and then resolved by long
 polls (``Prefer: wait=N``, at most 20 s, cut short when the server stops). A refused
@@ -28,7 +30,8 @@ from pytrio.protocol.actor.events.trainer.optimize_step import TrainerOptimizeSt
 from pytrio.protocol.actor.events.trainer.save import TrainerSavePayload
 from pytrio.types import AdamParams
 
-from grpo.backends.local import LocalTrainingClient
+from grpo.backends.local import GradientTotals, LocalTrainingClient
+from grpo.serve.compat import upgrade_forward_payload
 from grpo.serve.limits import check_event_size
 from grpo.serve.registry import MEMORY_SCHEME, RunRegistry
 from grpo.serve.wire import (
@@ -153,25 +156,43 @@ class TrainerEvents:
                 self._init_run(run, TrainerInitRunPayload.model_validate(envelope.payload))
             )
             return
+        if run.ended:
+            raise ServeError(
+                409,
+                "validation.run_ended",
+                f"run {run.cuid} was ended (TrainingClient.close); create a new training client",
+            )
+        if kind == EventType.TRAINER_END_RUN:
+            run.ended, run.client = True, None  # its trainer's memory is freed
+            event.future.set_result({})
+            return
         client = run.client
         if client is None:
             raise ServeError(
                 409, "validation.not_initialized", "the run got an event before trainer.init_run"
             )
         if kind in (EventType.TRAINER_FORWARD, EventType.TRAINER_FORWARD_BACKWARD):
-            payload = TrainerForwardBackwardPayload.model_validate(envelope.payload)
+            payload = TrainerForwardBackwardPayload.model_validate(
+                upgrade_forward_payload(envelope.payload)
+            )
             datums = [datum_from_wire(item) for item in payload.data]
             event.input_tokens = sum(len(datum.model_input) for datum in datums)
             check_event_size(len(datums), event.input_tokens)
-            method = (
-                client.forward if kind == EventType.TRAINER_FORWARD else client.forward_backward
-            )
             config = dict(payload.loss.config) or None
-            chain(
-                method(datums, payload.loss.type, config, payload.auto_shift),
-                event.future,
-                forward_result,
-            )
+            args = (datums, payload.loss.type, config, payload.auto_shift)
+            if kind == EventType.TRAINER_FORWARD:
+                future = client.forward(*args)
+            else:  # one micro-batch: its gradient is scaled by the logical batch's totals
+                spec = payload.gradient_accumulation
+                future = client.forward_backward(
+                    *args,
+                    gradient_accumulation=GradientTotals(
+                        samples=spec.total_samples,
+                        active_tokens=spec.total_active_tokens,
+                        advantage_tokens=spec.total_advantage_tokens,
+                    ),
+                )
+            chain(future, event.future, forward_result)
         elif kind == EventType.TRAINER_OPTIMIZE_STEP:
             adam = TrainerOptimizeStepPayload.model_validate(envelope.payload).adam_params
             chain(

@@ -3,7 +3,9 @@
 A training run's ``model_id`` is the directory holding its tokenizer (for the built-in
 model, a copy written under ``<root>/tokenizers/``): pytrio's ``get_tokenizer`` loads
 ``AutoTokenizer.from_pretrained(model_id, local_files_only=True)``, so this finds it
-offline. The catalogue and ``get_supported_models`` keep the model's name. A program may
+offline; the same files go into ``<root>/hub-cache`` for older clients, which look the
+tokenizer up by name (`grpo.serve.compat`). The catalogue and ``get_supported_models``
+keep the model's name. A program may
 also name a local Hugging Face model directory, or an alias (``--model-alias``).
 """
 
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.backends.local import LocalServiceClient
+from grpo.serve.compat import write_hub_caches
 from grpo.serve.wire import ServeError, model_list
 
 
@@ -21,9 +24,16 @@ class ModelCatalogue:
     """The served models, their aliases and their model ids (all methods thread-safe)."""
 
     def __init__(
-        self, local: LocalServiceClient, root: Path, aliases: dict[str, str] | None = None
+        self,
+        local: LocalServiceClient,
+        root: Path,
+        aliases: dict[str, str] | None = None,
+        batch_limits: tuple[int | None, int | None] = (None, None),
     ) -> None:
         self.local = local
+        # (max_batch_size, max_tokens_per_request) advertised to trainers: pytrio 0.2.9
+        # splits a call above them into micro-batches (--max-batch-size ...).
+        self.batch_limits = batch_limits
         self.root = root
         self._lock = threading.Lock()
         self._model_ids: dict[str, str] = {}  # model name -> model_id (tokenizer directory)
@@ -38,13 +48,15 @@ class ModelCatalogue:
         """`ModelListResponse`: the served models (and aliases) with their real limits."""
         return model_list(self._capabilities.supported_models, self.aliases, limit, offset)
 
-    def limits(self, base_model: str) -> dict[str, Any]:
-        """The trainer/sampler limits of a run on `base_model` (the sequence length, if known)."""
+    def limits(self, base_model: str, *, trainer: bool = True) -> dict[str, Any]:
+        """The trainer (or sampler) limits of a run on `base_model`: the sequence length if
+        known, and for a trainer the advertised batch limits."""
+        batch_size, tokens = self.batch_limits if trainer else (None, None)
         for model in self._capabilities.supported_models:
             if model.model_name == base_model:
                 return {
-                    "max_batch_size": None,
-                    "max_tokens_per_request": None,
+                    "max_batch_size": batch_size,
+                    "max_tokens_per_request": tokens,
                     "max_seq_len": model.training.max_seq_len,
                 }
         return {"max_batch_size": None, "max_tokens_per_request": None, "max_seq_len": None}
@@ -79,6 +91,9 @@ class ModelCatalogue:
         directory = self.root / "tokenizers" / name.replace("/", "--")
         tokenizer = self.local.create_sampling_client(name).get_tokenizer()
         tokenizer.save_pretrained(str(directory))
+        # pytrio before 0.2.9 looks the tokenizer up by the name asked for, on a hub.
+        names = [name, *(alias for alias, served in self.aliases.items() if served == name)]
+        write_hub_caches(self.root, directory, names)
         with self._lock:
             self._model_ids[name] = str(directory.resolve())
             return self._model_ids[name]

@@ -77,13 +77,14 @@ class RunRegistry:
         actor_endpoint: str,
         files_url: str,
         aliases: dict[str, str] | None = None,
+        batch_limits: tuple[int | None, int | None] = (None, None),
     ) -> None:
         self.local = local
         self.root = root
         self.actor_endpoint = actor_endpoint
         self.files_url = files_url
         self.downloads = DownloadTokens()
-        self.catalogue = ModelCatalogue(local, root, aliases)
+        self.catalogue = ModelCatalogue(local, root, aliases, batch_limits)
         self._lock = threading.Lock()
         self._sessions: dict[str, dict[str, Any]] = {}
         self._training: dict[str, TrainingRun] = {}
@@ -357,7 +358,7 @@ class RunRegistry:
             "model_spec_cuid": f"model-{name}",
             "model_alias": name,
             "model_id": model_id,
-            "sampler": self.catalogue.limits(name),
+            "sampler": self.catalogue.limits(name, trainer=False),
             **self._actor(),
             "created_at": created,
         }

@@ -147,6 +147,12 @@ ROUTES: tuple[Route, ...] = (
         endpoints.download_url,
         operation="get_checkpoint_download_url",
     ),
+    Route(  # pytrio 0.2.0-0.2.3's RestClient.get_checkpoint_archive_url: the same answer
+        "GET",
+        f"{_API}/checkpoints/{_ID}/archive",
+        endpoints.download_url,
+        operation="get_checkpoint_download_url",
+    ),
     Route(
         "DELETE",
         f"{_API}/checkpoints/{_ID}",

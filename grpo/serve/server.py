@@ -64,6 +64,9 @@ def start_server(
     max_request_bytes: int = MAX_REQUEST_BYTES,
     max_connections: int = MAX_CONNECTIONS,
     request_timeout_s: float = REQUEST_TIMEOUT_S,
+    service_normalization: str = "sum",
+    max_batch_size: int | None = None,
+    max_tokens_per_request: int | None = None,
 ) -> tuple[HTTPServer, LocalServiceClient]:
     """A bound, not yet serving server on a local backend under `root`; port 0 = any free port.
 
@@ -86,12 +89,22 @@ def start_server(
         request_timeout_s=request_timeout_s,
     )
     root_path = Path(root) if root is not None else default_root()
-    local = LocalServiceClient(root=root_path, seed=seed, sampler_dtype=sampler_dtype)
+    local = LocalServiceClient(
+        root=root_path,
+        seed=seed,
+        sampler_dtype=sampler_dtype,
+        service_normalization=service_normalization,
+    )
     bound_host, bound_port = server.server_address[:2]
     base = f"http://{bound_host}:{bound_port}"
     try:
         registry = RunRegistry(
-            local, root_path, f"{base}/actor", files_url=f"{base}/files", aliases=aliases
+            local,
+            root_path,
+            f"{base}/actor",
+            files_url=f"{base}/files",
+            aliases=aliases,
+            batch_limits=(max_batch_size, max_tokens_per_request),
         )
     except BaseException:
         server.server_close()
@@ -114,12 +127,18 @@ def serve_in_thread(
     max_request_bytes: int = MAX_REQUEST_BYTES,
     max_connections: int = MAX_CONNECTIONS,
     request_timeout_s: float = REQUEST_TIMEOUT_S,
+    service_normalization: str = "sum",
+    max_batch_size: int | None = None,
+    max_tokens_per_request: int | None = None,
 ) -> ServeHandle:
     """Serve on a daemon thread (for tests and notebooks); close the handle to stop.
 
     `aliases` maps model names a program asks for to served models (``--model-alias``);
     `sampler_dtype` "bfloat16" samples in reduced precision (a sampler-trainer mismatch);
-    the bounds are `grpo.serve.limits`' (``--max-request-bytes`` ...).
+    the bounds are `grpo.serve.limits`' (``--max-request-bytes`` ...);
+    `service_normalization` is the trainer's gradient scale (``--service-normalization``),
+    `max_batch_size` / `max_tokens_per_request` the trainer limits advertised to clients
+    (pytrio 0.2.9 splits a larger call into micro-batches).
     """
     server, local = start_server(
         root=root,
@@ -133,6 +152,9 @@ def serve_in_thread(
         max_request_bytes=max_request_bytes,
         max_connections=max_connections,
         request_timeout_s=request_timeout_s,
+        service_normalization=service_normalization,
+        max_batch_size=max_batch_size,
+        max_tokens_per_request=max_tokens_per_request,
     )
     thread = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="grpo-serve", daemon=True

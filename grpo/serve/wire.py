@@ -71,6 +71,7 @@ class TrainingRun:
     created_at: str
     updated_at: str
     client: LocalTrainingClient | None = None
+    ended: bool = False  # trainer.end_run (pytrio 0.2.0/0.2.1's TrainingClient.close) came
 
 
 @attrs.define

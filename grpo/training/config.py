@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from grpo.backends.names import TINY_MODEL_NAME
+from grpo.backends.names import SERVICE_NORMALIZATIONS, TINY_MODEL_NAME
 from grpo.tasks.prompts import QUESTION_SUFFIX
 from grpo.training.fields import (
     ADVANTAGE_NAMES,
@@ -229,6 +229,12 @@ class TrainConfig:
         "torch.set_num_threads, when set, are left alone)",
         AtLeast(0),
     )
+    service_normalization: str = flag(
+        "sum",
+        "local backend: the trainer's gradient scale, the loss (sum) or divided by the "
+        "batch's active tokens, advantage tokens or samples (docs/FORMULAS.md)",
+        OneOf(SERVICE_NORMALIZATIONS),
+    )
     kl_coef: float = flag(
         0.0, "KL-to-base-model penalty folded into token advantages (0 = off)", AtLeast(0)
     )
@@ -352,6 +358,11 @@ class TrainConfig:
             )
         _ = self.loss_spec  # builds (and checks) the loss once, at construction
         _ = self.mismatch  # checks the correction against the loss
+        if self.service_normalization != "sum" and self.backend != "local":
+            raise ConfigError(
+                f"--service-normalization {self.service_normalization} needs --backend local "
+                "(a service normalizes as it does); drop the flag or use --backend local"
+            )
         if self.sampler_dtype != "float32" and self.backend != "local":
             raise ConfigError(
                 f"--sampler-dtype {self.sampler_dtype} needs --backend local (a service's "

@@ -121,6 +121,7 @@ def _make_service(config: TrainConfig, run_dir: Path) -> Any:
         concurrency=config.concurrency,
         sampler_dtype=config.sampler_dtype,
         threads=config.threads,
+        service_normalization=config.service_normalization,
     )
 
 

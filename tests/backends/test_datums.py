@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pytrio.types import Datum, ModelInput
 
-from grpo.backends.datums import batch_to_datums, forward_only, output_logprobs
+from grpo.backends.datums import IGNORE_INDEX, batch_to_datums, forward_only, output_logprobs
 from grpo.core.alignment import align, pack
 
 
@@ -32,7 +32,9 @@ def test_fast_datums_equal_validated_datums(batch) -> None:
         validated = Datum(
             model_input=ModelInput.from_ints(sequence.input_tokens.tolist()),
             loss_fn_inputs={
-                "target_tokens": sequence.target_tokens.astype(np.int64),
+                "target_tokens": np.where(
+                    sequence.mask != 0, sequence.target_tokens, IGNORE_INDEX
+                ).astype(np.int64),
                 "logprobs": sequence.sampling_logprobs.astype(np.float32),
                 "advantages": sequence.advantages.astype(np.float32),
             },
@@ -64,3 +66,21 @@ def test_output_logprobs_concatenates_and_names_missing_datums() -> None:
         assert "[0]" in str(error)
     else:
         raise AssertionError("missing logprobs must be an error")
+
+
+@given(token_batches())
+def test_pytrios_planner_counts_exactly_the_masked_in_tokens_as_active(batch) -> None:
+    """pytrio 0.2.9's own batch planner (what the service normalizes by) on the loop's datums:
+    its active tokens are the mask's tokens, not every position (prompt targets excluded)."""
+    from pytrio.client.training_batch import plan_training_batch
+    from pytrio.model.limits import TrainingLimits
+
+    datums = batch_to_datums(batch)
+    limits = TrainingLimits(max_batch_size=None, max_tokens_per_request=None, max_seq_len=None)
+    for loss_fn in ("importance_sampling", "cross_entropy"):
+        data = datums if loss_fn != "cross_entropy" else forward_only(datums)
+        totals = plan_training_batch(
+            data, loss_fn=loss_fn, auto_shift=False, limits=limits, tokenizer_vocab_size=97
+        ).totals
+        assert totals.total_active_tokens == int(np.count_nonzero(batch.mask))
+        assert totals.total_samples == len(batch.seq_lens)

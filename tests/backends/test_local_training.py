@@ -440,9 +440,10 @@ def test_forward_reports_logprobs_and_metrics_without_gradients(service):
         "cispo/clip_fraction",
         "cispo/ratio_mean",
     } <= set(output.metrics)
-    trained = sum(int(np.count_nonzero(d.loss_fn_inputs["advantages"].data)) for d in datums)
-    assert output.metrics["token_count"] == trained
-    assert output.metrics["loss_mean"] == pytest.approx(output.metrics["loss_sum"] / trained)
+    # pytrio's count: every target that is not -100 (prompt positions too), not the trained ones
+    active = sum(len(d.loss_fn_inputs["target_tokens"].data) for d in datums)
+    assert output.metrics["token_count"] == active
+    assert output.metrics["loss_mean"] == pytest.approx(output.metrics["loss_sum"] / active)
 
 
 def test_without_kernel_metrics_the_metrics_are_pytrios_keys_only(tmp_path):

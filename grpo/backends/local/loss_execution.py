@@ -25,9 +25,38 @@ from torch import Tensor
 
 from grpo.backends.datums import IGNORE_INDEX, DatumArrays, datum_array, read_datums
 from grpo.backends.local.model import ModelHost
+from grpo.backends.names import SERVICE_NORMALIZATIONS
 from grpo.core.loss_spec import LossSpec
 
 CustomLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
+
+NORMALIZATIONS = SERVICE_NORMALIZATIONS  # docs/FORMULAS.md, "Service normalization"
+
+
+@attrs.frozen
+class GradientTotals:
+    """A logical batch's totals, as pytrio 0.2.9 sends them with every micro-batch
+    (``gradient_accumulation``): samples, active tokens, active tokens with an advantage."""
+
+    samples: int
+    active_tokens: int
+    advantage_tokens: int
+
+    def gradient_scale(self, normalization: str) -> float:
+        """1 / the `normalization`'s total (1 for ``sum``, and for an empty total)."""
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(
+                f"service normalization must be one of {', '.join(NORMALIZATIONS)}, "
+                f"got {normalization!r}"
+            )
+        if normalization == "sum":
+            return 1.0
+        total = {
+            "active_tokens": self.active_tokens,
+            "advantage_tokens": self.advantage_tokens,
+            "samples": self.samples,
+        }[normalization]
+        return 1.0 / total if total > 0 else 1.0
 
 
 @attrs.frozen
@@ -38,6 +67,7 @@ class LossBatch:
     auto_shift: bool
     inputs: list[list[int]]
     arrays: DatumArrays
+    totals: GradientTotals  # of these datums, by pytrio's planner (the reported token_count)
 
 
 def prepare_loss_batch(
@@ -50,7 +80,7 @@ def prepare_loss_batch(
     vocab_size: int,
 ) -> LossBatch:
     """PyTRIO's validation, then the loss config, then flat arrays; all before any compute."""
-    plan_training_batch(
+    plan = plan_training_batch(
         data,
         loss_fn=loss_fn,
         auto_shift=auto_shift,
@@ -84,6 +114,11 @@ def prepare_loss_batch(
         auto_shift=auto_shift,
         inputs=[datum.model_input.to_ints() for datum in data],
         arrays=arrays,
+        totals=GradientTotals(
+            samples=plan.totals.total_samples,
+            active_tokens=plan.totals.total_active_tokens,
+            advantage_tokens=plan.totals.total_advantage_tokens,
+        ),
     )
 
 
@@ -105,9 +140,19 @@ def prepare_custom_batch(
 
 
 def run_loss(
-    host: ModelHost, adapter: str, batch: LossBatch, *, backward: bool, with_kernel_metrics: bool
+    host: ModelHost,
+    adapter: str,
+    batch: LossBatch,
+    *,
+    backward: bool,
+    with_kernel_metrics: bool,
+    normalization: str = "sum",
+    totals: GradientTotals | None = None,
 ) -> ForwardBackwardOutput:
-    """The kernel on the model's log-probs (worker thread); backward accumulates gradients."""
+    """The kernel on the model's log-probs (worker thread); backward accumulates the gradient
+    of loss x `totals.gradient_scale(normalization)` (`totals`: the logical batch's, sent with
+    a micro-batch, else this batch's own). Metrics: pytrio's ``loss_sum``, ``token_count``
+    (this batch's active tokens, pytrio's planner's count) and their ratio ``loss_mean``."""
     host.activate_training(adapter)
     arrays, spec = batch.arrays, batch.spec
     sampling = (
@@ -128,14 +173,15 @@ def run_loss(
         if backward:
             if not bool(torch.isfinite(loss.detach())):
                 raise _non_finite_loss(batch, logprobs.detach(), float(loss.detach()))
-            loss.backward()
+            scale = (totals or batch.totals).gradient_scale(normalization)
+            (loss if scale == 1.0 else loss * scale).backward()
     if spec.reduction == "sum":
         loss_sum = float(loss.detach())
     else:
         with torch.no_grad():
             summed = attrs.evolve(spec, reduction="sum", norm_length=None)
             loss_sum = float(evaluate(logprobs.detach(), summed)[0])
-    token_count = int(arrays.mask_N.sum())
+    token_count = batch.totals.active_tokens
     metrics: dict[str, float] = {
         "loss_sum": loss_sum,
         "loss_mean": loss_sum / token_count if token_count else 0.0,
@@ -155,8 +201,11 @@ def run_custom_loss(
     targets: list[np.ndarray],
     loss_fn: CustomLossFn,
     loss_fn_config: dict[str, object] | None,
+    normalization: str = "sum",
 ) -> ForwardBackwardOutput:
-    """Custom loss on log-prob leaves, their gradients pushed through the model (worker)."""
+    """Custom loss on log-prob leaves, their gradients pushed through the model (worker),
+    scaled as pytrio's cross-entropy surrogate (weights -grad) would be under
+    `normalization` (its active tokens: the non-zero gradients; no advantage tokens)."""
     host.activate_training(adapter)
     with torch.enable_grad():
         logprobs_list = host.target_logprobs(inputs, targets, auto_shift=False)
@@ -194,7 +243,14 @@ def run_custom_loss(
                     "applied: check loss_fn where it is not differentiable (sqrt or log at 0)",
                     code="validation.non_finite_custom_loss_gradient",
                 )
-        torch.autograd.backward(logprobs_list, gradients)
+        surrogate = GradientTotals(
+            samples=len(data),
+            active_tokens=int(sum(int((gradient != 0).sum()) for gradient in gradients)),
+            advantage_tokens=0,
+        )
+        scale = surrogate.gradient_scale(normalization)
+        pushed = gradients if scale == 1.0 else [gradient * scale for gradient in gradients]
+        torch.autograd.backward(logprobs_list, pushed)
     # PyTRIO reports its linear surrogate: cross entropy with weights -grad.
     gradient, logprobs = torch.cat(gradients), torch.cat([lp.detach() for lp in logprobs_list])
     loss_sum = float((gradient * logprobs).sum())

@@ -4,7 +4,8 @@
 request at once (``sampler/validation.py``, and a memory estimate refused above
 ``SAMPLE_MEMORY_LIMIT_BYTES``) and queues it on the worker, which batches requests for
 the same weights through ``sampler/loop.py``. ``read_sampler_weights`` loads the weights
-of a saved checkpoint for a sampler.
+of a ``save_weights_for_sampler`` checkpoint for a sampler (a ``save_state`` path is refused,
+naming the way to sample it).
 """
 
 from __future__ import annotations
@@ -29,9 +30,19 @@ _DEFAULT_SAMPLING_PARAMS = SamplingParams()
 
 
 def read_sampler_weights(model_path: str, host: ModelHost) -> AdapterWeights:
-    """The LoRA weights saved at `model_path`, refused unless trained on `host`'s base model."""
+    """The LoRA weights saved at `model_path` by ``save_weights_for_sampler``; refused for a
+    ``save_state`` path (pytrio documents ``model_path`` as "LoRA weight URI for the sampler
+    to load") and unless trained on `host`'s base model."""
     directory = checkpoints.resolve(model_path)
     metadata = checkpoints.read_metadata(directory)
+    if metadata.get("kind") == "state":
+        raise ValidationError(
+            f"model_path {model_path!r} is a training state (saved by save_state), not sampler "
+            "weights: a sampler loads what save_weights_for_sampler returns; to sample a "
+            "state, create_training_client_from_state(path) and then "
+            "save_weights_and_get_sampling_client()",
+            code="validation.not_sampler_weights",
+        )
     if metadata["base_model"] != host.model_id:
         raise ValidationError(
             f"checkpoint {model_path!r} was trained on {metadata['base_model']!r}, not "

@@ -69,6 +69,7 @@ from pytrio.types.server_capabilities import (
 
 from grpo.backends.local import checkpoint as checkpoints
 from grpo.backends.local.engine import Engine
+from grpo.backends.local.loss_execution import GradientTotals
 from grpo.backends.local.model import LoraSpec
 from grpo.backends.local.rest import LocalRestClient
 from grpo.backends.local.sampling_client import LocalSamplingClient, read_sampler_weights
@@ -99,6 +100,10 @@ class LocalServiceClient:
         threads: torch intra-op threads of the worker (0 = auto: 1 for small models such as
             the built-in one, every core for large ones, and whatever the user set through
             ``OMP_NUM_THREADS`` or ``torch.set_num_threads`` left alone; see ``threads.py``).
+        service_normalization: the gradient scale of built-in and custom losses, one of
+            ``loss_execution.NORMALIZATIONS``: ``"sum"`` (default, unscaled) or the loss
+            divided by the logical batch's active tokens, advantage tokens or samples
+            (docs/FORMULAS.md, "Service normalization").
     """
 
     def __init__(
@@ -110,8 +115,11 @@ class LocalServiceClient:
         kernel_metrics: bool = False,
         sampler_dtype: str = "float32",
         threads: int = 0,
+        service_normalization: str = "sum",
     ) -> None:
         del api_key
+        GradientTotals(1, 0, 0).gradient_scale(service_normalization)  # ValueError if unknown
+        self._normalization = service_normalization
         if sampler_dtype not in SAMPLER_DTYPES:
             raise ValueError(
                 f"sampler_dtype must be one of {', '.join(SAMPLER_DTYPES)}, got {sampler_dtype!r}"
@@ -182,7 +190,7 @@ class LocalServiceClient:
             train_unembed=train_unembed,
         )
         host = self._engine.load(base_model)
-        return LocalTrainingClient(self._engine, host, spec)
+        return LocalTrainingClient(self._engine, host, spec, self._normalization)
 
     async def create_lora_training_client_async(
         self,
@@ -241,6 +249,8 @@ class LocalServiceClient:
         metadata = checkpoints.read_metadata(directory)
         base_model = str(metadata["base_model"])
         host = self._engine.load(base_model)
-        client = LocalTrainingClient(self._engine, host, checkpoints.spec_from(metadata))
+        client = LocalTrainingClient(
+            self._engine, host, checkpoints.spec_from(metadata), self._normalization
+        )
         client._restore(directory, metadata, with_optimizer=with_optimizer)
         return client

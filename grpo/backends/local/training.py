@@ -35,6 +35,7 @@ from grpo.backends.local import checkpoint as checkpoints
 from grpo.backends.local.engine import Engine
 from grpo.backends.local.loss_execution import (
     CustomLossFn,
+    GradientTotals,
     LossBatch,
     prepare_custom_batch,
     prepare_loss_batch,
@@ -50,8 +51,11 @@ from grpo.backends.local.worker import Worker
 class LocalTrainingClient:
     """In-process stand-in for `pytrio.TrainingClient` on one LoRA adapter."""
 
-    def __init__(self, engine: Engine, host: ModelHost, spec: LoraSpec) -> None:
+    def __init__(
+        self, engine: Engine, host: ModelHost, spec: LoraSpec, normalization: str = "sum"
+    ) -> None:
         self._engine = engine
+        self._normalization = normalization  # the gradient scale: loss_execution.NORMALIZATIONS
         self._host = host
         self.lora = spec
         self.model_id = host.model_id
@@ -108,11 +112,17 @@ class LocalTrainingClient:
         loss_fn: str = "cross_entropy",
         loss_fn_config: dict[str, object] | None = None,
         auto_shift: bool = False,
+        *,
+        gradient_accumulation: GradientTotals | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        """Loss of `data` and its gradient, added to the gradients since the last optim_step."""
+        """Loss of `data` and its gradient, added to the gradients since the last optim_step;
+        the gradient scaled by the service normalization of `gradient_accumulation` (the
+        logical batch's totals when `data` is one micro-batch of it; default: `data`'s own)."""
         batch = self._prepare(data, loss_fn, loss_fn_config, auto_shift)
         self._started = True
-        return self._engine.worker.call(lambda: self._run_loss(batch, backward=True))
+        return self._engine.worker.call(
+            lambda: self._run_loss(batch, backward=True, totals=gradient_accumulation)
+        )
 
     async def forward_backward_async(
         self,
@@ -144,7 +154,14 @@ class LocalTrainingClient:
         self._started = True
         return self._engine.worker.call(
             lambda: run_custom_loss(
-                self._host, self._adapter, data, inputs, targets, loss_fn, loss_fn_config
+                self._host,
+                self._adapter,
+                data,
+                inputs,
+                targets,
+                loss_fn,
+                loss_fn_config,
+                self._normalization,
             )
         )
 
@@ -173,13 +190,17 @@ class LocalTrainingClient:
             vocab_size=self._host.vocab_size,
         )
 
-    def _run_loss(self, batch: LossBatch, *, backward: bool) -> ForwardBackwardOutput:
+    def _run_loss(
+        self, batch: LossBatch, *, backward: bool, totals: GradientTotals | None = None
+    ) -> ForwardBackwardOutput:
         return run_loss(
             self._host,
             self._adapter,
             batch,
             backward=backward,
             with_kernel_metrics=self._engine.kernel_metrics,
+            normalization=self._normalization,
+            totals=totals,
         )
 
     # --- optimizer ---------------------------------------------------------------------
