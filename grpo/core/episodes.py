@@ -234,7 +234,7 @@ class EpisodeGroup:
 
 def episode_groups(episodes_P: Sequence[Sequence[Episode]], method: str) -> list[EpisodeGroup]:
     """Every task's episodes with group advantages of their returns (grpo.core.advantages)."""
-    rewards_P = [np.array([e.reward for e in episodes], dtype=np.float64) for episodes in episodes_P]
+    rewards_P = [np.array([e.reward for e in group], dtype=np.float64) for group in episodes_P]
     sizes_P = np.array([rewards.size for rewards in rewards_P], dtype=np.int64)
     result = group_advantages(np.concatenate(rewards_P), sizes_P, method)
     advantages_P = np.split(result.advantages, np.cumsum(sizes_P)[:-1])

@@ -30,7 +30,9 @@ def episodes(draw, max_turns: int = 5, max_len: int = 6):
     num_turns = draw(st.integers(1, max_turns))
     turns, next_sampled = [], SAMPLED_BASE
     for index in range(num_turns):
-        observation = draw(st.lists(st.integers(0, 999), min_size=int(index == 0), max_size=max_len))
+        observation = draw(
+            st.lists(st.integers(0, 999), min_size=int(index == 0), max_size=max_len)
+        )
         size = draw(st.integers(1, max_len))
         action = np.arange(next_sampled, next_sampled + size)
         next_sampled += size
@@ -108,10 +110,10 @@ def test_packed_episode_groups_train_every_sampled_token_of_nondegenerate_groups
 def test_episode_return_is_the_sum_of_turn_rewards_plus_the_final_reward():
     turns = [
         Turn(observation_tokens=[1, 2], action_tokens=[3], action_logprobs=[-0.1], reward=0.25),
-        Turn(observation_tokens=[4], action_tokens=[5, 6], action_logprobs=[-0.2, -0.3], reward=0.5),
+        Turn(observation_tokens=[4], action_tokens=[5, 6], action_logprobs=[-0.2, -0.3], reward=1),
     ]
     episode = Episode(turns=turns, final_reward=1.0)
-    assert episode.reward == 1.75
+    assert episode.reward == 2.25
     assert episode.tokens.tolist() == [1, 2, 3, 4, 5, 6]
     assert episode.sampled.tolist() == [False, False, True, False, True, True]
     aligned = align_episode(episode, 2.0)
