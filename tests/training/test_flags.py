@@ -124,6 +124,8 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "reward_workers": st.integers(0, 8),
     "overlong_buffer": st.none() | st.integers(1, 64),
     "mask_truncated": st.booleans(),
+    "env": st.none(),
+    "max_turns": st.integers(1, 8),
     "log_rollouts": st.integers(0, 16),
 }
 
