@@ -285,7 +285,7 @@ def truncated_episodes(groups: Sequence[EpisodeGroup]) -> npt.NDArray[np.bool_]:
 
 def episode_metrics(groups: Sequence[EpisodeGroup]) -> dict[str, float]:
     """Mean return, frac_degenerate, sampled tokens per episode, turns, tool calls and errors,
-    mean per-turn reward and frac_truncated, over every episode of the groups."""
+    the share of episodes that call a tool, mean per-turn reward and frac_truncated."""
     if not groups:
         raise ValueError("episode_metrics needs at least one group; got none")
     episodes = [episode for group in groups for episode in group.episodes]
@@ -302,6 +302,7 @@ def episode_metrics(groups: Sequence[EpisodeGroup]) -> dict[str, float]:
         "env/turns": float(np.mean([episode.num_turns for episode in episodes])),
         "env/tool_calls": float(np.mean([sum(t.tool_calls for t in e.turns) for e in episodes])),
         "env/tool_errors": float(np.mean([sum(t.tool_errors for t in e.turns) for e in episodes])),
+        "env/tool_use": float(np.mean([any(t.tool_calls for t in e.turns) for e in episodes])),
         "env/turn_reward": float(np.mean([turn.reward for turn in turns])),
         "env/final_reward": float(np.mean([episode.final_reward for episode in episodes])),
     }

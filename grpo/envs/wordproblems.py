@@ -15,7 +15,7 @@ from grpo.core.rewards import grade
 from grpo.envs.base import StepResult, Task
 from grpo.envs.tools import CALCULATOR, ToolRegistry, format_tool_call
 
-__all__ = ["TOOL_SYSTEM_PROMPT", "CalculatorEnv", "calculator_wordproblems"]
+__all__ = ["TOOL_SYSTEM_PROMPT", "CalculatorEnv", "calculator_wordproblems", "tool_solution"]
 
 TOOL_SYSTEM_PROMPT = (
     "You may use a calculator. Call it as "
@@ -51,3 +51,20 @@ class CalculatorEnv:
 def calculator_wordproblems(task: Task) -> CalculatorEnv:
     """`--env grpo.envs:calculator_wordproblems`: a `CalculatorEnv` for the task."""
     return CalculatorEnv(task)
+
+
+def tool_solution(answer: str) -> tuple[str, str]:
+    """(the calculator call, the final answer) that solve a built-in problem's answer.
+
+    A built-in answer is equation lines, then ``#### N`` (``grpo/tasks/data.py``); the call
+    computes the whole chain at once (``9 + 4 = 13``, ``13 - 6 = 7`` -> ``9 + 4 - 6``), and the
+    final answer boxes N. The tool warm start (``scripts/make_tiny_model.py --tools``) trains
+    on these two turns.
+    """
+    *lines, gold_line = answer.split("\n")
+    if not lines or not gold_line.startswith("#### ") or any("=" not in line for line in lines):
+        raise ValueError(f"answer {answer!r} is not a built-in answer (equation lines, '#### N')")
+    first, *rest = (line.split("=")[0].strip() for line in lines)
+    expression = " ".join([first, *(step.split(" ", 1)[1] for step in rest)])
+    gold = gold_line[len("#### ") :]
+    return format_tool_call("calculator", {"expression": expression}), f"\\boxed{{{gold}}}"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from grpo.backends.names import TINY_MODEL_NAME
+from grpo.backends.names import BUILTIN_MODEL_NAMES, TINY_MODEL_NAME
 from grpo.tasks.prompts import QUESTION_SUFFIX
 from grpo.training.fields import (
     ADVANTAGE_NAMES,
@@ -425,7 +425,7 @@ class TrainConfig:
         """Few-shot prompts for real models or a --fewshot-file; the built-in model has its own."""
         if self.fewshot is not None:
             return self.fewshot
-        return self.fewshot_file is not None or self.base_model != TINY_MODEL_NAME
+        return self.fewshot_file is not None or self.base_model not in BUILTIN_MODEL_NAMES
 
 
 FIELDS: Mapping[str, "attrs.Attribute[Any]"] = attrs.fields_dict(TrainConfig)

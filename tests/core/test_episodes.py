@@ -184,6 +184,7 @@ def test_episode_metrics_and_truncation_flags():
     assert metrics["env/turns"] == 1.5
     assert metrics["env/tool_calls"] == 1.0
     assert metrics["env/tool_errors"] == 0.5
+    assert metrics["env/tool_use"] == 0.5
     assert metrics["rollout/frac_truncated"] == 0.5
     assert metrics["frac_degenerate"] == 0.0
     assert truncated_episodes(groups).tolist() == [False, True]

@@ -1,5 +1,7 @@
 """Tests for grpo.envs.base and the built-in calculator word-problem environment."""
 
+from pathlib import Path
+
 import pytest
 
 from grpo.envs import calculator_wordproblems, load_env_factory, make_group
@@ -79,3 +81,16 @@ def test_load_env_factory_from_a_module_and_a_file(tmp_path):
     ]:
         with pytest.raises(ValueError, match=message):
             load_env_factory(spec)
+
+
+def test_the_readme_guess_the_number_environment_plays_by_the_protocol():
+    example = Path(__file__).resolve().parents[2] / "examples" / "guess_number.py"
+    readme = (example.parents[1] / "README.md").read_text(encoding="utf-8")
+    assert example.read_text(encoding="utf-8") in readme  # the README shows the file as is
+    make = load_env_factory(f"{example}:make")
+    env = make(Task("", "", index=2))  # secret 15
+    assert env.initial_observation()[0]["role"] == "user"
+    assert as_step_result(env.step("maybe 10"), "step").observation[0]["content"] == "No, higher."
+    assert as_step_result(env.step("no idea"), "step").done is False
+    assert as_step_result(env.step("19"), "step").observation[0]["content"] == "No, lower."
+    assert as_step_result(env.step("15"), "step") == StepResult((), 0.25, True)

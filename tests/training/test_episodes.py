@@ -207,3 +207,31 @@ def test_env_flags_are_checked_before_any_run(tmp_path: Path):
     with pytest.raises(ConfigError, match="has no 'no_such_env'"):
         quiet_train(config)
     assert not (tmp_path / "missing" / "metrics.jsonl").exists()
+
+
+def test_reference_logprobs_of_episodes_are_read_at_the_sampled_positions():
+    from types import SimpleNamespace
+
+    from grpo.core.episodes import Episode, EpisodeGroup, Turn
+    from grpo.training.episodes import reference_episode_logprobs
+
+    class Reference:
+        def compute_logprobs(self, prompt):
+            future: Future = Future()
+            future.set_result([None, *(-float(token) for token in prompt.to_ints()[1:])])
+            return future
+
+    turns = [
+        Turn(observation_tokens=[1, 2], action_tokens=[3, 4], action_logprobs=[-1, -1]),
+        Turn(observation_tokens=[5], action_tokens=[6], action_logprobs=[-1]),
+    ]
+    group = EpisodeGroup(episodes=[Episode(turns=turns)], advantages=[1.0])
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        run = SimpleNamespace(
+            ref_sampler=Reference(), pool=pool, config=SimpleNamespace(max_retries=0), note=print
+        )
+        values, usage = reference_episode_logprobs(run, [group])
+    assert values.tolist() == [-3.0, -4.0, -6.0]
+    assert usage.prompt_tokens == 6
