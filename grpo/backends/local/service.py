@@ -71,7 +71,7 @@ from grpo.backends.local.engine import Engine
 from grpo.backends.local.model import LoraSpec
 from grpo.backends.local.rest import LocalRestClient
 from grpo.backends.local.sampling_client import LocalSamplingClient, read_sampler_weights
-from grpo.backends.local.tiny import MODEL_DIRS, TINY_MODEL_NAME
+from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.backends.local.training import LocalTrainingClient
 
 SAMPLER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -125,13 +125,8 @@ class LocalServiceClient:
         self.close()
 
     def get_supported_models(self) -> list[str]:
-        """Named models (a local Hugging Face model directory works too); the tool-use model
-        once its weights exist (``scripts/make_tiny_model.py --tools``)."""
-        return [TINY_MODEL_NAME] + [
-            name
-            for name, directory in MODEL_DIRS.items()
-            if name != TINY_MODEL_NAME and (directory / "model.safetensors").is_file()
-        ]
+        """Named models (a local Hugging Face model directory works too)."""
+        return [TINY_MODEL_NAME]
 
     def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
         """The named models' real limits: context length = max sequence length = model positions."""
