@@ -51,7 +51,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 SAVED_FILES = ("config.json", "generation_config.json", WEIGHTS_FILE, *TOKENIZER_FILES)
 SAMPLING_SEED = 0
 PROMPT_STYLES = {"own prompt": (), "few-shot prompt": FEWSHOT_PREFIX}
-TOOLS_STEPS = 200
+TOOLS_STEPS = 80
+TOOLS_BATCH_SIZE = 32
 TOOLS_LEARNING_RATE = 1e-3
 TOOLS_WARMUP_STEPS = 20
 TOOLS_MAX_TOKENS = 96
@@ -152,6 +153,7 @@ def make_tools_model(out: Path, *, steps: int, seed: int) -> tuple[object, objec
         steps=steps,
         pad_token_id=tokenizer.pad_token_id,
         seed=seed,
+        batch_size=TOOLS_BATCH_SIZE,
         learning_rate=TOOLS_LEARNING_RATE,
         warmup_steps=TOOLS_WARMUP_STEPS,
         on_step=report,
@@ -220,7 +222,7 @@ def write_tools_manifest(out: Path, *, command: str, steps: int, seed: int, resu
         "the tokenizer is the shipped one. `--tools --check` retrains and compares the bytes.",
         "",
         f"- command: `{command}`",
-        f"- steps: {steps}, seed: {seed}, batch {warm_start.BATCH_SIZE}, Adam lr "
+        f"- steps: {steps}, seed: {seed}, batch {TOOLS_BATCH_SIZE}, Adam lr "
         f"{TOOLS_LEARNING_RATE} betas {warm_start.ADAM_BETAS}, {TOOLS_WARMUP_STEPS} warm-up "
         f"steps, grad clip {warm_start.MAX_GRAD_NORM}",
         f"- versions: torch {torch.__version__}, transformers {transformers.__version__}, "
@@ -361,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument(
-        "--steps", type=int, default=None, help="optimizer steps (default 400; --tools 200)"
+        "--steps", type=int, default=None, help="optimizer steps (default 400; --tools 80)"
     )
     parser.add_argument(
         "--tools",
