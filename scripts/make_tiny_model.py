@@ -17,8 +17,8 @@ The third style, ``--tools``, warm-starts the tool-use model (``grpo/tiny-qwen3-
 files in ``grpo/backends/local/tiny_model_tools/``) from the shipped weights: word problems
 and arithmetic solved in two turns, a calculator call then the boxed answer after its
 ``<tool_response>`` (``grpo.envs.wordproblems.tool_solution``), each turn's prompt built as
-`grpo train --env grpo.envs:calculator_wordproblems` builds it, mixed with the original
-conversations; the shipped tokenizer is kept.
+`grpo train --env grpo.envs:calculator_wordproblems` builds it; the shipped tokenizer is
+kept.
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 SAVED_FILES = ("config.json", "generation_config.json", WEIGHTS_FILE, *TOKENIZER_FILES)
 SAMPLING_SEED = 0
 PROMPT_STYLES = {"own prompt": (), "few-shot prompt": FEWSHOT_PREFIX}
-TOOLS_STEPS = 80
+TOOLS_STEPS = 120
 TOOLS_BATCH_SIZE = 32
-TOOLS_LEARNING_RATE = 1e-3
-TOOLS_WARMUP_STEPS = 20
+TOOLS_LEARNING_RATE = 2e-3
+TOOLS_WARMUP_STEPS = 10
 TOOLS_MAX_TOKENS = 96
 
 
@@ -135,11 +135,10 @@ def tool_examples(tokenizer: object) -> list[tuple[list[int], list[int]]]:
 
 
 def make_tools_model(out: Path, *, steps: int, seed: int) -> tuple[object, object]:
-    """The shipped model trained `steps` more steps on tool_examples + the original
-    conversations (TOOLS_LEARNING_RATE, TOOLS_WARMUP_STEPS); saved to out."""
+    """The shipped model trained `steps` more steps on tool_examples (TOOLS_BATCH_SIZE,
+    TOOLS_LEARNING_RATE, TOOLS_WARMUP_STEPS); saved to out."""
     model, tokenizer = load_tiny_model()
-    conversations = warm_start.warm_start_conversations(seed)
-    examples = tool_examples(tokenizer) + warm_start.encode_examples(tokenizer, conversations)
+    examples = tool_examples(tokenizer)
     started = time.perf_counter()
 
     def report(step: int, loss: float) -> None:
@@ -218,8 +217,8 @@ def write_tools_manifest(out: Path, *, command: str, steps: int, seed: int, resu
         "",
         "The shipped `tiny_model/` weights trained further by `scripts/make_tiny_model.py --tools`",
         "on the built-in train problems solved in two turns (a calculator call, then the boxed",
-        "answer after the tool response) mixed with the original warm-start conversations;",
-        "the tokenizer is the shipped one. `--tools --check` retrains and compares the bytes.",
+        "answer after the tool response); the tokenizer is the shipped one. `--tools --check`",
+        "retrains and compares the bytes.",
         "",
         f"- command: `{command}`",
         f"- steps: {steps}, seed: {seed}, batch {TOOLS_BATCH_SIZE}, Adam lr "
@@ -363,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument(
-        "--steps", type=int, default=None, help="optimizer steps (default 400; --tools 80)"
+        "--steps", type=int, default=None, help="optimizer steps (default 400; --tools 120)"
     )
     parser.add_argument(
         "--tools",
