@@ -5,11 +5,20 @@
 
     python scripts/make_tiny_model.py --steps 600 --snapshot-steps 200,300,400 --snapshot-dir D
                                                       # also save the model at those steps
+    python scripts/make_tiny_model.py --tools         # the tool-use model (tiny_model_tools/)
+    python scripts/make_tiny_model.py --tools --check # retrain it and compare with shipped
 
 Training is single-threaded and deterministic (see grpo/training/warm_start.py), so the same
 torch and transformers versions reproduce the shipped tokenizer and `model.safetensors` byte
 for byte. The tokenizer is trained first, on the warm start's own conversations (both
 prompt styles).
+
+The third style, ``--tools``, warm-starts the tool-use model (``grpo/tiny-qwen3-bpe-tools``,
+files in ``grpo/backends/local/tiny_model_tools/``) from the shipped weights: word problems
+and arithmetic solved in two turns, a calculator call then the boxed answer after its
+``<tool_response>`` (``grpo.envs.wordproblems.tool_solution``), each turn's prompt built as
+`grpo train --env grpo.envs:calculator_wordproblems` builds it; the shipped tokenizer is
+kept.
 """
 
 from __future__ import annotations
@@ -25,7 +34,14 @@ import tokenizers
 import torch
 import transformers
 
-from grpo.backends.local.tiny import MAX_POSITIONS, TINY_MODEL_DIR, init_tiny_model, train_tokenizer
+from grpo.backends.local.tiny import (
+    MAX_POSITIONS,
+    TINY_MODEL_DIR,
+    TINY_TOOLS_MODEL_DIR,
+    init_tiny_model,
+    load_tiny_model,
+    train_tokenizer,
+)
 from grpo.tasks.data import ARITHMETIC_SPLIT_SIZES, load_problems
 from grpo.tasks.prompts import FEWSHOT_PREFIX
 from grpo.training import warm_start
@@ -35,6 +51,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 SAVED_FILES = ("config.json", "generation_config.json", WEIGHTS_FILE, *TOKENIZER_FILES)
 SAMPLING_SEED = 0
 PROMPT_STYLES = {"own prompt": (), "few-shot prompt": FEWSHOT_PREFIX}
+TOOLS_STEPS = 120
+TOOLS_BATCH_SIZE = 32
+TOOLS_LEARNING_RATE = 2e-3
+TOOLS_WARMUP_STEPS = 10
+TOOLS_MAX_TOKENS = 96
 
 
 def sha256_of(path: Path) -> str:
@@ -76,6 +97,176 @@ def make_model(
     )
     save(model, tokenizer, out)
     return model, tokenizer
+
+
+def tool_examples(tokenizer: object) -> list[tuple[list[int], list[int]]]:
+    """Both turns of every built-in train problem solved with the calculator, as (prompt,
+    completion) token pairs; each prompt is built as the --env rollout builds it."""
+    from grpo.envs import CalculatorEnv, Task
+    from grpo.envs.wordproblems import tool_solution
+    from grpo.tasks.prompts import build_messages
+    from grpo.training.episodes import bridge_text, render
+
+    eos = tokenizer.eos_token_id
+    end = tokenizer.decode([eos], skip_special_tokens=False)
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    examples = []
+    for source in warm_start.DATASETS:
+        problems = load_problems(source, "train")
+        for question, answer in zip(problems["question"], problems["answer"]):
+            env = CalculatorEnv(
+                Task(question, "", messages=build_messages(question, fewshot=False))
+            )
+            opening = env.initial_observation()
+            call, final = tool_solution(answer)
+            messages = [
+                *opening,
+                {"role": "assistant", "content": call},
+                *env.step(call).observation,
+            ]
+            shown = render(tokenizer, opening)
+            bridge, _ = bridge_text(tokenizer, shown, call, end, messages)
+            first = (encode(shown), [*encode(call), eos])
+            examples += [first, ([*first[0], *first[1], *encode(bridge)], [*encode(final), eos])]
+    return examples
+
+
+def make_tools_model(out: Path, *, steps: int, seed: int) -> tuple[object, object]:
+    """The shipped model trained `steps` more steps on tool_examples (TOOLS_BATCH_SIZE,
+    TOOLS_LEARNING_RATE, TOOLS_WARMUP_STEPS); saved to out."""
+    model, tokenizer = load_tiny_model()
+    examples = tool_examples(tokenizer)
+    started = time.perf_counter()
+
+    def report(step: int, loss: float) -> None:
+        if (step + 1) % 10 == 0 or step + 1 == steps:
+            elapsed = time.perf_counter() - started
+            print(f"step {step + 1:4d}/{steps}  loss {loss:.4f}  {elapsed:6.1f} s", flush=True)
+
+    warm_start.train_warm_start(
+        model,
+        examples,
+        steps=steps,
+        pad_token_id=tokenizer.pad_token_id,
+        seed=seed,
+        batch_size=TOOLS_BATCH_SIZE,
+        learning_rate=TOOLS_LEARNING_RATE,
+        warmup_steps=TOOLS_WARMUP_STEPS,
+        on_step=report,
+    )
+    save(model, tokenizer, out)
+    return model, tokenizer
+
+
+def measure_tools(out: Path, problems: int) -> dict:
+    """Mean return and tool-use rate of one calculator_wordproblems episode per test word
+    problem, greedy and at temperature 1, sampled by the local backend as a run samples."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpo.backends.local import LocalServiceClient
+    from grpo.envs import CalculatorEnv, Task
+    from grpo.tasks.prompts import build_messages
+    from grpo.training.episodes import EpisodeLimits, episode_seed, play_episode
+
+    results = {}
+    test = load_problems("wordproblems", "test", limit=problems)
+    with tempfile.TemporaryDirectory() as root, LocalServiceClient(root=Path(root)) as service:
+        sampler = service.create_sampling_client(base_model=str(out))
+        tokenizer = sampler.get_tokenizer()
+        for label, temperature in (("greedy", 0.0), ("temperature 1", 1.0)):
+            limits = EpisodeLimits(
+                max_turns=4,
+                max_tokens=TOOLS_MAX_TOKENS,
+                max_len=MAX_POSITIONS,
+                temperature=temperature,
+            )
+
+            def one(index: int, limits: EpisodeLimits = limits) -> tuple[float, bool]:
+                question = test[index]["question"]
+                gold = test[index]["answer"].split("#### ")[-1]
+                env = CalculatorEnv(
+                    Task(question, gold, messages=build_messages(question, fewshot=False))
+                )
+                episode, _usage, _seen = play_episode(
+                    sampler,
+                    env,
+                    tokenizer,
+                    limits,
+                    lambda turn: episode_seed(SAMPLING_SEED, 4, 0, index, turn),
+                    max_retries=0,
+                    log=print,
+                )
+                return episode.reward, any(turn.tool_calls for turn in episode.turns)
+
+            with ThreadPoolExecutor(32) as pool:
+                scored = list(pool.map(one, range(len(test))))
+            results[label] = (
+                sum(reward for reward, _ in scored) / len(scored),
+                sum(used for _, used in scored) / len(scored),
+            )
+    return results
+
+
+def write_tools_manifest(out: Path, *, command: str, steps: int, seed: int, results: dict) -> None:
+    """The tool model's MANIFEST.md: recipe, versions, sha256, the measured tool task."""
+    lines = [
+        "# Built-in tiny model, tool-use warm start (grpo/tiny-qwen3-bpe-tools)",
+        "",
+        "The shipped `tiny_model/` weights trained further by `scripts/make_tiny_model.py --tools`",
+        "on the built-in train problems solved in two turns (a calculator call, then the boxed",
+        "answer after the tool response); the tokenizer is the shipped one. `--tools --check`",
+        "retrains and compares the bytes.",
+        "",
+        f"- command: `{command}`",
+        f"- steps: {steps}, seed: {seed}, batch {TOOLS_BATCH_SIZE}, Adam lr "
+        f"{TOOLS_LEARNING_RATE} betas {warm_start.ADAM_BETAS}, {TOOLS_WARMUP_STEPS} warm-up "
+        f"steps, grad clip {warm_start.MAX_GRAD_NORM}",
+        f"- versions: torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"tokenizers {tokenizers.__version__}",
+        f"- {WEIGHTS_FILE} sha256: `{sha256_of(out / WEIGHTS_FILE)}`",
+        f"- tokenizer.json sha256: `{sha256_of(out / 'tokenizer.json')}`",
+        f"- training wall time: {results['seconds']:.0f} s (one thread, on a loaded machine)",
+        "",
+        f"`grpo.envs:calculator_wordproblems` on the first {results['problems']} test word "
+        f"problems, one episode each (up to 4 turns of {TOOLS_MAX_TOKENS} tokens, seed "
+        f"{SAMPLING_SEED}):",
+        "",
+        "| sampling | test reward | episodes that call the tool |",
+        "|---|---|---|",
+        *(
+            f"| {label} | {reward:.3f} | {used:.3f} |"
+            for label, (reward, used) in results["tools"].items()
+        ),
+        "",
+    ]
+    (out / "MANIFEST.md").write_text("\n".join(lines))
+
+
+def tools_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """--tools: make (or --check) the tool-use model in TINY_TOOLS_MODEL_DIR."""
+    out, steps = TINY_TOOLS_MODEL_DIR, args.steps if args.steps_given else TOOLS_STEPS
+    if args.check:
+        with tempfile.TemporaryDirectory() as scratch:
+            make_tools_model(Path(scratch), steps=steps, seed=args.seed)
+            same = sha256_of(Path(scratch) / WEIGHTS_FILE) == sha256_of(out / WEIGHTS_FILE)
+        print("OK: regenerated weights match" if same else f"MISMATCH with {out}")
+        return 0 if same else 1
+    started = time.perf_counter()
+    make_tools_model(out, steps=steps, seed=args.seed)
+    results = {
+        "seconds": time.perf_counter() - started,
+        "problems": args.eval_problems,
+        "tools": measure_tools(out, args.eval_problems),
+    }
+    command = " ".join(
+        ["python", "scripts/make_tiny_model.py", *(sys.argv[1:] if argv is None else argv)]
+    )
+    write_tools_manifest(out, command=command, steps=steps, seed=args.seed, results=results)
+    print((out / "MANIFEST.md").read_text())
+    return 0
 
 
 def measure(model: transformers.PreTrainedModel, tokenizer: object, problems: int) -> dict:
@@ -171,7 +362,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument(
-        "--steps", type=int, default=warm_start.WARM_START_STEPS, help="optimizer steps"
+        "--steps", type=int, default=None, help="optimizer steps (default 400; --tools 120)"
+    )
+    parser.add_argument(
+        "--tools",
+        action="store_true",
+        help="the third style: warm-start the tool-use model from the shipped weights",
     )
     parser.add_argument(
         "--seed", type=int, default=warm_start.WARM_START_SEED, help="init and data-order seed"
@@ -197,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    args.steps_given = args.steps is not None
+    if args.tools:
+        return tools_main(args, argv)
+    if not args.steps_given:
+        args.steps = warm_start.WARM_START_STEPS
     if args.check:
         return check(args.out, steps=args.steps, seed=args.seed)
     if args.measure is not None:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from grpo.backends.names import TINY_TOOLS_MODEL_NAME
+
 T = TypeVar("T")
 
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
@@ -129,14 +131,15 @@ def check_capabilities(
 
     The limit is the smallest of the model's context length and its sampling and training
     `max_seq_len`, as `get_server_capabilities()` reports them. A local model directory
-    that the service does not list is not checked (the local backend checks it itself).
+    or the built-in tool-use model that the service does not list is not checked (the local
+    backend checks it itself).
     """
     capabilities = service_client.get_server_capabilities()
     models = {model.model_name: model for model in capabilities.supported_models}
     model = models.get(base_model)
     if model is None:
-        if Path(base_model).expanduser().is_dir():
-            return
+        if Path(base_model).expanduser().is_dir() or base_model == TINY_TOOLS_MODEL_NAME:
+            return  # the local backend checks these itself
         raise CapabilityError(
             f"--base-model {base_model!r} is not served by this service; it serves {sorted(models)}"
         )

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from grpo.backends.names import SERVICE_NORMALIZATIONS, TINY_MODEL_NAME
+from grpo.backends.names import BUILTIN_MODEL_NAMES, SERVICE_NORMALIZATIONS, TINY_MODEL_NAME
 from grpo.tasks.prompts import QUESTION_SUFFIX
 from grpo.training.fields import (
     ADVANTAGE_NAMES,
@@ -47,6 +47,7 @@ from grpo.training.fields import (
 if TYPE_CHECKING:
     from grpo.core.loss_spec import LossSpec
     from grpo.core.mismatch import MismatchCorrection
+    from grpo.envs.base import EnvFactory
     from grpo.rewards import RewardFn
     from grpo.tasks.prompts import PromptTemplate
 
@@ -187,6 +188,14 @@ class TrainConfig:
     mask_truncated: bool = flag(
         False, "completions stopped by --max-tokens train no tokens (DAPO overlong filtering)"
     )
+    # Multi-turn environments
+    env: str | None = flag(
+        None,
+        "multi-turn environment MODULE:FACTORY or FILE.py:FACTORY, called with each task "
+        "(e.g. grpo.envs:calculator_wordproblems); episodes replace single completions",
+        NOT_EMPTY,
+    )
+    max_turns: int = flag(4, "most sampled turns of an --env episode", AtLeast(1))
     # Advantages and loss
     advantage: str = flag("center", "group advantage estimator", OneOf(ADVANTAGE_NAMES))
     loss_fn: str = flag(
@@ -363,6 +372,15 @@ class TrainConfig:
                 f"--service-normalization {self.service_normalization} needs --backend local "
                 "(a service normalizes as it does); drop the flag or use --backend local"
             )
+        if self.env is not None:
+            for name, on in (
+                ("dynamic_sampling", self.dynamic_sampling),
+                ("max_steps_off_policy", self.max_steps_off_policy > 0),
+            ):
+                if on:
+                    raise ConfigError(
+                        f"--env does not support {flag_name(name)} yet; drop one of the two"
+                    )
         if self.sampler_dtype != "float32" and self.backend != "local":
             raise ConfigError(
                 f"--sampler-dtype {self.sampler_dtype} needs --backend local (a service's "
@@ -379,6 +397,18 @@ class TrainConfig:
 
         try:
             return load_rewards(self.reward)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+    @cached_property
+    def env_factory(self) -> "EnvFactory":
+        """The loaded --env factory (read on first use, never at construction)."""
+        from grpo.envs.base import load_env_factory
+
+        if self.env is None:
+            raise ConfigError("no --env given; this run samples single completions")
+        try:
+            return load_env_factory(self.env)
         except ValueError as error:
             raise ConfigError(str(error)) from None
 
@@ -470,7 +500,7 @@ class TrainConfig:
         """Few-shot prompts for real models or a --fewshot-file; the built-in model has its own."""
         if self.fewshot is not None:
             return self.fewshot
-        return self.fewshot_file is not None or self.base_model != TINY_MODEL_NAME
+        return self.fewshot_file is not None or self.base_model not in BUILTIN_MODEL_NAMES
 
 
 def check_recipe(config: "TrainConfig") -> None:
@@ -535,6 +565,8 @@ def check_user_inputs(config: TrainConfig, *, where: str | None = None) -> None:
     try:
         _ = config.reward_fns
         _ = config.prompt_template
+        if config.env is not None:
+            _ = config.env_factory
     except ConfigError as error:
         if where is None:
             raise

@@ -82,6 +82,10 @@ def run_step(run: Run, state: RunState, step: int, write: Callable[[str], None])
 def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
     """Steps 1-9 of one training step; returns its metrics, not yet logged."""
     config = run.config
+    if config.env is not None:  # --env: multi-turn episodes instead of single completions
+        from grpo.training.episodes import train_episode_step
+
+        return train_episode_step(run, state, step)
     timings: dict[str, float] = {}
     with timed("time/sample", timings):
         submit_rollouts(run, state, step)  # 1. pick the problems; 2. sample them (async)
@@ -389,6 +393,12 @@ def evaluate_now(run: Run, state: RunState) -> dict[str, float]:
     """Test accuracy of the current weights (one sample per problem at the run's temperature)."""
     config = run.config
     fault_point("eval")
+    if config.env is not None:  # --env: one episode per test problem
+        from grpo.training.episodes import evaluate_episodes
+
+        metrics, usage = evaluate_episodes(run, current_sampler(run, state))
+        state.usage += usage
+        return metrics
     metrics, usage = evaluate(
         run.pool,
         current_sampler(run, state),

@@ -137,6 +137,8 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "reward_timeout": st.floats(0, 600, allow_nan=False),
     "overlong_buffer": st.none() | st.integers(1, 64),
     "mask_truncated": st.booleans(),
+    "env": st.none(),
+    "max_turns": st.integers(1, 8),
     "log_rollouts": st.integers(0, 16),
 }
 

@@ -20,7 +20,7 @@ import torch
 
 from grpo.backends.local import threads as thread_policy
 from grpo.backends.local.model import ModelHost, load_host
-from grpo.backends.local.tiny import TINY_MODEL_NAME
+from grpo.backends.local.tiny import MODEL_DIRS
 from grpo.backends.local.worker import Worker
 
 
@@ -55,9 +55,7 @@ class Engine:
     def host(self, base_model: str) -> ModelHost:
         """The loaded base model (loaded on first use); call on the worker."""
         key = (
-            base_model
-            if base_model == TINY_MODEL_NAME
-            else str(Path(base_model).expanduser().resolve())
+            base_model if base_model in MODEL_DIRS else str(Path(base_model).expanduser().resolve())
         )
         if key not in self._hosts:
             self._hosts[key] = load_host(base_model)

@@ -356,8 +356,8 @@ def _end_token_ids(model: PreTrainedModel, tokenizer: object) -> frozenset[int]:
 
 def load_host(base_model: str) -> ModelHost:
     """Load the built-in tiny model by name, or a local Hugging Face model directory, offline."""
-    if base_model == tiny.TINY_MODEL_NAME:
-        model, tokenizer = tiny.load_tiny_model()
+    if base_model in tiny.MODEL_DIRS:
+        model, tokenizer = tiny.load_tiny_model(base_model)
         return ModelHost(base_model, model, tokenizer)
     directory = Path(base_model).expanduser()
     if directory.is_dir() and (directory / "config.json").is_file():
@@ -369,7 +369,7 @@ def load_host(base_model: str) -> ModelHost:
         return ModelHost(resolved, model, tokenizer)
     raise ValidationError(
         f"unknown base model {base_model!r}: the local backend supports "
-        f"{[tiny.TINY_MODEL_NAME]}, or a local Hugging Face model directory (one holding "
+        f"{list(tiny.MODEL_DIRS)}, or a local Hugging Face model directory (one holding "
         "config.json and the tokenizer files, e.g. a downloaded Qwen/Qwen2.5-0.5B-Instruct)",
         code="validation.unsupported_model",
     )

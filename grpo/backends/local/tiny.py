@@ -17,9 +17,12 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from grpo.backends.names import TINY_MODEL_NAME  # noqa: F401 - re-exported
+from grpo.backends.names import TINY_MODEL_NAME, TINY_TOOLS_MODEL_NAME
 
 TINY_MODEL_DIR = Path(__file__).parent / "tiny_model"
+TINY_TOOLS_MODEL_DIR = Path(__file__).parent / "tiny_model_tools"
+"""The tool-use warm start (``scripts/make_tiny_model.py --tools``): same tokenizer."""
+MODEL_DIRS = {TINY_MODEL_NAME: TINY_MODEL_DIR, TINY_TOOLS_MODEL_NAME: TINY_TOOLS_MODEL_DIR}
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -134,20 +137,23 @@ def init_tiny_model(
     return model.eval(), tokenizer
 
 
-def load_tiny_model() -> tuple[Qwen3ForCausalLM, PreTrainedTokenizerFast]:
-    """The shipped warm-started tiny model (fp32, eval mode) and its tokenizer."""
-    weights = TINY_MODEL_DIR / "model.safetensors"
+def load_tiny_model(
+    name: str = TINY_MODEL_NAME,
+) -> tuple[Qwen3ForCausalLM, PreTrainedTokenizerFast]:
+    """A shipped warm-started tiny model by name (fp32, eval mode) and the shipped tokenizer."""
+    directory = MODEL_DIRS[name]
+    weights = directory / "model.safetensors"
     if not weights.exists():
         raise FileNotFoundError(
             f"built-in model weights missing at {weights}; regenerate them with "
-            "`python scripts/make_tiny_model.py`"
+            f"`python scripts/make_tiny_model.py{' --tools' if name != TINY_MODEL_NAME else ''}`"
         )
     tokenizer = build_tokenizer()
     # A 46-tensor file loads in milliseconds; its progress bar would only clutter every run.
     bar_was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model = Qwen3ForCausalLM.from_pretrained(TINY_MODEL_DIR, local_files_only=True)
+        model = Qwen3ForCausalLM.from_pretrained(directory, local_files_only=True)
     finally:
         if bar_was_enabled:
             hf_logging.enable_progress_bar()

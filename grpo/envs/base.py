@@ -1,0 +1,217 @@
+"""The environment API: `Task`, the `Env` protocol, `StepResult`, groups, and `--env` loading.
+
+An environment plays one episode. It opens with chat messages (`initial_observation`), then
+answers each action of the policy (the text of one sampled assistant turn) with
+`step(action_text)`: the observation messages that follow it, the turn's reward, and whether
+the episode is done. A step may return a `StepResult` (which also counts tool calls and tool
+errors for the metrics) or a plain ``(messages, reward, done)`` tuple.
+
+`--env MODULE:FACTORY` or `--env path/to/file.py:FACTORY` names a factory called once per
+episode with the `Task` (a dataset row, its gold answer and the run's prompt messages):
+
+    def factory(task: Task) -> Env: ...
+
+`make_group` builds the G environments of one task (one per group member, so the episodes
+compete under the same task for the group advantage). An environment's text is untrusted
+model output: an environment must never execute it (the calculator tool parses it with
+`ast`, `grpo/envs/tools.py`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+__all__ = [
+    "ROLES",
+    "Env",
+    "EnvError",
+    "EnvFactory",
+    "StepResult",
+    "Task",
+    "as_step_result",
+    "check_messages",
+    "load_env_factory",
+    "make_group",
+]
+
+ROLES = ("system", "user", "assistant", "tool")
+Message = Mapping[str, str]
+
+
+class EnvError(ValueError):
+    """An environment that broke the protocol: bad messages, a non-finite reward, a crash."""
+
+
+@attrs.frozen
+class Task:
+    """What one episode is about: the row's question, gold answer, index, columns, and the
+    run's prompt messages for it (--system-prompt, few-shot, --question-suffix applied)."""
+
+    question: str
+    gold: str
+    index: int = 0
+    row: Mapping[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
+    messages: tuple[Mapping[str, str], ...] = ()
+
+
+@attrs.frozen
+class StepResult:
+    """The environment's answer to one action: observation messages, reward r_t, done, and
+    how many tool calls the action made and how many of them were answered with an error."""
+
+    observation: tuple[Mapping[str, str], ...] = attrs.field(converter=tuple)
+    reward: float = 0.0
+    done: bool = False
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+@runtime_checkable
+class Env(Protocol):
+    """One episode of an environment (a fresh object per episode)."""
+
+    def initial_observation(self) -> list[dict[str, str]]:
+        """The chat messages the episode opens with (the first prompt)."""
+        ...
+
+    def step(self, action_text: str) -> StepResult | tuple[list[dict[str, str]], float, bool]:
+        """The policy's turn ``action_text`` -> (observation messages, reward, done)."""
+        ...
+
+
+EnvFactory = Callable[[Task], Env]
+
+
+def check_messages(messages: object, where: str) -> tuple[dict[str, str], ...]:
+    """Messages as a tuple of {"role", "content"} dicts; EnvError naming ``where`` otherwise."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
+        raise EnvError(f"{where} returned {type(messages).__name__}, not a list of messages")
+    checked = []
+    for index, message in enumerate(messages):
+        if (
+            not isinstance(message, Mapping)
+            or message.get("role") not in ROLES
+            or not isinstance(message.get("content"), str)
+        ):
+            raise EnvError(
+                f"{where} message {index} is {message!r}; each message is "
+                f'{{"role": one of {list(ROLES)}, "content": text}}'
+            )
+        checked.append({"role": str(message["role"]), "content": str(message["content"])})
+    return tuple(checked)
+
+
+def as_step_result(value: object, where: str) -> StepResult:
+    """An env's step answer (a StepResult or a (messages, reward, done) tuple), checked."""
+    if isinstance(value, StepResult):
+        result = value
+    elif isinstance(value, tuple) and len(value) == 3:
+        result = StepResult(observation=value[0] or (), reward=value[1], done=value[2])
+    else:
+        raise EnvError(
+            f"{where} returned {type(value).__name__}; return (messages, reward, done) or a "
+            "grpo.envs.StepResult"
+        )
+    reward = result.reward
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+        raise EnvError(f"{where} returned reward {reward!r}; return a finite float")
+    if not math.isfinite(float(reward)):
+        raise EnvError(f"{where} returned reward {reward!r}; rewards must be finite")
+    if not isinstance(result.done, bool):
+        raise EnvError(f"{where} returned done = {result.done!r}; return True or False")
+    calls, errors = result.tool_calls, result.tool_errors
+    if not (isinstance(calls, int) and isinstance(errors, int) and 0 <= errors <= calls):
+        raise EnvError(
+            f"{where} returned tool_calls = {calls!r}, tool_errors = {errors!r}; "
+            "counts are integers with 0 <= tool_errors <= tool_calls"
+        )
+    return attrs.evolve(
+        result,
+        observation=check_messages(result.observation, where),
+        reward=float(reward),
+    )
+
+
+def make_group(factory: EnvFactory, task: Task, group_size: int) -> list[Env]:
+    """The G environments of one task: ``factory(task)`` called G times, G distinct objects."""
+    envs = [factory(task) for _ in range(group_size)]
+    for env in envs:
+        if not all(callable(getattr(env, name, None)) for name in ("initial_observation", "step")):
+            raise EnvError(
+                f"--env factory returned {type(env).__name__}, which has no "
+                "initial_observation() and step(action_text); return an Env"
+            )
+    if len({id(env) for env in envs}) != len(envs):
+        raise EnvError(
+            "--env factory returned the same object twice for one task; each episode needs its "
+            "own environment (build a new one in the factory)"
+        )
+    return envs
+
+
+def _load_module(spec: str, target: str) -> Any:
+    """The module named by ``target``: a ``.py`` file path or an importable module path."""
+    if target.endswith(".py"):
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise ValueError(
+                f"--env {spec!r}: file {str(path)!r} not found (relative paths start at "
+                f"{Path.cwd()})"
+            )
+        name = f"grpo_user_env_{abs(hash(str(path.resolve())))}"
+        if name in sys.modules:
+            return sys.modules[name]
+        loader_spec = importlib.util.spec_from_file_location(name, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise ValueError(f"--env {spec!r}: cannot load {path} as a Python file")
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as error:
+            del sys.modules[name]
+            raise ValueError(
+                f"--env {spec!r}: importing {path} failed: {type(error).__name__}: {error}"
+            ) from error
+        return module
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as error:
+        raise ValueError(
+            f"--env {spec!r}: no module {error.name!r}; give an importable module path or a "
+            "file path ending in .py"
+        ) from None
+    except Exception as error:
+        raise ValueError(
+            f"--env {spec!r}: importing {target} failed: {type(error).__name__}: {error}"
+        ) from error
+
+
+def load_env_factory(spec: str) -> EnvFactory:
+    """The factory `--env MODULE:FACTORY` / `FILE.py:FACTORY` names; ValueError naming the fix."""
+    example = "e.g. --env grpo.envs:calculator_wordproblems or --env my_env.py:make_env"
+    target, colon, name = spec.rpartition(":")
+    if not colon or not target.strip() or not name.strip().isidentifier():
+        raise ValueError(f"--env {spec!r} must look like MODULE:FACTORY; {example}")
+    module = _load_module(spec, target.strip())
+    factory = getattr(module, name.strip(), None)
+    if factory is None:
+        public = sorted(
+            key for key, value in vars(module).items() if callable(value) and key[:1] != "_"
+        )
+        raise ValueError(
+            f"--env {spec!r}: {target} has no {name!r}; "
+            f"its callables: {', '.join(public) or 'none'}"
+        )
+    if not callable(factory):
+        raise ValueError(f"--env {spec!r}: {target}:{name} is a {type(factory).__name__}")
+    return factory

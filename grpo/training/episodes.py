@@ -1,0 +1,427 @@
+"""Multi-turn rollouts (--env): episodes through the sampler, and the step that trains them.
+
+An episode's token stream is built by appending: the initial observation rendered with the
+chat template (generation prompt on), then each turn's sampled tokens exactly as sampled,
+then the tokens of the *new* text the template renders for the environment's answer. Each
+turn re-renders the whole conversation and checks that it grows by extension (the previous
+rendering + the action's text is a prefix of the new one); a template that re-renders
+earlier turns differently (e.g. one that strips earlier reasoning) is refused with
+`TemplateError`, so a run never trains on tokens the policy did not produce. Limits:
+--max-turns turns, --max-tokens per turn, and the model's context (a turn that cannot get
+one more token ends the episode, its last turn marked ``context``).
+
+`train_episode_step` is step.py's steps 1-9 on episodes: pick the problems, play G episodes
+per task (`grpo.envs.make_group`), group advantages of the returns, metrics (``env/*``), drop
+degenerate groups, pack (`grpo.core.episodes`), optional KL shaping, update.
+`evaluate_episodes` plays one episode per test problem. Every sampler seed is a pure
+function of (seed, purpose, step, episode, turn).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+from pytrio.types import ModelInput, SamplingParams
+
+from grpo.backends.pytrio import call_with_retries
+from grpo.core.alignment import mask_sequences
+from grpo.core.episodes import (
+    Episode,
+    EpisodeGroup,
+    Turn,
+    episode_groups,
+    episode_metrics,
+    pack_episode_groups,
+    truncated_episodes,
+)
+from grpo.core.metrics import batch_metrics
+from grpo.core.usage import TokenUsage, sample_usage
+from grpo.envs.base import Env, EnvError, Task, as_step_result, check_messages, make_group
+from grpo.tasks.prompts import build_messages
+from grpo.training.logging import ROLLOUT_TEXT_LIMIT
+from grpo.training.rollouts import Problem, pick_batch, tokenizer_max_len
+
+Log = Callable[[str], None]
+
+ENV_TRAIN_PURPOSE, ENV_EVAL_PURPOSE = 3, 4
+
+
+class TemplateError(EnvError):
+    """A chat template whose rendering of a conversation does not extend its earlier one."""
+
+
+@attrs.frozen
+class EpisodeLimits:
+    """How an episode samples: turns, tokens per turn, the model's context, temperature."""
+
+    max_turns: int
+    max_tokens: int
+    max_len: int | None
+    temperature: float
+    top_p: float = 1.0
+
+
+def episode_seed(seed: int, purpose: int, step: int, episode: int, turn: int) -> int:
+    """The sampler seed of one turn: a pure function (reproducible, resumable runs)."""
+    state = np.random.SeedSequence([seed, purpose, step, episode, turn]).generate_state(1)
+    return int(state[0] & 0x7FFFFFFF)
+
+
+def render(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
+    """chat_template(messages, add_generation_prompt=True, enable_thinking=False), as text."""
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def bridge_text(
+    tokenizer: Any, shown: str, action: str, end: str, messages: list[Any]
+) -> tuple[str, str]:
+    """(bridge, rendering): the text the template adds after ``shown + action (+ end)`` when
+    ``messages`` (ending in the new observation) is rendered, and that whole rendering;
+    TemplateError when the rendering does not extend ``shown + action``.
+
+    ``end`` is the text of the end-of-turn token the policy sampled (empty when it did not),
+    which the policy has already written, so it is not part of the bridge.
+    """
+    rendered = render(tokenizer, messages)
+    written = shown + action + end
+    if end and not rendered.startswith(written) and rendered.startswith(shown + action):
+        # The policy ended its turn with another special token than the template's: that
+        # token stays as sampled, and the template's own end of turn is observation.
+        return rendered[len(shown + action) :], rendered
+    if not rendered.startswith(written):
+        at = next(
+            (i for i, (a, b) in enumerate(zip(rendered, written, strict=False)) if a != b),
+            min(len(rendered), len(written)),
+        )
+        raise TemplateError(
+            "the chat template re-renders the conversation differently from the tokens the "
+            f"policy saw and sampled (first difference at character {at}: rendered "
+            f"{rendered[at : at + 40]!r}, sampled {written[at : at + 40]!r}); multi-turn "
+            "training needs a template whose rendering grows by extension (e.g. one that keeps "
+            "earlier turns verbatim); use such a template or a one-turn --env"
+        )
+    return rendered[len(written) :], rendered
+
+
+def play_episode(
+    sampler: Any,
+    env: Env,
+    tokenizer: Any,
+    limits: EpisodeLimits,
+    seed_for: Callable[[int], int],
+    *,
+    max_retries: int,
+    log: Log,
+) -> tuple[Episode, TokenUsage, list[str]]:
+    """One episode: sample a turn, let the env answer, append its rendering; until done or a
+    limit. Returns the episode, the sampler usage, and the decoded observation of each turn."""
+    special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    messages = list(check_messages(env.initial_observation(), "initial_observation()"))
+    shown = render(tokenizer, messages)
+    observation = _encode(tokenizer, shown)
+    context: list[int] = []
+    turns: list[Turn] = []
+    seen: list[str] = [shown]
+    usage = TokenUsage()
+    for index in range(limits.max_turns):
+        context += observation
+        room = limits.max_tokens if limits.max_len is None else limits.max_len - len(context)
+        if room < 1:
+            if not turns:
+                raise EnvError(
+                    f"the initial observation has {len(context)} tokens, the model's whole "
+                    f"context of {limits.max_len}; shorten the environment's prompt"
+                )
+            turns[-1] = attrs.evolve(turns[-1], stop_reason="context")
+            break
+        budget = min(limits.max_tokens, room)
+        prompt = ModelInput.from_ints(context)
+        params = SamplingParams(
+            max_tokens=budget,
+            temperature=limits.temperature,
+            top_p=limits.top_p,
+            seed=seed_for(index),
+        )
+        response = call_with_retries(
+            lambda prompt=prompt, params=params: sampler.sample(
+                prompt=prompt, num_samples=1, sampling_params=params, return_text=True
+            ).result(),
+            what=f"sample (episode turn {index})",
+            max_retries=max_retries,
+            on_retry=log,
+        )
+        (sequence,) = response.sequences
+        tokens = [int(token) for token in sequence.tokens]
+        usage += sample_usage(
+            response.input_tokens, response.output_tokens, len(context), [len(tokens)]
+        )
+        ended = sequence.stop_reason == "stop" and bool(tokens) and tokens[-1] in special_ids
+        action = tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
+        end = tokenizer.decode(tokens[-1:], skip_special_tokens=False) if ended else ""
+        try:
+            result = as_step_result(env.step(action), "env.step")
+        except EnvError:
+            raise
+        except Exception as error:
+            raise EnvError(
+                f"env.step raised {type(error).__name__}: {error} (turn {index}); an "
+                "environment answers bad actions with an observation, it does not raise"
+            ) from error
+        stop = "stop" if sequence.stop_reason == "stop" else "length"
+        if stop == "length" and budget < limits.max_tokens:
+            stop = "context"
+        turns.append(
+            Turn(
+                observation_tokens=observation,
+                action_tokens=tokens,
+                action_logprobs=list(sequence.logprobs),
+                reward=result.reward,
+                action_text=action,
+                stop_reason=stop,
+                tool_calls=result.tool_calls,
+                tool_errors=result.tool_errors,
+            )
+        )
+        context += tokens
+        if result.done or index + 1 == limits.max_turns:
+            break
+        messages += [{"role": "assistant", "content": action}, *result.observation]
+        bridge, shown = bridge_text(tokenizer, shown, action, end, messages)
+        observation = _encode(tokenizer, bridge)
+        seen.append(bridge)
+    return Episode(turns=turns), usage, seen
+
+
+def task_of(problem: Problem, config: Any) -> Task:
+    """The env's view of a problem: question, gold, row and the run's prompt messages."""
+    messages = build_messages(
+        problem.question, fewshot=config.use_fewshot, template=config.prompt_template
+    )
+    return Task(
+        question=problem.question,
+        gold=problem.gold,
+        index=problem.index,
+        row=problem.row,
+        messages=tuple(messages),
+    )
+
+
+@attrs.frozen
+class PlayedGroups:
+    """Episodes of a batch of tasks, with what each turn observed and the sampler usage."""
+
+    episodes_P: tuple[tuple[Episode, ...], ...]
+    seen_P: tuple[tuple[tuple[str, ...], ...], ...]
+    usage: TokenUsage
+
+
+def play_groups(
+    run: Any,
+    sampler: Any,
+    problems: Sequence[Problem],
+    *,
+    group_size: int,
+    temperature: float,
+    purpose: int,
+    step: int,
+) -> PlayedGroups:
+    """``group_size`` episodes per problem on the run's pool, in problem order."""
+    config = run.config
+    limits = EpisodeLimits(
+        max_turns=config.max_turns,
+        max_tokens=config.max_tokens,
+        max_len=run_max_len(run),
+        temperature=temperature,
+        top_p=config.top_p if purpose == ENV_TRAIN_PURPOSE else 1.0,
+    )
+    futures = []
+    for index, problem in enumerate(problems):
+        envs = make_group(config.env_factory, task_of(problem, config), group_size)
+        for member, env in enumerate(envs):
+            episode = index * group_size + member
+
+            def seed_for(turn: int, episode: int = episode) -> int:
+                return episode_seed(config.seed, purpose, step, episode, turn)
+
+            futures.append(
+                run.pool.submit(
+                    play_episode,
+                    sampler,
+                    env,
+                    run.tokenizer,
+                    limits,
+                    seed_for,
+                    max_retries=config.max_retries,
+                    log=run.note,
+                )
+            )
+    played = [future.result() for future in futures]
+    episodes = [episode for episode, _usage, _seen in played]
+    seen = [tuple(observed) for _episode, _usage, observed in played]
+    cut = range(0, len(played), group_size)
+    return PlayedGroups(
+        episodes_P=tuple(tuple(episodes[i : i + group_size]) for i in cut),
+        seen_P=tuple(tuple(seen[i : i + group_size]) for i in cut),
+        usage=sum((usage for _episode, usage, _seen in played), TokenUsage()),
+    )
+
+
+def run_max_len(run: Any) -> int | None:
+    """The model's context length, as the tokenizer states it."""
+    return tokenizer_max_len(run.tokenizer)
+
+
+def reference_episode_logprobs(
+    run: Any, groups: Sequence[EpisodeGroup]
+) -> tuple[np.ndarray, TokenUsage]:
+    """Base-model log-probs of every sampled token, in packing order: one compute_logprobs of
+    each episode's whole stream, read at its sampled positions."""
+
+    def one(episode: Episode) -> np.ndarray:
+        tokens = episode.tokens.tolist()
+        values = call_with_retries(
+            lambda: run.ref_sampler.compute_logprobs(ModelInput.from_ints(tokens)).result(),
+            what="reference compute_logprobs",
+            max_retries=run.config.max_retries,
+            on_retry=run.note,
+        )
+        sampled = episode.sampled
+        return np.array([values[j] for j in np.flatnonzero(sampled)], dtype=np.float64)
+
+    episodes = [episode for group in groups for episode in group.episodes]
+    futures = [run.pool.submit(one, episode) for episode in episodes]
+    usage = TokenUsage(prompt_tokens=sum(episode.tokens.size for episode in episodes))
+    return np.concatenate([future.result() for future in futures]), usage
+
+
+def train_episode_step(run: Any, state: Any, step: int) -> dict[str, float]:
+    """Steps 1-9 of docs/DESIGN.md on episodes (--env); returns the metrics, not yet logged."""
+    from grpo.training.step import current_sampler, shape_with_kl, update
+    from grpo.training.timing import timed
+
+    config = run.config
+    timings: dict[str, float] = {}
+    with timed("time/sample", timings):  # 1. pick the problems; 2. play G episodes of each
+        indices = pick_batch(len(run.train_problems), config.batch_size, step, config.seed)
+        problems = [run.train_problems[index] for index in indices]
+        played = play_groups(
+            run,
+            current_sampler(run, state),
+            problems,
+            group_size=config.group_size,
+            temperature=config.temperature,
+            purpose=ENV_TRAIN_PURPOSE,
+            step=step,
+        )
+        state.usage += played.usage
+    groups_P = episode_groups(played.episodes_P, config.advantage)  # 3.-4. returns, advantages
+    metrics = {**episode_metrics(groups_P), "off_policy_steps": 0.0}  # 5. metrics, then drop
+    trainable_P = [group for group in groups_P if not group.is_degenerate]
+    state.rollout_log = episode_records(
+        problems, groups_P, played.seen_P, run.tokenizer, config.log_rollouts
+    )
+    with timed("time/train", timings):
+        batch = pack_episode_groups(trainable_P, drop_degenerate=False)  # 6. align + pack
+        if config.mask_truncated:
+            batch = mask_sequences(batch, truncated_episodes(trainable_P))
+        if batch.num_train_tokens:
+            if run.ref_sampler is not None:  # 7. KL shaping against the base model
+                ref_logprobs_N, ref_usage = reference_episode_logprobs(run, trainable_P)
+                batch, metrics["kl"] = shape_with_kl(batch, ref_logprobs_N, config)
+                state.usage += ref_usage
+            metrics.update(batch_metrics(batch))
+            metrics.update(update(run, state, batch, 0))  # 8.-9. update, its metrics
+            state.version += 1
+        else:
+            metrics.update(batch_metrics(batch))
+    return {**metrics, **timings}
+
+
+def evaluate_episodes(run: Any, sampler: Any) -> tuple[dict[str, float], TokenUsage]:
+    """One episode per test problem: mean return (``test/reward``), its tool use and turns."""
+    played = play_groups(
+        run,
+        sampler,
+        run.test_problems,
+        group_size=1,
+        temperature=run.config.temperature,
+        purpose=ENV_EVAL_PURPOSE,
+        step=0,
+    )
+    episodes = [episode for group in played.episodes_P for episode in group]
+    calls = np.array([sum(turn.tool_calls for turn in e.turns) for e in episodes], dtype=float)
+    metrics = {
+        "test/reward": float(np.mean([episode.reward for episode in episodes])),
+        "test/tool_use": float(np.mean(calls > 0)),
+        "test/tool_calls": float(calls.mean()),
+        "test/turns": float(np.mean([episode.num_turns for episode in episodes])),
+    }
+    return metrics, played.usage
+
+
+def _clip(text: str) -> str:
+    if len(text) <= ROLLOUT_TEXT_LIMIT:
+        return text
+    half = ROLLOUT_TEXT_LIMIT // 2
+    return f"{text[:half]} [... {len(text) - 2 * half} characters ...] {text[-half:]}"
+
+
+def episode_records(
+    problems: Sequence[Problem],
+    groups_P: Sequence[EpisodeGroup],
+    seen_P: Sequence[Sequence[Sequence[str]]],
+    tokenizer: Any,
+    limit: int,
+) -> list[dict[str, Any]]:
+    """The first ``limit`` groups for rollouts.jsonl: each episode's transcript after the
+    prompt as ``text`` (actions and tool responses, as `grpo show` prints it) and its turns."""
+    records = []
+    for index, (problem, group, seen_G) in enumerate(zip(problems, groups_P, seen_P)):
+        if index >= limit:
+            break
+        completions = []
+        for member, (episode, seen) in enumerate(zip(group.episodes, seen_G, strict=True)):
+            turns = [
+                {
+                    "action": _clip(turn.action_text),
+                    "observation": _clip(seen[t + 1]) if t + 1 < len(seen) else "",
+                    "reward": turn.reward,
+                    "tokens": int(turn.action_tokens.size),
+                    "stop_reason": turn.stop_reason,
+                    "tool_calls": turn.tool_calls,
+                    "tool_errors": turn.tool_errors,
+                }
+                for t, turn in enumerate(episode.turns)
+            ]
+            transcript = "".join(turn["action"] + turn["observation"] for turn in turns)
+            completions.append(
+                {
+                    "text": _clip(transcript),
+                    "reward": episode.reward,
+                    "components": {},
+                    "advantage": float(group.advantages[member]),
+                    "tokens": episode.num_sampled,
+                    "stop_reason": episode.turns[-1].stop_reason,
+                    "turns": turns,
+                }
+            )
+        records.append(
+            {
+                "group": index,
+                "row": problem.index,
+                "prompt": _clip(seen_G[0][0]),
+                "gold": problem.gold,
+                "degenerate": group.is_degenerate,
+                "completions": completions,
+            }
+        )
+    return records

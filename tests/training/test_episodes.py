@@ -1,0 +1,237 @@
+"""Multi-turn rollouts (grpo.training.episodes): the token stream, its limits, and --env runs."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pytrio.types import SampleResponse, SampleSequence
+
+from grpo.backends.local.tiny import build_tokenizer
+from grpo.envs import StepResult, Task, calculator_wordproblems
+from grpo.envs.base import EnvError
+from grpo.envs.tools import format_tool_call
+from grpo.training.config import ConfigError
+from grpo.training.episodes import EpisodeLimits, TemplateError, play_episode, render
+from grpo.training.run_files import read_metrics
+from tests.runs import comparable, quiet_train, tiny_config
+
+TOKENIZER = build_tokenizer()
+END = TOKENIZER.eos_token_id
+TASK = Task(
+    question="Ann has 9 apples and buys 4 more. How many now?",
+    gold="13",
+    messages=({"role": "user", "content": "Ann has 9 apples and buys 4 more. How many now?"},),
+)
+LIMITS = EpisodeLimits(max_turns=4, max_tokens=200, max_len=2048, temperature=1.0)
+
+
+def _bytes_tokens(text: str) -> list[int]:
+    """A non-canonical tokenization of ``text``: one token per character (ASCII text)."""
+    return [TOKENIZER.convert_tokens_to_ids(c if c != " " else "Ġ") for c in text]
+
+
+class ScriptedSampler:
+    """A sampler that answers the n-th request with the n-th scripted token list."""
+
+    def __init__(self, script: list[list[int]], stop: str = "stop") -> None:
+        self.script, self.stop, self.prompts = list(script), stop, []
+
+    def sample(self, *, prompt, num_samples, sampling_params, return_text) -> Future:
+        self.prompts.append(prompt.to_ints())
+        tokens = self.script[len(self.prompts) - 1][: sampling_params.max_tokens]
+        future: Future = Future()
+        future.set_result(
+            SampleResponse(
+                sequences=[
+                    SampleSequence(
+                        stop_reason=self.stop if tokens[-1] != END else "stop",
+                        tokens=tokens,
+                        logprobs=[-0.5] * len(tokens),
+                    )
+                ]
+            )
+        )
+        return future
+
+
+def _play(env: Any, sampler: ScriptedSampler, limits: EpisodeLimits = LIMITS, tokenizer=TOKENIZER):
+    return play_episode(
+        sampler, env, tokenizer, limits, lambda turn: turn, max_retries=0, log=lambda _: None
+    )
+
+
+def test_a_tool_episode_trains_exactly_the_sampled_tokens_and_the_stream_is_the_rendering():
+    call = "Adding. " + format_tool_call("calculator", {"expression": "9 + 4"})
+    first = _bytes_tokens(call) + [END]  # not the tokenizer's own encoding of the text
+    second = TOKENIZER.encode("\\boxed{13}", add_special_tokens=False) + [END]
+    sampler = ScriptedSampler([first, second])
+    env = calculator_wordproblems(TASK)
+    episode, usage, seen = _play(env, sampler)
+    assert [turn.action_tokens.tolist() for turn in episode.turns] == [first, second]
+    assert episode.reward == 1.0 and episode.turns[0].tool_calls == 1
+    # Turn 2's prompt is turn 1's prompt + the sampled tokens as sampled + the tool response.
+    assert sampler.prompts[1][: len(sampler.prompts[0]) + len(first)] == sampler.prompts[0] + first
+    assert seen[1] == (
+        "\n<|im_start|>user\n<tool_response>\n13\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    # The whole stream decodes to the template's rendering of the conversation.
+    messages = [
+        *env.initial_observation(),
+        {"role": "assistant", "content": call},
+        {"role": "user", "content": "<tool_response>\n13\n</tool_response>"},
+    ]
+    rendered = render(TOKENIZER, messages) + "\\boxed{13}<|im_end|>"
+    assert TOKENIZER.decode(episode.tokens.tolist(), skip_special_tokens=False) == rendered
+    assert usage.completion_tokens == len(first) + len(second)
+
+
+class EchoEnv:
+    """Never done: answers every action with "again" (reward 0.25 a turn)."""
+
+    def initial_observation(self):
+        return [{"role": "user", "content": "Say something."}]
+
+    def step(self, action_text):
+        return [{"role": "user", "content": "again"}], 0.25, False
+
+
+def test_max_turns_bounds_an_episode_and_per_turn_rewards_add_up():
+    episode, _usage, _seen = _play(EchoEnv(), ScriptedSampler([[300, END]] * 9))
+    assert episode.num_turns == LIMITS.max_turns
+    assert episode.reward == 0.25 * LIMITS.max_turns
+
+
+def test_the_context_limit_ends_an_episode_and_caps_each_turn():
+    prompt_len = len(TOKENIZER.encode(render(TOKENIZER, EchoEnv().initial_observation())))
+    limits = EpisodeLimits(max_turns=9, max_tokens=6, max_len=prompt_len + 24, temperature=1.0)
+    sampler = ScriptedSampler([[300] * 6] * 9, stop="length")
+    episode, _usage, _seen = _play(EchoEnv(), sampler, limits)
+    assert episode.num_turns >= 2 and episode.turns[0].stop_reason == "length"
+    assert episode.turns[-1].stop_reason == "context" and episode.is_truncated
+    assert all(len(prompt) < limits.max_len for prompt in sampler.prompts)
+    assert episode.tokens.size <= limits.max_len
+
+
+class ForgetfulTokenizer:
+    """The tiny tokenizer with a template that re-renders earlier assistant turns shortened."""
+
+    def __init__(self) -> None:
+        self.inner = TOKENIZER
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def apply_chat_template(self, messages, **kwargs):
+        shortened = [
+            {**m, "content": m["content"][:3]} if m["role"] == "assistant" else m for m in messages
+        ]
+        return self.inner.apply_chat_template(shortened, **kwargs)
+
+
+def test_a_template_that_re_renders_earlier_turns_differently_is_refused():
+    with pytest.raises(TemplateError, match="grows by extension"):
+        _play(
+            EchoEnv(),
+            ScriptedSampler([[300, 301, 302, 303, 304, END]] * 3),
+            tokenizer=ForgetfulTokenizer(),
+        )
+
+
+def test_an_env_that_raises_or_breaks_the_protocol_is_an_env_error():
+    class Raises(EchoEnv):
+        def step(self, action_text):
+            raise KeyError("boom")
+
+    class BadReward(EchoEnv):
+        def step(self, action_text):
+            return StepResult((), float("nan"), True)
+
+    with pytest.raises(EnvError, match="env.step raised KeyError"):
+        _play(Raises(), ScriptedSampler([[300, END]]))
+    with pytest.raises(EnvError, match="finite"):
+        _play(BadReward(), ScriptedSampler([[300, END]]))
+
+
+ENV_FILE = '''
+class TwoTurns:
+    """Turn 1 is answered with a question; turn 2 ends with reward = its length's parity."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def initial_observation(self):
+        return list(self.task.messages)
+
+    def step(self, action_text):
+        if not getattr(self, "asked", False):
+            self.asked = True
+            return [{"role": "user", "content": "Are you sure? Answer again."}], 0.0, False
+        return [], float(len(action_text) % 2), True
+
+
+def make(task):
+    return TwoTurns(task)
+'''
+
+
+def test_an_env_run_trains_multi_turn_episodes_on_exactly_the_sampled_tokens(tmp_path: Path):
+    (tmp_path / "two_turns.py").write_text(ENV_FILE)
+    config = tiny_config(
+        tmp_path, "env", env=f"{tmp_path / 'two_turns.py'}:make", eval_every=2, eval_limit=4
+    )
+    rows = read_metrics(quiet_train(config).run_dir)
+    trained = [row for row in rows if row.get("datums", 0) > 0]
+    assert trained and all(row["env/turns"] == 2.0 for row in trained)
+    # The trainer's log-probs of the trained tokens, in their multi-turn context, equal the
+    # sampler's: the datums hold the tokens the policy sampled, where it sampled them.
+    assert all(row["mismatch/max_abs_log_ratio"] < 1e-4 for row in trained)
+    assert "test/reward" in rows[0] and "test/turns" in rows[0]
+    again = read_metrics(quiet_train(tiny_config(tmp_path, "env2", **_env_of(config))).run_dir)
+    assert comparable(again) == comparable(rows)
+
+
+def _env_of(config) -> dict[str, Any]:
+    return {"env": config.env, "eval_every": config.eval_every, "eval_limit": config.eval_limit}
+
+
+def test_env_flags_are_checked_before_any_run(tmp_path: Path):
+    with pytest.raises(ConfigError, match="--env does not support --dynamic-sampling"):
+        tiny_config(tmp_path, env="grpo.envs:calculator_wordproblems", dynamic_sampling=True)
+    with pytest.raises(ConfigError, match="--max-turns"):
+        tiny_config(tmp_path, env="grpo.envs:calculator_wordproblems", max_turns=0)
+    config = tiny_config(tmp_path, "missing", env="grpo.envs:no_such_env")
+    with pytest.raises(ConfigError, match="has no 'no_such_env'"):
+        quiet_train(config)
+    assert not (tmp_path / "missing" / "metrics.jsonl").exists()
+
+
+def test_reference_logprobs_of_episodes_are_read_at_the_sampled_positions():
+    from types import SimpleNamespace
+
+    from grpo.core.episodes import Episode, EpisodeGroup, Turn
+    from grpo.training.episodes import reference_episode_logprobs
+
+    class Reference:
+        def compute_logprobs(self, prompt):
+            future: Future = Future()
+            future.set_result([None, *(-float(token) for token in prompt.to_ints()[1:])])
+            return future
+
+    turns = [
+        Turn(observation_tokens=[1, 2], action_tokens=[3, 4], action_logprobs=[-1, -1]),
+        Turn(observation_tokens=[5], action_tokens=[6], action_logprobs=[-1]),
+    ]
+    group = EpisodeGroup(episodes=[Episode(turns=turns)], advantages=[1.0])
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        run = SimpleNamespace(
+            ref_sampler=Reference(), pool=pool, config=SimpleNamespace(max_retries=0), note=print
+        )
+        values, usage = reference_episode_logprobs(run, [group])
+    assert values.tolist() == [-3.0, -4.0, -6.0]
+    assert usage.prompt_tokens == 6
