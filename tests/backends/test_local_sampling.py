@@ -26,7 +26,7 @@ MODEL = tiny.TINY_MODEL_NAME
 
 @pytest.fixture(autouse=True)
 def random_tiny_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tiny, "load_tiny_model", lambda: tiny.init_tiny_model(0))
+    monkeypatch.setattr(tiny, "load_tiny_model", lambda *_: tiny.init_tiny_model(0))
 
 
 @pytest.fixture
@@ -402,7 +402,7 @@ def test_compute_logprobs_rejects_an_empty_prompt(service):
 def test_exiting_with_sampling_in_flight_exits_cleanly(tmp_path):
     script = f"""
 from grpo.backends.local import tiny
-tiny.load_tiny_model = lambda: tiny.init_tiny_model(0)
+tiny.load_tiny_model = lambda *_: tiny.init_tiny_model(0)
 from grpo.backends.local import LocalServiceClient
 from pytrio.types import ModelInput, SamplingParams
 sampler = LocalServiceClient(root={str(tmp_path)!r}).create_sampling_client(tiny.TINY_MODEL_NAME)

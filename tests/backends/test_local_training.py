@@ -26,7 +26,7 @@ ADAM = AdamParams(learning_rate=1e-2)
 
 @pytest.fixture(autouse=True)
 def random_tiny_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tiny, "load_tiny_model", lambda: tiny.init_tiny_model(0))
+    monkeypatch.setattr(tiny, "load_tiny_model", lambda *_: tiny.init_tiny_model(0))
 
 
 @pytest.fixture
