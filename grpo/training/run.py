@@ -125,20 +125,29 @@ def _make_service(config: TrainConfig, run_dir: Path) -> Any:
     )
 
 
-def _check_run_dir(
-    run_dir: Path, config: TrainConfig, resume: bool
-) -> run_files.Checkpoint | None | bool:
-    """The checkpoint to resume from (None: from scratch), or False when there is nothing to do."""
+def check_run_status(run_dir: Path, resume: bool, command: str) -> str | None:
+    """`run_dir`'s status when resuming (None: a fresh run), after refusing a fresh run into
+    a used directory or a resume of a directory that holds no run; `command` names the CLI
+    command (`grpo train`, `grpo sft`) in the error's fix."""
     status = run_files.run_status(run_dir)
     if not resume:
         if status != run_files.NEW:
             raise ConfigError(
-                f"{run_dir} already holds a run ({status}); resume it with `grpo train --resume "
-                f"{run_dir}`, or start elsewhere with --run-name / --run-dir"
+                f"{run_dir} already holds a run ({status}); resume it with `grpo {command} "
+                f"--resume {run_dir}`, or start elsewhere with --run-name / --run-dir"
             )
         return None
     if status == run_files.NEW:
         raise ConfigError(f"--resume {run_dir}: not a run directory (no {run_files.CONFIG_FILE})")
+    return status
+
+
+def _check_run_dir(
+    run_dir: Path, config: TrainConfig, resume: bool
+) -> run_files.Checkpoint | None | bool:
+    """The checkpoint to resume from (None: from scratch), or False when there is nothing to do."""
+    if check_run_status(run_dir, resume, "train") is None:
+        return None
     checkpoint = run_files.read_checkpoint(run_dir)
     summary = run_files.read_summary(run_dir)
     if summary is not None and not config.all_data and int(summary.get("steps", 0)) >= config.steps:

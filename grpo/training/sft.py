@@ -49,6 +49,7 @@ from grpo.training.rollouts import tokenizer_max_len
 from grpo.training.run import (
     RunResult,
     RunStopped,
+    check_run_status,
     logged_usage,
     sampler_weights_name,
     stop_on_signals,
@@ -215,16 +216,9 @@ def dry_run_sft(
 
 def check_run_dir(run_dir: Path, resume: bool) -> run_files.Checkpoint | None | bool:
     """The checkpoint to resume (None: a fresh run), or False when the run already finished."""
-    status = run_files.run_status(run_dir)
-    if not resume:
-        if status != run_files.NEW:
-            raise ConfigError(
-                f"{run_dir} already holds a run ({status}); resume it with `grpo sft --resume "
-                f"{run_dir}`, or start elsewhere with --run-name / --run-dir"
-            )
+    status = check_run_status(run_dir, resume, "sft")
+    if status is None:
         return None
-    if status == run_files.NEW:
-        raise ConfigError(f"--resume {run_dir}: not a run directory (no {run_files.CONFIG_FILE})")
     if status == run_files.FINISHED:
         return False
     return run_files.read_checkpoint(run_dir)
