@@ -15,7 +15,8 @@ prompt styles).
 
 The third style, ``--tools``, warm-starts the tool-use model (``grpo/tiny-qwen3-bpe-tools``,
 files in ``grpo/backends/local/tiny_model_tools/``) from the shipped weights: word problems
-and arithmetic solved in two turns, a calculator call then the boxed answer after its
+of people and objects of neither split (``warm_start_word_problems``) and the arithmetic
+train split, solved in two turns, a calculator call then the boxed answer after its
 ``<tool_response>`` (``grpo.envs.wordproblems.tool_solution``), each turn's prompt built as
 `grpo train --env grpo.envs:calculator_wordproblems` builds it; the shipped tokenizer is
 kept.
@@ -42,7 +43,12 @@ from grpo.backends.local.tiny import (
     load_tiny_model,
     train_tokenizer,
 )
-from grpo.tasks.data import ARITHMETIC_SPLIT_SIZES, load_problems
+from grpo.tasks.data import (
+    ARITHMETIC_SPLIT_SIZES,
+    WORD_PROBLEM_SPLIT_SIZES,
+    load_problems,
+    warm_start_word_problems,
+)
 from grpo.tasks.prompts import FEWSHOT_PREFIX
 from grpo.training import warm_start
 
@@ -99,8 +105,17 @@ def make_model(
     return model, tokenizer
 
 
+def tool_problems(source: str) -> object:
+    """The problems the tool warm start solves for `source`: the arithmetic train split, and
+    for word problems stories of people and objects of neither split, so that the model
+    does not learn the train split's names (GRPO's test reward then measures transfer)."""
+    if source == "wordproblems":
+        return warm_start_word_problems(size=WORD_PROBLEM_SPLIT_SIZES["train"], seed=0)
+    return load_problems(source, "train")
+
+
 def tool_examples(tokenizer: object) -> list[tuple[list[int], list[int]]]:
-    """Both turns of every built-in train problem solved with the calculator, as (prompt,
+    """Both turns of every tool_problems problem solved with the calculator, as (prompt,
     completion) token pairs; each prompt is built as the --env rollout builds it."""
     from grpo.envs import CalculatorEnv, Task
     from grpo.envs.wordproblems import tool_solution
@@ -115,7 +130,7 @@ def tool_examples(tokenizer: object) -> list[tuple[list[int], list[int]]]:
 
     examples = []
     for source in warm_start.DATASETS:
-        problems = load_problems(source, "train")
+        problems = tool_problems(source)
         for question, answer in zip(problems["question"], problems["answer"]):
             env = CalculatorEnv(
                 Task(question, "", messages=build_messages(question, fewshot=False))
@@ -216,9 +231,11 @@ def write_tools_manifest(out: Path, *, command: str, steps: int, seed: int, resu
         "# Built-in tiny model, tool-use warm start (grpo/tiny-qwen3-bpe-tools)",
         "",
         "The shipped `tiny_model/` weights trained further by `scripts/make_tiny_model.py --tools`",
-        "on the built-in train problems solved in two turns (a calculator call, then the boxed",
-        "answer after the tool response); the tokenizer is the shipped one. `--tools --check`",
-        "retrains and compares the bytes.",
+        "on built-in problems solved in two turns (a calculator call, then the boxed answer",
+        "after the tool response): the arithmetic train split, and word problems told of people",
+        "and objects of neither split (`grpo.tasks.data.warm_start_word_problems`), so the",
+        "model is not tied to the train split's names. The tokenizer is the shipped one.",
+        "`--tools --check` retrains and compares the bytes.",
         "",
         f"- command: `{command}`",
         f"- steps: {steps}, seed: {seed}, batch {TOOLS_BATCH_SIZE}, Adam lr "
@@ -228,7 +245,7 @@ def write_tools_manifest(out: Path, *, command: str, steps: int, seed: int, resu
         f"tokenizers {tokenizers.__version__}",
         f"- {WEIGHTS_FILE} sha256: `{sha256_of(out / WEIGHTS_FILE)}`",
         f"- tokenizer.json sha256: `{sha256_of(out / 'tokenizer.json')}`",
-        f"- training wall time: {results['seconds']:.0f} s (one thread, on a loaded machine)",
+        f"- training wall time: {results['seconds']:.0f} s (one thread)",
         "",
         f"`grpo.envs:calculator_wordproblems` on the first {results['problems']} test word "
         f"problems, one episode each (up to 4 turns of {TOOLS_MAX_TOKENS} tokens, seed "

@@ -136,6 +136,20 @@ WORD_PROBLEM_THINGS = {
     "train": ("apples", "pens", "stickers", "marbles", "eggs", "stamps", "shells", "cookies"),
     "test": ("cards", "coins", "books", "beads", "plums"),
 }
+# People and objects of neither split, for warm starts that must see no story of either
+# split (`warm_start_word_problems`; `scripts/make_tiny_model.py --tools`).
+WARM_START_NAMES = tuple(
+    (
+        "Abe Bea Cal Dora Ezra Finn Gwen Hank Iris Jade Kai Lena Max Nora Omar Pam Quinn "
+        "Rosa Sam Tess Uma Vic Wes Xena Yuri Zoe Anil Bo Chen Dana Emil Femi"
+    ).split()
+)
+WARM_START_THINGS = tuple(
+    (
+        "grapes toys cups nuts bricks ropes hats socks rocks pears bells tiles cans "
+        "seeds kites buttons boxes flags leaves nails rings spoons tickets wheels"
+    ).split()
+)
 
 
 def load_problems(
@@ -266,13 +280,29 @@ def word_problems(split: str, *, size: int, seed: int) -> datasets.Dataset:
         raise ValueError(f"size={size!r} must be a non-negative integer")
     # The seed label keeps the module's old name: it fixes the problems, not a location.
     rng = random.Random(f"grpo.data.wordproblems/{split}/{seed}")
+    return _stories(rng, WORD_PROBLEM_NAMES[split], WORD_PROBLEM_THINGS[split], size)
+
+
+def warm_start_word_problems(*, size: int, seed: int) -> datasets.Dataset:
+    """`size` distinct seeded stories told of WARM_START_NAMES and WARM_START_THINGS: the
+    built-in templates and operands with no person or object of either split."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"size={size!r} must be a non-negative integer")
+    rng = random.Random(f"grpo.data.wordproblems/warm/{seed}")
+    return _stories(rng, WARM_START_NAMES, WARM_START_THINGS, size)
+
+
+def _stories(
+    rng: random.Random, names: tuple[str, ...], things: tuple[str, ...], size: int
+) -> datasets.Dataset:
+    """`size` distinct stories drawn from rng: template, name, thing, then operands."""
     chosen: set[str] = set()
     questions: list[str] = []
     answers: list[str] = []
     while len(questions) < size:
         operations, template = rng.choice(WORD_PROBLEM_TEMPLATES)
-        name = rng.choice(WORD_PROBLEM_NAMES[split])
-        thing = rng.choice(WORD_PROBLEM_THINGS[split])
+        name = rng.choice(names)
+        thing = rng.choice(things)
         operands = [rng.randint(0, WORD_PROBLEM_MAX_OPERAND) for _ in range(len(operations) + 1)]
         total, lines, went_negative = operands[0], [], False
         for operation, operand in zip(operations, operands[1:]):

@@ -10,6 +10,8 @@ from grpo.core.rewards import gsm8k_gold
 from grpo.tasks.data import (
     ARITHMETIC_PHRASINGS,
     ARITHMETIC_SPLIT_SIZES,
+    WARM_START_NAMES,
+    WARM_START_THINGS,
     WORD_PROBLEM_MAX_OPERAND,
     WORD_PROBLEM_NAMES,
     WORD_PROBLEM_SPLIT_SIZES,
@@ -18,6 +20,7 @@ from grpo.tasks.data import (
     arithmetic_problems,
     load_problems,
     max_operand,
+    warm_start_word_problems,
     word_problems,
 )
 
@@ -201,6 +204,25 @@ def test_word_problems_are_deterministic_for_a_seed_and_vary_with_it():
     assert first.to_list() == again.to_list()
     assert first["question"] != word_problems("test", size=50, seed=4)["question"]
     assert load_problems("wordproblems", "test", seed=3, limit=50).to_list() == first.to_list()
+
+
+def test_warm_start_stories_name_no_person_or_object_of_either_split(words):
+    """The tool warm start's stories: the same templates, none of either split's words."""
+    stories = warm_start_word_problems(size=2000, seed=0)
+    assert len(set(stories["question"])) == 2000
+    split_words = {*sum(WORD_PROBLEM_NAMES.values(), ()), *sum(WORD_PROBLEM_THINGS.values(), ())}
+    assert not split_words & {*WARM_START_NAMES, *WARM_START_THINGS}
+    for question in stories["question"]:
+        assert not any(re.search(rf"\b{word}\b", question) for word in split_words), question
+    assert not set(stories["question"]) & {*words["train"]["question"], *words["test"]["question"]}
+    for _, template in WORD_PROBLEM_TEMPLATES:
+        pattern = re.escape(template).replace(r"\{a\}", r"\d+").replace(r"\{b\}", r"\d+")
+        pattern = pattern.replace(r"\{c\}", r"\d+").replace(r"\{name\}", r"\w+")
+        pattern = pattern.replace(r"\{thing\}", r"\w+")
+        assert any(re.fullmatch(pattern, q) for q in stories["question"]), template
+    assert stories.to_list() == warm_start_word_problems(size=2000, seed=0).to_list()
+    with pytest.raises(ValueError, match="size=-1 must be a non-negative integer"):
+        warm_start_word_problems(size=-1, seed=0)
 
 
 @pytest.mark.parametrize("source", ["arithmetic", "wordproblems", "gsm8k"])
