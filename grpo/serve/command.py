@@ -108,6 +108,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="advertise this trainer limit on a micro-batch's input tokens (default: none)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads of the backend's worker (0 = auto: 1 for small models "
+        "such as the built-in one, every core for large ones; OMP_NUM_THREADS or "
+        "torch.set_num_threads, when set, are left alone; grpo/backends/local/threads.py)",
+    )
     parser.add_argument("--log-requests", action="store_true", help="log every request to stderr")
 
 
@@ -128,6 +136,8 @@ def _check_bounds(args: argparse.Namespace) -> None:
     ):
         if not value > 0:
             raise ValueError(f"{flag} must be > 0, got {value}")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0 = auto), got {args.threads}")
 
 
 def _parse_alias(spec: str) -> tuple[str, str]:
@@ -168,6 +178,7 @@ def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) 
             service_normalization=args.service_normalization,
             max_batch_size=args.max_batch_size,
             max_tokens_per_request=args.max_tokens_per_request,
+            threads=args.threads,
         )
     except ValueError as error:
         echo(f"grpo serve: {error}")

@@ -67,6 +67,7 @@ def start_server(
     service_normalization: str = "sum",
     max_batch_size: int | None = None,
     max_tokens_per_request: int | None = None,
+    threads: int = 0,
 ) -> tuple[HTTPServer, LocalServiceClient]:
     """A bound, not yet serving server on a local backend under `root`; port 0 = any free port.
 
@@ -94,6 +95,7 @@ def start_server(
         seed=seed,
         sampler_dtype=sampler_dtype,
         service_normalization=service_normalization,
+        threads=threads,
     )
     bound_host, bound_port = server.server_address[:2]
     base = f"http://{bound_host}:{bound_port}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,3 +136,27 @@ def test_auto_on_a_fresh_thread_gives_the_tiny_model_one_worker_thread(
     finally:
         torch.set_num_threads(previous)
     assert seen == {"worker": 1, "caller": max(1, thread_policy.available_cores() - 1)}
+
+
+def test_grpo_serve_threads_reach_the_backend_worker(tmp_path: Path) -> None:
+    """`grpo serve --threads N` sizes the served backend's worker as --threads does for train."""
+    import argparse
+
+    from grpo.serve.command import add_serve_arguments, run_serve
+    from grpo.serve.server import start_server
+
+    previous = torch.get_num_threads()
+    server, service = start_server(root=tmp_path / "served", threads=2)
+    try:
+        service.create_lora_training_client(base_model=TINY_MODEL_NAME, rank=4, seed=0)
+        assert _worker_threads(service) == 2
+    finally:
+        server.server_close()
+        service.close()
+        torch.set_num_threads(previous)
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    lines: list[str] = []
+    args = parser.parse_args(["--threads", "-1", "--port", "0", "--root", str(tmp_path)])
+    assert run_serve(args, echo=lines.append) == 2
+    assert lines == ["grpo serve: --threads must be >= 0 (0 = auto), got -1"]
