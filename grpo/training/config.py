@@ -372,15 +372,6 @@ class TrainConfig:
                 f"--service-normalization {self.service_normalization} needs --backend local "
                 "(a service normalizes as it does); drop the flag or use --backend local"
             )
-        if self.env is not None:
-            for name, on in (
-                ("dynamic_sampling", self.dynamic_sampling),
-                ("max_steps_off_policy", self.max_steps_off_policy > 0),
-            ):
-                if on:
-                    raise ConfigError(
-                        f"--env does not support {flag_name(name)} yet; drop one of the two"
-                    )
         if self.sampler_dtype != "float32" and self.backend != "local":
             raise ConfigError(
                 f"--sampler-dtype {self.sampler_dtype} needs --backend local (a service's "

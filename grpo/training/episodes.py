@@ -11,15 +11,18 @@ earlier turns differently (e.g. one that strips earlier reasoning) is refused wi
 one more token ends the episode, its last turn marked ``context``).
 
 `train_episode_step` is step.py's steps 1-9 on episodes: pick the problems, play G episodes
-per task (`grpo.envs.make_group`), group advantages of the returns, metrics (``env/*``), drop
-degenerate groups, pack (`grpo.core.episodes`), optional KL shaping, update.
-`evaluate_episodes` plays one episode per test problem. Every sampler seed is a pure
-function of (seed, purpose, step, episode, turn).
+per task (`grpo.envs.make_group`; submitted K steps ahead under --max-steps-off-policy K,
+refilled under --dynamic-sampling as single completions are), group advantages of the
+returns, metrics (``env/*``), drop degenerate groups, pack (`grpo.core.episodes`), optional
+KL shaping, update. `evaluate_episodes` plays one episode per test problem. Every sampler
+seed is a pure function of (seed, purpose, step, episode, turn), and of the round in a
+dynamic-sampling round >= 1.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import attrs
@@ -27,6 +30,7 @@ import numpy as np
 from pytrio.types import ModelInput, SamplingParams
 
 from grpo.backends.pytrio import call_with_retries
+from grpo.core.advantages import degenerate_groups
 from grpo.core.alignment import mask_sequences
 from grpo.core.episodes import (
     Episode,
@@ -42,11 +46,17 @@ from grpo.core.usage import TokenUsage, sample_usage
 from grpo.envs.base import Env, EnvError, Task, as_step_result, check_messages, make_group
 from grpo.tasks.prompts import build_messages
 from grpo.training.logging import ROLLOUT_TEXT_LIMIT
-from grpo.training.rollouts import Problem, pick_batch, tokenizer_max_len
+from grpo.training.rollouts import (
+    Problem,
+    extra_batch,
+    refill,
+    tokenizer_max_len,
+    trainable_groups,
+)
 
 Log = Callable[[str], None]
 
-ENV_TRAIN_PURPOSE, ENV_EVAL_PURPOSE = 3, 4
+ENV_TRAIN_PURPOSE, ENV_EVAL_PURPOSE, ENV_EXTRA_PURPOSE = 3, 4, 5
 
 
 class TemplateError(EnvError):
@@ -67,6 +77,14 @@ class EpisodeLimits:
 def episode_seed(seed: int, purpose: int, step: int, episode: int, turn: int) -> int:
     """The sampler seed of one turn: a pure function (reproducible, resumable runs)."""
     state = np.random.SeedSequence([seed, purpose, step, episode, turn]).generate_state(1)
+    return int(state[0] & 0x7FFFFFFF)
+
+
+def extra_episode_seed(seed: int, step: int, round_: int, episode: int, turn: int) -> int:
+    """The sampler seed of one turn of dynamic-sampling round ``round_`` >= 1 of ``step``."""
+    state = np.random.SeedSequence(
+        [seed, ENV_EXTRA_PURPOSE, step, round_, episode, turn]
+    ).generate_state(1)
     return int(state[0] & 0x7FFFFFFF)
 
 
@@ -217,14 +235,79 @@ def task_of(problem: Problem, config: Any) -> Task:
 
 @attrs.frozen
 class PlayedGroups:
-    """Episodes of a batch of tasks, with what each turn observed and the sampler usage."""
+    """Episodes of a batch of tasks, with what each turn observed and the sampler usage.
 
+    Under --dynamic-sampling it holds every round, in order (``rounds``; ``extra_tokens`` are
+    the action tokens the extra rounds sampled), as `grpo.training.rollouts.StepRollouts` does.
+    """
+
+    problems_P: tuple[Problem, ...]
     episodes_P: tuple[tuple[Episode, ...], ...]
     seen_P: tuple[tuple[tuple[str, ...], ...], ...]
     usage: TokenUsage
+    rounds: int = 1
+    extra_tokens: int = 0
+
+    def extended(self, more: PlayedGroups) -> PlayedGroups:
+        """These groups followed by one more round's (its usage added)."""
+        sampled = sum(episode.num_sampled for group in more.episodes_P for episode in group)
+        return PlayedGroups(
+            problems_P=self.problems_P + more.problems_P,
+            episodes_P=self.episodes_P + more.episodes_P,
+            seen_P=self.seen_P + more.seen_P,
+            usage=self.usage + more.usage,
+            rounds=self.rounds + 1,
+            extra_tokens=self.extra_tokens + int(sampled),
+        )
+
+    def num_nondegenerate(self) -> int:
+        """Groups whose returns are not all equal (the ones that train)."""
+        returns_P = [[episode.reward for episode in group] for group in self.episodes_P]
+        sizes_P = [len(returns) for returns in returns_P]
+        flat = [value for returns in returns_P for value in returns]
+        return int(np.sum(~degenerate_groups(flat, sizes_P)))
 
 
-def play_groups(
+class EpisodeJob:
+    """One batch of tasks' episodes in flight on the run's pool; ``result()`` waits for all.
+
+    The episode counterpart of `grpo.training.rollouts.RolloutJob` (``sampler_version``,
+    ``result``, ``cancel``), so a step can be sampled ahead (--max-steps-off-policy).
+    """
+
+    def __init__(
+        self,
+        problems: Sequence[Problem],
+        futures: list[Future[tuple[Episode, TokenUsage, list[str]]]],
+        *,
+        group_size: int,
+        sampler_version: int,
+    ) -> None:
+        self.problems = tuple(problems)
+        self.sampler_version = sampler_version
+        self._futures, self._group_size = futures, group_size
+
+    def result(self) -> PlayedGroups:
+        """Every task's episodes, in problem order, with the usage of all their turns."""
+        played = [future.result() for future in self._futures]
+        episodes = [episode for episode, _usage, _seen in played]
+        seen = [tuple(observed) for _episode, _usage, observed in played]
+        size = self._group_size
+        cut = range(0, len(played), size)
+        return PlayedGroups(
+            problems_P=self.problems,
+            episodes_P=tuple(tuple(episodes[i : i + size]) for i in cut),
+            seen_P=tuple(tuple(seen[i : i + size]) for i in cut),
+            usage=sum((usage for _episode, usage, _seen in played), TokenUsage()),
+        )
+
+    def cancel(self) -> None:
+        """Drop episodes that have not started."""
+        for future in self._futures:
+            future.cancel()
+
+
+def submit_groups(
     run: Any,
     sampler: Any,
     problems: Sequence[Problem],
@@ -233,8 +316,14 @@ def play_groups(
     temperature: float,
     purpose: int,
     step: int,
-) -> PlayedGroups:
-    """``group_size`` episodes per problem on the run's pool, in problem order."""
+    round_: int = 0,
+    sampler_version: int = 0,
+) -> EpisodeJob:
+    """``group_size`` episodes per problem submitted to the run's pool (not waited for).
+
+    Turn seeds are `episode_seed` in round 0 and `extra_episode_seed` in a dynamic-sampling
+    round ``round_`` >= 1.
+    """
     config = run.config
     limits = EpisodeLimits(
         max_turns=config.max_turns,
@@ -250,6 +339,8 @@ def play_groups(
             episode = index * group_size + member
 
             def seed_for(turn: int, episode: int = episode) -> int:
+                if round_:
+                    return extra_episode_seed(config.seed, step, round_, episode, turn)
                 return episode_seed(config.seed, purpose, step, episode, turn)
 
             futures.append(
@@ -264,15 +355,31 @@ def play_groups(
                     log=run.note,
                 )
             )
-    played = [future.result() for future in futures]
-    episodes = [episode for episode, _usage, _seen in played]
-    seen = [tuple(observed) for _episode, _usage, observed in played]
-    cut = range(0, len(played), group_size)
-    return PlayedGroups(
-        episodes_P=tuple(tuple(episodes[i : i + group_size]) for i in cut),
-        seen_P=tuple(tuple(seen[i : i + group_size]) for i in cut),
-        usage=sum((usage for _episode, usage, _seen in played), TokenUsage()),
-    )
+    return EpisodeJob(problems, futures, group_size=group_size, sampler_version=sampler_version)
+
+
+def play_groups(
+    run: Any,
+    sampler: Any,
+    problems: Sequence[Problem],
+    *,
+    group_size: int,
+    temperature: float,
+    purpose: int,
+    step: int,
+    round_: int = 0,
+) -> PlayedGroups:
+    """``group_size`` episodes per problem on the run's pool, in problem order (waited for)."""
+    return submit_groups(
+        run,
+        sampler,
+        problems,
+        group_size=group_size,
+        temperature=temperature,
+        purpose=purpose,
+        step=step,
+        round_=round_,
+    ).result()
 
 
 def run_max_len(run: Any) -> int | None:
@@ -304,30 +411,57 @@ def reference_episode_logprobs(
 
 
 def train_episode_step(run: Any, state: Any, step: int) -> dict[str, float]:
-    """Steps 1-9 of docs/DESIGN.md on episodes (--env); returns the metrics, not yet logged."""
-    from grpo.training.step import current_sampler, shape_with_kl, update
+    """Steps 1-9 of docs/DESIGN.md on episodes (--env); returns the metrics, not yet logged.
+
+    The single-turn step's sampling structure on episode groups: steps ``step .. step + K``
+    submitted ahead (--max-steps-off-policy K), and under --dynamic-sampling extra rounds
+    (`grpo.training.rollouts.refill`) until --batch-size groups have unequal returns.
+    """
+    from grpo.training.step import (
+        current_sampler,
+        sampling_metrics,
+        shape_with_kl,
+        submit_rollouts,
+        take_rollouts,
+        update,
+    )
     from grpo.training.timing import timed
 
     config = run.config
-    timings: dict[str, float] = {}
-    with timed("time/sample", timings):  # 1. pick the problems; 2. play G episodes of each
-        indices = pick_batch(len(run.train_problems), config.batch_size, step, config.seed)
-        problems = [run.train_problems[index] for index in indices]
-        played = play_groups(
+
+    def submit(problems: list[Problem], ahead: int) -> EpisodeJob:
+        return submit_groups(
             run,
             current_sampler(run, state),
             problems,
             group_size=config.group_size,
             temperature=config.temperature,
             purpose=ENV_TRAIN_PURPOSE,
-            step=step,
+            step=ahead,
+            sampler_version=state.version,
         )
+
+    timings: dict[str, float] = {}
+    with timed("time/sample", timings):  # 1. pick the problems; 2. play G episodes of each
+        submit_rollouts(run, state, step, submit)
+        job, staleness = take_rollouts(run, state, step)
+        played = job.result()
+        if config.dynamic_sampling:  # DAPO: play more tasks until batch_size groups can train
+            played = refill(
+                played,
+                needed=config.batch_size,
+                max_rounds=config.max_sampling_rounds,
+                sample_round=lambda round_: play_extra_round(run, state, step, round_),
+            )
         state.usage += played.usage
     groups_P = episode_groups(played.episodes_P, config.advantage)  # 3.-4. returns, advantages
-    metrics = {**episode_metrics(groups_P), "off_policy_steps": 0.0}  # 5. metrics, then drop
-    trainable_P = [group for group in groups_P if not group.is_degenerate]
+    metrics = {**episode_metrics(groups_P), "off_policy_steps": float(staleness)}  # 5. metrics
+    limit = config.batch_size if config.dynamic_sampling else None
+    trainable_P = trainable_groups(groups_P, limit)  # ... then drop the degenerate groups
+    if config.dynamic_sampling:
+        metrics.update(sampling_metrics(played, trainable_P))
     state.rollout_log = episode_records(
-        problems, groups_P, played.seen_P, run.tokenizer, config.log_rollouts
+        played.problems_P, groups_P, played.seen_P, run.tokenizer, config.log_rollouts
     )
     with timed("time/train", timings):
         batch = pack_episode_groups(trainable_P, drop_degenerate=False)  # 6. align + pack
@@ -339,11 +473,30 @@ def train_episode_step(run: Any, state: Any, step: int) -> dict[str, float]:
                 batch, metrics["kl"] = shape_with_kl(batch, ref_logprobs_N, config)
                 state.usage += ref_usage
             metrics.update(batch_metrics(batch))
-            metrics.update(update(run, state, batch, 0))  # 8.-9. update, its metrics
+            metrics.update(update(run, state, batch, staleness))  # 8.-9. update, its metrics
             state.version += 1
         else:
             metrics.update(batch_metrics(batch))
     return {**metrics, **timings}
+
+
+def play_extra_round(run: Any, state: Any, step: int, round_: int) -> PlayedGroups:
+    """Dynamic sampling's round ``round_`` >= 1 of ``step``: new tasks (`extra_batch`, as the
+    single-turn path draws them) and new turn seeds (`extra_episode_seed`), current weights."""
+    from grpo.training.step import current_sampler
+
+    config = run.config
+    indices = extra_batch(len(run.train_problems), config.batch_size, step, round_, config.seed)
+    return play_groups(
+        run,
+        current_sampler(run, state),
+        [run.train_problems[index] for index in indices],
+        group_size=config.group_size,
+        temperature=config.temperature,
+        purpose=ENV_TRAIN_PURPOSE,
+        step=step,
+        round_=round_,
+    )
 
 
 def evaluate_episodes(run: Any, sampler: Any) -> tuple[dict[str, float], TokenUsage]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import numpy as np
@@ -31,6 +31,29 @@ from grpo.training.config import ConfigError
 Log = Callable[[str], None]
 
 TRAIN_PURPOSE, EVAL_PURPOSE, EXTRA_PURPOSE = 0, 1, 2
+
+
+class Rounds(Protocol):
+    """What `refill` needs of a step's sampled groups (`StepRollouts`; under --env the
+    episodes' `grpo.training.episodes.PlayedGroups`)."""
+
+    @property
+    def rounds(self) -> int: ...
+
+    def num_nondegenerate(self) -> int: ...
+
+    def extended(self, more: Any) -> Any: ...
+
+
+class Group(Protocol):
+    """What `trainable_groups` needs of a group (`ScoredGroup`, `EpisodeGroup`)."""
+
+    @property
+    def is_degenerate(self) -> bool: ...
+
+
+RoundsT = TypeVar("RoundsT", bound=Rounds)
+GroupT = TypeVar("GroupT", bound=Group)
 
 
 @attrs.frozen
@@ -425,16 +448,17 @@ def grade_rollouts(
 
 
 def refill(
-    first: StepRollouts,
+    first: RoundsT,
     *,
     needed: int,
     max_rounds: int,
-    sample_round: Callable[[int], StepRollouts],
-) -> StepRollouts:
+    sample_round: Callable[[int], RoundsT],
+) -> RoundsT:
     """DAPO's dynamic sampling: rounds 1, 2, ... until ``needed`` non-degenerate groups.
 
     At most ``max_rounds`` rounds in all (the first included); ``sample_round(r)`` samples
     and grades round r (its problems and seeds are pure functions of (seed, step, r, index)).
+    Works on completions (`StepRollouts`) and on episodes alike: each has ``extended``.
     """
     rollouts = first
     while rollouts.num_nondegenerate() < needed and rollouts.rounds < max_rounds:
@@ -442,7 +466,7 @@ def refill(
     return rollouts
 
 
-def trainable_groups(groups_P: Sequence[ScoredGroup], limit: int | None) -> list[ScoredGroup]:
+def trainable_groups(groups_P: Sequence[GroupT], limit: int | None) -> list[GroupT]:
     """Step 7: the non-degenerate groups, the first ``limit`` of them when a limit is given."""
     kept = [group for group in groups_P if not group.is_degenerate]
     return kept if limit is None else kept[:limit]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from pytrio.types import AdamParams
@@ -18,6 +18,9 @@ from grpo.core.usage import Prices, TokenUsage
 from grpo.training.config import TrainConfig
 from grpo.training.logging import RunLogger
 from grpo.training.rollouts import Problem, RolloutJob
+
+if TYPE_CHECKING:
+    from grpo.training.episodes import EpisodeJob
 
 
 @attrs.frozen
@@ -56,7 +59,8 @@ class RunState:
     """The last minibatch, stripped to targets: no checkpoint if its log-probs are not finite."""
     sampler: Any = None
     sampler_version: int = -1
-    jobs: dict[int, RolloutJob] = attrs.Factory(dict)
+    jobs: dict[int, "RolloutJob | EpisodeJob"] = attrs.Factory(dict)
+    """Sampling in flight, by step (steps ahead under --max-steps-off-policy)."""
     rollout_log: list[dict[str, Any]] = attrs.Factory(list)
     """The groups of the step being trained, for rollouts.jsonl (written with its row)."""
     last_metrics: dict[str, float] = attrs.Factory(dict)

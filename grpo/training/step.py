@@ -89,13 +89,7 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
     timings: dict[str, float] = {}
     with timed("time/sample", timings):
         submit_rollouts(run, state, step)  # 1. pick the problems; 2. sample them (async)
-        job = state.jobs.pop(step)
-        staleness = state.version - job.sampler_version
-        if staleness > config.max_steps_off_policy:
-            raise AssertionError(
-                f"rollouts {staleness} steps stale > --max-steps-off-policy "
-                f"{config.max_steps_off_policy}"
-            )
+        job, staleness = take_rollouts(run, state, step)
         completions_P = job.result()  # 2. ... a group of G completions per prompt
         state.usage += job.usage()
         fault_point("sampled")
@@ -144,16 +138,43 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
     return {**metrics, **timings}
 
 
-def submit_rollouts(run: Run, state: RunState, step: int) -> None:
-    """Submit the sampling of steps ``step`` .. ``step + K`` not yet in flight (K = off-policy)."""
+def submit_rollouts(
+    run: Run,
+    state: RunState,
+    step: int,
+    submit: Callable[[list[Problem], int], Any] | None = None,
+) -> None:
+    """Submit the sampling of steps ``step`` .. ``step + K`` not yet in flight (K = off-policy).
+
+    ``submit(problems, ahead)`` starts step ``ahead``'s job on the current weights (default:
+    G completions per problem; --env passes its episodes' submitter).
+    """
     config = run.config
+    if submit is None:
+
+        def submit(problems: list[Problem], ahead: int) -> Any:
+            return _sample(run, state, problems, _sampling_params(config, ahead))
+
     last = min(step + config.max_steps_off_policy, run.steps - 1)
     for ahead in range(step, last + 1):
         if ahead in state.jobs:
             continue
         indices = pick_batch(len(run.train_problems), config.batch_size, ahead, config.seed)
         problems = [run.train_problems[index] for index in indices]
-        state.jobs[ahead] = _sample(run, state, problems, _sampling_params(config, ahead))
+        state.jobs[ahead] = submit(problems, ahead)
+
+
+def take_rollouts(run: Run, state: RunState, step: int) -> tuple[Any, int]:
+    """Step ``step``'s job out of the in-flight ones, and its staleness (<= K, or an error)."""
+    config = run.config
+    job = state.jobs.pop(step)
+    staleness = state.version - job.sampler_version
+    if staleness > config.max_steps_off_policy:
+        raise AssertionError(
+            f"rollouts {staleness} steps stale > --max-steps-off-policy "
+            f"{config.max_steps_off_policy}"
+        )
+    return job, staleness
 
 
 def _sample(
@@ -197,8 +218,11 @@ def sample_extra_round(run: Run, state: RunState, step: int, round_: int) -> Ste
     return grade_rollouts(problems, job.result(), config)
 
 
-def sampling_metrics(rollouts: StepRollouts, trainable_P: list[Any]) -> dict[str, float]:
-    """Dynamic sampling's cost and result: rounds, extra completion tokens, groups that train."""
+def sampling_metrics(rollouts: Any, trainable_P: list[Any]) -> dict[str, float]:
+    """Dynamic sampling's cost and result: rounds, extra completion tokens, groups that train.
+
+    ``rollouts`` is a `StepRollouts` or, under --env, a `grpo.training.episodes.PlayedGroups`.
+    """
     return {
         "sampling/rounds": float(rollouts.rounds),
         "sampling/extra_tokens": float(rollouts.extra_tokens),

@@ -199,8 +199,6 @@ def _env_of(config) -> dict[str, Any]:
 
 
 def test_env_flags_are_checked_before_any_run(tmp_path: Path):
-    with pytest.raises(ConfigError, match="--env does not support --dynamic-sampling"):
-        tiny_config(tmp_path, env="grpo.envs:calculator_wordproblems", dynamic_sampling=True)
     with pytest.raises(ConfigError, match="--max-turns"):
         tiny_config(tmp_path, env="grpo.envs:calculator_wordproblems", max_turns=0)
     config = tiny_config(tmp_path, "missing", env="grpo.envs:no_such_env")
@@ -235,3 +233,135 @@ def test_reference_logprobs_of_episodes_are_read_at_the_sampled_positions():
         values, usage = reference_episode_logprobs(run, [group])
     assert values.tolist() == [-3.0, -4.0, -6.0]
     assert usage.prompt_tokens == 6
+
+
+def _episode(reward: float, tokens: int = 2) -> Any:
+    from grpo.core.episodes import Episode, Turn
+
+    turn = Turn(
+        observation_tokens=[1],
+        action_tokens=[7] * tokens,
+        action_logprobs=[-1.0] * tokens,
+        reward=reward,
+    )
+    return Episode(turns=[turn])
+
+
+def test_played_groups_count_unequal_returns_and_extend_round_by_round():
+    from grpo.core.usage import TokenUsage
+    from grpo.training.episodes import PlayedGroups
+    from grpo.training.rollouts import Problem
+
+    def played(returns_P: list[list[float]], tokens: int) -> PlayedGroups:
+        return PlayedGroups(
+            problems_P=tuple(Problem("q", "g", (1,), index=i) for i in range(len(returns_P))),
+            episodes_P=tuple(tuple(_episode(r, tokens) for r in g) for g in returns_P),
+            seen_P=tuple(tuple(("o",) for _ in g) for g in returns_P),
+            usage=TokenUsage(completion_tokens=tokens),
+        )
+
+    first = played([[1.0, 1.0], [0.0, 0.5], [0.25, 0.25]], tokens=2)
+    assert first.num_nondegenerate() == 1 and first.rounds == 1 and first.extra_tokens == 0
+    both = first.extended(played([[0.0, 1.0], [2.0, 2.0]], tokens=3))
+    assert both.num_nondegenerate() == 2 and both.rounds == 2
+    assert both.extra_tokens == 2 * 2 * 3  # the action tokens of the extra round only
+    assert len(both.problems_P) == len(both.episodes_P) == len(both.seen_P) == 5
+    assert both.usage.completion_tokens == 2 + 3
+
+
+PARITY_ENV = """
+import re
+
+
+class Parity:
+    \"\"\"One turn; rows of even index return 0 (a degenerate group), odd ones the parity of
+    the action's last digit.\"\"\"
+
+    def __init__(self, task):
+        self.task = task
+
+    def initial_observation(self):
+        return list(self.task.messages)
+
+    def step(self, action_text):
+        digits = re.findall("[0-9]", action_text)
+        if KIND == "constant" or self.task.index % 2 == 0 or not digits:
+            return [], 0.0, True
+        return [], float(int(digits[-1]) % 2), True
+
+
+KIND = "parity"
+
+
+def make(task):
+    return Parity(task)
+
+
+def constant(task):
+    global KIND
+    KIND = "constant"
+    return Parity(task)
+"""
+
+
+def _dynamic_env(tmp_path: Path, name: str, factory: str = "make", **overrides: Any):
+    path = tmp_path / "parity_env.py"
+    path.write_text(PARITY_ENV)
+    values = dict(
+        env=f"{path}:{factory}",
+        steps=3,
+        batch_size=3,
+        dynamic_sampling=True,
+        max_sampling_rounds=3,
+        log_rollouts=100,
+    )
+    return tiny_config(tmp_path, name, **{**values, **overrides})
+
+
+def test_dynamic_sampling_on_episodes_drops_equal_return_groups_and_samples_more(tmp_path: Path):
+    import numpy as np
+
+    from grpo.tasks.data import load_run_problems
+    from grpo.training.rollouts import extra_batch, pick_batch
+    from grpo.training.run_files import read_rollouts
+    from tests.test_tasks import _check_dynamic_invariants
+
+    config = _dynamic_env(tmp_path, "parity")
+    result = quiet_train(config)
+    rows = read_metrics(result.run_dir)
+    _check_dynamic_invariants(rows, batch_size=3, group_size=4, max_rounds=3)
+    assert any(row["sampling/rounds"] > 1 for row in rows), "no extra round: test setup"
+    nondegenerate = [round(row["num_groups"] * (1 - row["frac_degenerate"])) for row in rows]
+    assert any(  # a step that sampled more unequal groups than train: only the first B do
+        found > row["sampling/groups"] for found, row in zip(nondegenerate, rows, strict=True)
+    ), "no over-full step: test setup"
+    groups_by_step: dict[int, list[dict[str, Any]]] = {}
+    for record in read_rollouts(result.run_dir):
+        groups_by_step.setdefault(record["step"], []).append(record)
+    num_train = len(load_run_problems(config, "train"))
+    for row, (step, groups) in zip(rows, sorted(groups_by_step.items()), strict=True):
+        assert len(groups) == row["num_groups"]
+        for group in groups:  # degenerate exactly when every episode's return is equal
+            returns = [episode["reward"] for episode in group["completions"]]
+            assert group["degenerate"] == (len(set(returns)) == 1)
+            assert group["degenerate"] or group["row"] % 2 == 1
+        expected = list(pick_batch(num_train, 3, step - 1, config.seed))  # round 0, then
+        for round_ in range(1, int(row["sampling/rounds"])):  # each round's new tasks
+            expected += list(extra_batch(num_train, 3, step - 1, round_, config.seed))
+        assert [group["row"] for group in groups] == [int(index) for index in expected]
+        extra = sum(c["tokens"] for g in groups[3:] for c in g["completions"])
+        assert row["sampling/extra_tokens"] == extra
+        assert np.isclose(row["frac_degenerate"], np.mean([g["degenerate"] for g in groups]))
+    again = read_metrics(quiet_train(_dynamic_env(tmp_path, "parity-again")).run_dir)
+    assert comparable(again) == comparable(rows)  # deterministic under the seed
+
+
+def test_dynamic_sampling_on_episodes_stops_at_the_round_cap_when_no_group_can_train(
+    tmp_path: Path,
+):
+    rows = read_metrics(
+        quiet_train(_dynamic_env(tmp_path, "constant", "constant", steps=1)).run_dir
+    )
+    assert rows[0]["sampling/rounds"] == 3 and rows[0]["sampling/groups"] == 0
+    assert rows[0]["num_groups"] == 9 and rows[0]["frac_degenerate"] == 1.0
+    assert rows[0]["datums"] == 0 and "loss" not in rows[0]
