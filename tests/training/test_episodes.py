@@ -365,3 +365,42 @@ def test_dynamic_sampling_on_episodes_stops_at_the_round_cap_when_no_group_can_t
     assert rows[0]["sampling/rounds"] == 3 and rows[0]["sampling/groups"] == 0
     assert rows[0]["num_groups"] == 9 and rows[0]["frac_degenerate"] == 1.0
     assert rows[0]["datums"] == 0 and "loss" not in rows[0]
+
+
+@pytest.mark.parametrize("max_off_policy", [1, 2])
+def test_off_policy_episodes_are_sampled_ahead_and_never_more_than_k_stale(
+    tmp_path: Path, max_off_policy: int
+):
+    (tmp_path / "two_turns.py").write_text(ENV_FILE)
+    config = tiny_config(
+        tmp_path,
+        f"k{max_off_policy}",
+        env=f"{tmp_path / 'two_turns.py'}:make",
+        steps=5,
+        max_steps_off_policy=max_off_policy,
+    )
+    rows = read_metrics(quiet_train(config).run_dir)
+    staleness = [row["off_policy_steps"] for row in rows]
+    trained = [row["datums"] > 0 for row in rows]
+    # Step j's episodes were played when step max(0, j - k) began, so they are as many
+    # optimizer steps old as steps in [max(0, j - k), j) trained.
+    expected = [
+        float(sum(trained[max(0, step - max_off_policy) : step])) for step in range(len(rows))
+    ]
+    assert staleness == expected, (trained, staleness)
+    assert max(staleness) == max_off_policy, "the run never filled the pipeline: test setup"
+    for row in rows:
+        if row["datums"]:
+            prefix = "mismatch" if row["off_policy_steps"] == 0 else "mismatch_and_staleness"
+            assert f"{prefix}/kl_k3" in row, row
+    assert all(row["env/turns"] == 2.0 for row in rows)
+
+
+def test_dynamic_sampling_on_episodes_with_the_off_policy_pipeline(tmp_path: Path):
+    from tests.test_tasks import _check_dynamic_invariants
+
+    config = _dynamic_env(tmp_path, "k1", max_steps_off_policy=1, max_sampling_rounds=4)
+    rows = read_metrics(quiet_train(config).run_dir)
+    _check_dynamic_invariants(rows, batch_size=3, group_size=4, max_rounds=4)
+    assert all(row["off_policy_steps"] <= 1 for row in rows)
+    assert any(row["off_policy_steps"] == 1 for row in rows), "the pipeline never filled: setup"
