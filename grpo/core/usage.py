@@ -31,6 +31,7 @@ __all__ = [
     "Prices",
     "TokenUsage",
     "cost",
+    "planned_episode_tokens",
     "planned_teacher_tokens",
     "planned_usage",
     "reference_usage",
@@ -206,3 +207,23 @@ def planned_usage(
     for _ in range(num_evals):
         total += evaluation
     return total + TokenUsage(forward_tokens=num_checkpoints * largest_batch)
+
+
+def planned_episode_tokens(
+    episodes_by_step: Sequence[int],
+    num_eval_episodes: int,
+    *,
+    max_turns: int,
+    max_tokens: int,
+    num_evals: int,
+    max_rounds: int = 1,
+) -> int:
+    """An upper bound on the tokens an --env run samples: T·M per episode.
+
+    An episode samples at most T = ``max_turns`` turns of at most M = ``max_tokens`` tokens;
+    a step plays E_s episodes (B·G) in each of at most ``max_rounds`` rounds (dynamic
+    sampling), each evaluation ``num_eval_episodes``: Σ_s R·E_s·T·M + num_evals·n_test·T·M.
+    """
+    per_episode = max_turns * max_tokens
+    trained = sum(max_rounds * episodes for episodes in episodes_by_step)
+    return per_episode * (trained + num_evals * num_eval_episodes)

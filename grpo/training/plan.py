@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from grpo.backends.pytrio import CapabilityError, check_capabilities
-from grpo.core.usage import Prices, TokenUsage, cost, planned_usage
+from grpo.core.usage import Prices, TokenUsage, cost, planned_episode_tokens, planned_usage
 from grpo.tasks.data import columns_of, load_run_problems
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig, check_user_inputs
@@ -120,8 +120,14 @@ def runs_extra_forward(config: TrainConfig) -> bool:
 
 
 def plan_usage(pre: Preflight, start_step: int = 0) -> TokenUsage:
-    """An upper bound on the usage of steps start_step..steps (exact in the sampled prompts)."""
+    """An upper bound on the usage of steps start_step..steps (exact in the sampled prompts).
+
+    Under --env only the sampled tokens are planned (`planned_episode_tokens`: --max-turns x
+    --max-tokens per episode); the other kinds are 0, not planned (`usage_lines` says so).
+    """
     config = pre.config
+    if config.env is not None:
+        return TokenUsage(completion_tokens=episode_token_bound(pre, start_step))
     lens = [len(problem.prompt_tokens) for problem in pre.train_problems]
     lens_by_step = [
         [lens[index] for index in pick_batch(len(lens), config.batch_size, step, config.seed)]
@@ -142,6 +148,43 @@ def plan_usage(pre: Preflight, start_step: int = 0) -> TokenUsage:
     )
 
 
+def sampling_rounds(config: TrainConfig) -> int:
+    """The most sampling rounds of a step: --max-sampling-rounds under --dynamic-sampling."""
+    return config.max_sampling_rounds if config.dynamic_sampling else 1
+
+
+def episode_token_bound(pre: Preflight, start_step: int = 0) -> int:
+    """--env: the most tokens steps start_step..steps and their evaluations sample."""
+    config = pre.config
+    return planned_episode_tokens(
+        [config.batch_size * config.group_size] * (pre.steps - start_step),
+        len(pre.test_problems),
+        max_turns=config.max_turns,
+        max_tokens=config.max_tokens,
+        num_evals=count_evals(config, pre.steps, start_step),
+        max_rounds=sampling_rounds(config),
+    )
+
+
+def episode_plan_line(config: TrainConfig) -> str:
+    """--env's per-step bound on sampled tokens, turns x per-turn max tokens, and that it is one."""
+    per_episode = config.max_turns * config.max_tokens
+    rounds = sampling_rounds(config)
+    episodes = config.batch_size * config.group_size * rounds
+    played = (
+        f"{config.batch_size} x {config.group_size} episodes x at most {rounds} rounds "
+        "(--dynamic-sampling)"
+        if rounds > 1
+        else f"{config.batch_size} x {config.group_size} episodes"
+    )
+    return (
+        f"  episodes (--env): <= --max-turns {config.max_turns} x --max-tokens "
+        f"{config.max_tokens} = {per_episode:,} sampled tokens each; a step plays {played}: "
+        f"<= {episodes * per_episode:,} sampled tokens a step (an upper bound: episodes that "
+        "end sooner, or turns that stop before --max-tokens, sample fewer)"
+    )
+
+
 def _teacher_lens(pre: Preflight, start_step: int) -> list[list[int]] | None:
     if pre.teacher is None:
         return None
@@ -152,8 +195,13 @@ def _teacher_lens(pre: Preflight, start_step: int) -> list[list[int]] | None:
     )
 
 
-def usage_lines(usage: TokenUsage, prices: Prices | None) -> list[str]:
-    """The planned totals, one kind a line, and the cost when prices are given."""
+def usage_lines(usage: TokenUsage, prices: Prices | None, *, env: bool = False) -> list[str]:
+    """The planned totals, one kind a line, and the cost when prices are given.
+
+    ``env`` (an --env run): only the sampled tokens are planned; the other lines say why not.
+    """
+    if env:
+        return _episode_usage_lines(usage, prices)
     rows = [
         ("prompt tokens (sampler)", usage.prompt_tokens, "exact for rollouts and evaluations"),
         ("completion tokens", usage.completion_tokens, "<= (every completion --max-tokens long)"),
@@ -166,6 +214,37 @@ def usage_lines(usage: TokenUsage, prices: Prices | None) -> list[str]:
     else:
         lines.append(
             f"  cost <= {cost(usage, prices):.4f} {prices.currency}  (prices {prices.source})"
+        )
+    return lines
+
+
+ENV_UNPLANNED = (
+    "not planned under --env: each turn re-sends the conversation so far, with the "
+    "environment's answers, which are not known before the run"
+)
+
+
+def _episode_usage_lines(usage: TokenUsage, prices: Prices | None) -> list[str]:
+    """--env's totals: the sampled tokens' upper bound; the other kinds are not planned."""
+    lines = [
+        f"  {'completion tokens':<24} {usage.completion_tokens:>14,}  <= (every episode "
+        "--max-turns turns of --max-tokens tokens; an upper bound)",
+        *(
+            f"  {label:<24} {'-':>14}  {note}"
+            for label, note in (
+                ("prompt tokens (sampler)", ENV_UNPLANNED),
+                ("trained tokens", "not planned under --env (they hold the observations too)"),
+                ("forward-only tokens", "not planned under --env (as the trained tokens)"),
+            )
+        ),
+    ]
+    if prices is None:
+        lines.append("  cost: no prices given (--price-file or --price-* flags)")
+    else:
+        sampled = cost(TokenUsage(completion_tokens=usage.completion_tokens), prices)
+        lines.append(
+            f"  cost of the sampled tokens alone <= {sampled:.4f} {prices.currency}  (prices "
+            f"{prices.source}); prompt, trained and forward tokens are not planned under --env"
         )
     return lines
 
@@ -190,12 +269,14 @@ def describe(pre: Preflight, usage: TokenUsage, start_step: int = 0) -> list[str
         f"+ --max-tokens {config.max_tokens}",
         f"  loss: {config.loss_fn} ({loss}), reduction {config.reduction}",
         f"  plan: steps {start_step}..{pre.steps} x {config.batch_size} prompts x "
-        f"{config.group_size} completions, {config.epochs} epoch(s) x {config.num_substeps} "
+        f"{config.group_size} {'completions' if config.env is None else 'episodes'}, "
+        f"{config.epochs} epoch(s) x {config.num_substeps} "
         f"minibatch(es); {count_evals(config, pre.steps, start_step)} evaluation(s) of "
         f"{len(pre.test_problems)} problems; "
         f"{count_checkpoints(config, pre.steps, start_step)} checkpoint(s)",
         *_teacher_line(pre, start_step),
-        *usage_lines(usage, pre.prices),
+        *([episode_plan_line(config)] if config.env is not None else []),
+        *usage_lines(usage, pre.prices, env=config.env is not None),
     ]
 
 
@@ -222,13 +303,18 @@ def plan_experiment(
     for config, usage, prices in planned:
         priced = f", cost <= {cost(usage, prices):.4f} {prices.currency}" if prices else ""
         status = run_files.run_status(Path(str(config.run_dir)))
-        lines.append(
-            f"  {Path(str(config.run_dir)).name} ({status}): {usage.total:,} tokens "
-            f"({usage.prompt_tokens:,} prompt, <= {usage.completion_tokens:,} completion, "
-            f"<= {usage.trained_tokens:,} trained){priced}"
+        counted = (
+            f"<= {usage.completion_tokens:,} sampled tokens (--env: prompt, trained and "
+            "forward tokens not planned)"
+            if config.env is not None
+            else f"{usage.total:,} tokens ({usage.prompt_tokens:,} prompt, "
+            f"<= {usage.completion_tokens:,} completion, <= {usage.trained_tokens:,} trained)"
         )
+        lines.append(f"  {Path(str(config.run_dir)).name} ({status}): {counted}{priced}")
     total = sum((usage for _config, usage, _prices in planned), TokenUsage())
     lines.append("total:")
+    if any(config.env is not None for config, _usage, _prices in planned):
+        lines.append("  (--env runs count only their sampled tokens)")
     currencies = {prices.currency for _config, _usage, prices in planned if prices}
     all_priced = all(prices for _config, _usage, prices in planned)
     lines += usage_lines(total, None)[:-1]

@@ -404,3 +404,49 @@ def test_dynamic_sampling_on_episodes_with_the_off_policy_pipeline(tmp_path: Pat
     _check_dynamic_invariants(rows, batch_size=3, group_size=4, max_rounds=4)
     assert all(row["off_policy_steps"] <= 1 for row in rows)
     assert any(row["off_policy_steps"] == 1 for row in rows), "the pipeline never filled: setup"
+
+
+def test_dry_run_of_an_env_run_bounds_sampled_tokens_by_turns_times_tokens(tmp_path: Path):
+    import json
+
+    from grpo.backends.local import LocalServiceClient
+    from grpo.training.plan import plan_usage, preflight
+    from grpo.training.run import dry_run
+
+    (tmp_path / "echo.py").write_text(ECHO_ENV)
+    env = f"{tmp_path / 'echo.py'}:make"
+    flags = dict(env=env, max_turns=3, eval_every=2, eval_limit=3, steps=2)
+    config = tiny_config(tmp_path, "plan", **flags)
+    lines = dry_run(config)
+    assert not (tmp_path / "plan").exists(), "a dry run wrote into its run dir"
+    per_step = 2 * 4 * 3 * 24  # batch x group episodes, each --max-turns x --max-tokens
+    (line,) = [line for line in lines if "episodes (--env)" in line]
+    assert "--max-turns 3 x --max-tokens 24 = 72 sampled tokens each" in line
+    assert f"<= {per_step:,} sampled tokens a step (an upper bound" in line
+    assert any(
+        "prompt tokens (sampler)" in line and "not planned under --env" in line for line in lines
+    )
+    planned = plan_usage(preflight(config, lambda: LocalServiceClient(root=tmp_path / "unused")))
+    evals = 2 * 3 * 3 * 24  # before step 1 and after step 2: 3 test episodes each
+    assert planned.completion_tokens == 2 * per_step + evals
+    # Echo never ends an episode, so every one plays --max-turns turns: within the bound.
+    run_dir = quiet_train(tiny_config(tmp_path, "run", **flags)).run_dir
+    assert all(row["env/turns"] == 3.0 for row in read_metrics(run_dir) if "env/turns" in row)
+    sampled = json.loads((run_dir / "summary.json").read_text())["usage"]["completion_tokens"]
+    assert 0 < sampled <= planned.completion_tokens
+    rounds = dry_run(tiny_config(tmp_path, "ds", **flags, dynamic_sampling=True))
+    assert any(f"<= {3 * per_step:,} sampled tokens a step" in line for line in rounds)
+
+
+ECHO_ENV = """
+class Echo:
+    def initial_observation(self):
+        return [{"role": "user", "content": "Say something."}]
+
+    def step(self, action_text):
+        return [{"role": "user", "content": "again"}], float(len(action_text) % 2), False
+
+
+def make(task):
+    return Echo()
+"""
