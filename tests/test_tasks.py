@@ -192,6 +192,15 @@ def test_dynamic_sampling_on_the_default_reward_with_the_off_policy_pipeline(
     assert all(row["off_policy_steps"] <= 1 for row in rows)
 
 
+def test_dynamic_sampling_counts_every_rounds_tokens_in_the_usage(tmp_path: Path) -> None:
+    run_dir = quiet_train(_dynamic(tmp_path, "usage", None, log_rollouts=100)).run_dir
+    rows, groups = read_metrics(run_dir), by_step(read_rollouts(run_dir))
+    assert any(row["sampling/rounds"] > 1 for row in rows), "no extra round: test setup"
+    for row, logged in zip(rows, groups.values(), strict=True):
+        sampled = sum(c["tokens"] for group in logged for c in group["completions"])
+        assert row["usage/completion_tokens"] == sampled
+
+
 def test_dynamic_sampling_resumes_exactly(tmp_path: Path) -> None:
     from grpo.backends.local import LocalServiceClient
     from tests.training.test_loop import _StopAfterOptimSteps

@@ -215,7 +215,9 @@ def sample_extra_round(run: Run, state: RunState, step: int, round_: int) -> Ste
     indices = extra_batch(len(run.train_problems), config.batch_size, step, round_, config.seed)
     problems = [run.train_problems[index] for index in indices]
     job = _sample(run, state, problems, _sampling_params(config, step, round_))
-    return grade_rollouts(problems, job.result(), config)
+    completions_P = job.result()
+    state.usage += job.usage()  # the step's row counts every round's tokens
+    return grade_rollouts(problems, completions_P, config)
 
 
 def sampling_metrics(rollouts: Any, trainable_P: list[Any]) -> dict[str, float]:

@@ -351,6 +351,8 @@ def test_dynamic_sampling_on_episodes_drops_equal_return_groups_and_samples_more
         assert [group["row"] for group in groups] == [int(index) for index in expected]
         extra = sum(c["tokens"] for g in groups[3:] for c in g["completions"])
         assert row["sampling/extra_tokens"] == extra
+        sampled = sum(c["tokens"] for g in groups for c in g["completions"])
+        assert row["usage/completion_tokens"] == sampled  # every round's usage is counted
         assert np.isclose(row["frac_degenerate"], np.mean([g["degenerate"] for g in groups]))
     again = read_metrics(quiet_train(_dynamic_env(tmp_path, "parity-again")).run_dir)
     assert comparable(again) == comparable(rows)  # deterministic under the seed
