@@ -452,3 +452,28 @@ class Echo:
 def make(task):
     return Echo()
 """
+
+
+def test_dynamic_sampling_on_episodes_resumes_exactly(tmp_path: Path):
+    import json
+
+    from grpo.backends.local import LocalServiceClient
+    from grpo.training.run import RunStopped
+    from grpo.training.run_files import read_rollouts
+    from tests.training.test_loop import _StopAfterOptimSteps
+
+    # On-policy (K = 0): with K > 0 a resumed run refills its pipeline afresh, on both paths.
+    flags = dict(steps=4)
+    whole = quiet_train(_dynamic_env(tmp_path, "whole", **flags)).run_dir
+    assert any(row["sampling/rounds"] > 1 for row in read_metrics(whole)), "test setup"
+    config = _dynamic_env(tmp_path, "stopped", **flags)
+    service = _StopAfterOptimSteps(
+        LocalServiceClient(root=tmp_path / "stopped" / "backend", seed=config.seed), n=2
+    )
+    with pytest.raises(RunStopped):
+        quiet_train(config, service_client=service)
+    checkpoint = json.loads((tmp_path / "stopped" / "checkpoint.json").read_text())["step"]
+    assert 1 <= checkpoint < 4
+    resumed = quiet_train(config, resume=True).run_dir
+    assert comparable(read_metrics(resumed)) == comparable(read_metrics(whole))
+    assert read_rollouts(resumed) == read_rollouts(whole)
