@@ -1,0 +1,118 @@
+"""The loss-normalization probe against the local backend and a real `grpo serve`, for each
+--service-normalization (grpo/backends/normalization_probe.py; docs/FORMULAS.md,
+"Service normalization", the probe)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import pytrio
+from pytrio.types import APIFuture, TensorData
+
+from grpo.backends.local import NORMALIZATIONS, LocalServiceClient
+from grpo.backends.local.tiny import TINY_MODEL_NAME
+from grpo.backends.normalization_probe import (
+    ProbeError,
+    batch_totals,
+    probe_batches,
+    probe_normalization,
+)
+from grpo.core.normalization_probe import BatchTotals, expected_scale_ratios
+from grpo.serve.client import configured_pytrio
+from grpo.serve.server import serve_in_thread
+
+MODEL = TINY_MODEL_NAME
+KEY = "probe-key"
+
+
+def test_the_crafted_batches_tell_every_convention_apart():
+    first, second = probe_batches(np.zeros(7), np.zeros(13))
+    assert batch_totals(first, "importance_sampling") == BatchTotals(1, 4, 4)
+    assert batch_totals(second, "importance_sampling") == BatchTotals(4, 32, 8)
+    expected = expected_scale_ratios(BatchTotals(1, 4, 4), BatchTotals(4, 32, 8))
+    assert expected == {
+        "sum": 1.0,
+        "active_tokens": 1 / 8,
+        "advantage_tokens": 0.5,
+        "samples": 0.25,
+    }
+
+
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+def test_the_probe_names_the_local_backends_normalization(tmp_path, normalization):
+    with LocalServiceClient(root=tmp_path, seed=0, service_normalization=normalization) as service:
+        result = probe_normalization(service, MODEL)
+    assert result.verdict.convention == normalization, result.verdict.describe()
+    assert result.changes[0] > 0 > result.changes[1]
+    assert result.calls <= 16
+    record = result.to_record()
+    assert record["convention"] == normalization
+    assert record["first_batch"] == {"samples": 1, "active_tokens": 4, "advantage_tokens": 4}
+
+
+@pytest.mark.parametrize("loss_fn", ["ppo", "cispo", "dro"])
+def test_the_probe_runs_every_builtin_policy_loss(tmp_path, loss_fn):
+    with LocalServiceClient(root=tmp_path, seed=0, service_normalization="samples") as service:
+        result = probe_normalization(service, MODEL, loss_fn=loss_fn)
+    assert result.verdict.convention == "samples", result.verdict.describe()
+    assert result.loss_fn == loss_fn
+
+
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+def test_the_probe_names_grpo_serves_normalization(tmp_path, normalization):
+    """Through pytrio 0.2.9 and HTTP; max_batch_size 2 splits batch 2 into micro-batches,
+    which must not change what the probe sees."""
+    home = tmp_path / "home"
+    home.mkdir()
+    with (
+        serve_in_thread(
+            root=tmp_path / "served",
+            api_key=KEY,
+            service_normalization=normalization,
+            max_batch_size=2,
+        ) as handle,
+        configured_pytrio(handle.url, api_key=KEY, home=home),
+    ):
+        result = probe_normalization(pytrio.ServiceClient(), MODEL, timeout_s=60.0)
+    assert result.verdict.convention == normalization, result.verdict.describe()
+
+
+class _Trainer:
+    """A training client whose forward_backward fails, or never answers."""
+
+    def __init__(self, hang: bool) -> None:
+        self.hang = hang
+
+    def forward(self, data, loss_fn):
+        class Output:
+            loss_fn_outputs = [
+                {"logprobs": TensorData.from_numpy(np.zeros(d.model_input.length, np.float32))}
+                for d in data
+            ]
+
+        return APIFuture.completed(Output())
+
+    def forward_backward(self, data, loss_fn):
+        if self.hang:
+            return APIFuture(Future())
+        raise RuntimeError("trainer is down")
+
+
+class _Service:
+    def __init__(self, hang: bool) -> None:
+        self.hang = hang
+
+    def create_lora_training_client(self, **_kwargs):
+        return _Trainer(self.hang)
+
+
+def test_a_failing_call_is_a_probe_error_naming_it():
+    with pytest.raises(ProbeError, match="forward_backward failed: RuntimeError: trainer is down"):
+        probe_normalization(_Service(hang=False), MODEL)
+
+
+def test_a_call_that_never_answers_ends_at_the_deadline():
+    with pytest.raises(ProbeError, match="forward_backward gave no answer within 0.5 s"):
+        probe_normalization(_Service(hang=True), MODEL, timeout_s=0.5)
