@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future
 
 import numpy as np
@@ -22,6 +23,10 @@ from grpo.backends.normalization_probe import (
 from grpo.core.normalization_probe import BatchTotals, expected_scale_ratios
 from grpo.serve.client import configured_pytrio
 from grpo.serve.server import serve_in_thread
+from grpo.training.config import TrainConfig
+from grpo.training.run import train
+from grpo.training.run_files import PROBE_FILE, read_metrics
+from tests.runs import TINY, comparable
 
 MODEL = TINY_MODEL_NAME
 KEY = "probe-key"
@@ -116,3 +121,70 @@ def test_a_failing_call_is_a_probe_error_naming_it():
 def test_a_call_that_never_answers_ends_at_the_deadline():
     with pytest.raises(ProbeError, match="forward_backward gave no answer within 0.5 s"):
         probe_normalization(_Service(hang=True), MODEL, timeout_s=0.5)
+
+
+# --- grpo train --backend pytrio runs it once, at start ------------------------------------
+
+
+def _train(tmp_path, name: str, service=None, **overrides):
+    """A quiet tiny --backend pytrio run; its notes and its directory."""
+    notes: list[str] = []
+    config = TrainConfig(
+        **{**TINY, "steps": 1, "run_dir": str(tmp_path / name), "backend": "pytrio", **overrides}
+    )
+    result = train(config, service_client=service, echo=notes.append, progress=False)
+    return notes, result.run_dir
+
+
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+def test_grpo_train_records_what_grpo_serve_normalizes_by(tmp_path, normalization):
+    home = tmp_path / "home"
+    home.mkdir()
+    with (
+        serve_in_thread(
+            root=tmp_path / "served", api_key=KEY, service_normalization=normalization
+        ) as handle,
+        configured_pytrio(handle.url, api_key=KEY, home=home),
+    ):
+        notes, run_dir = _train(tmp_path, "run")
+    record = json.loads((run_dir / PROBE_FILE).read_text())
+    assert record["convention"] == normalization, record
+    assert record["loss_fn"] == "importance_sampling"
+    (line,) = [note for note in notes if "normalization probe" in note]
+    assert f"gradient scale is {normalization} (measured" in line
+    assert KEY not in line and KEY not in json.dumps(record)
+
+
+def test_the_probe_leaves_the_run_unchanged_and_can_be_skipped(tmp_path):
+    with LocalServiceClient(root=tmp_path / "a", seed=0) as service:
+        _, probed = _train(tmp_path, "probed", service, loss_fn="cispo")
+    with LocalServiceClient(root=tmp_path / "b", seed=0) as service:
+        notes, skipped = _train(
+            tmp_path, "skipped", service, loss_fn="cispo", normalization_probe=False
+        )
+    assert json.loads((probed / PROBE_FILE).read_text())["loss_fn"] == "cispo"
+    assert not (skipped / PROBE_FILE).exists()
+    assert not any("normalization probe" in note for note in notes)
+    assert comparable(read_metrics(probed)) == comparable(read_metrics(skipped))
+
+
+def test_a_failed_probe_is_noted_and_the_run_goes_on(tmp_path, monkeypatch):
+    from grpo.backends import normalization_probe
+
+    def fail(*_args, **_kwargs):
+        raise ProbeError("forward_backward gave no answer within 120 s")
+
+    monkeypatch.setattr(normalization_probe, "probe_normalization", fail)
+    with LocalServiceClient(root=tmp_path / "a", seed=0) as service:
+        notes, run_dir = _train(tmp_path, "run", service)
+    assert any(
+        note.startswith("[grpo] normalization probe failed: ProbeError: forward_backward gave")
+        for note in notes
+    ), notes
+    assert json.loads((run_dir / PROBE_FILE).read_text())["convention"] is None
+    assert len(read_metrics(run_dir)) == 1
+
+
+def test_a_local_run_has_no_probe(tmp_path):
+    _, run_dir = _train(tmp_path, "local", backend="local", normalization_probe=True)
+    assert not (run_dir / PROBE_FILE).exists()
