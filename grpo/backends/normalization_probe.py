@@ -25,6 +25,7 @@ normalization", the probe.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -155,6 +156,37 @@ def probe_normalization(
         raise ValueError(f"the probe runs one of {', '.join(PROBE_LOSSES)}, got {loss_fn!r}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    # Every call's wait is bounded by the deadline; the thread also bounds a call that blocks
+    # before it returns a future (pytrio's create_lora_training_client is synchronous).
+    outcome: list[ProbeResult | BaseException] = []
+
+    def measure() -> None:
+        try:
+            outcome.append(
+                _measure(service_client, base_model, loss_fn, seed, timeout_s, tolerance)
+            )
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+            outcome.append(error)
+
+    thread = threading.Thread(target=measure, name="grpo-normalization-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s + 1.0)
+    if not outcome:
+        raise ProbeError(f"no answer within {timeout_s:g} s (a call to the service blocked)")
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
+def _measure(
+    service_client: Any,
+    base_model: str,
+    loss_fn: str,
+    seed: int,
+    timeout_s: float,
+    tolerance: float,
+) -> ProbeResult:
+    """The probe's calls and measurements (on the probe's thread)."""
     started = time.monotonic()
     deadline = started + timeout_s
     calls = 0

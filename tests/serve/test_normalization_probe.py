@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -51,7 +53,7 @@ def test_the_probe_names_the_local_backends_normalization(tmp_path, normalizatio
         result = probe_normalization(service, MODEL)
     assert result.verdict.convention == normalization, result.verdict.describe()
     assert result.changes[0] > 0 > result.changes[1]
-    assert result.calls <= 16
+    assert result.calls <= 17
     record = result.to_record()
     assert record["convention"] == normalization
     assert record["first_batch"] == {"samples": 1, "active_tokens": 4, "advantage_tokens": 4}
@@ -188,3 +190,25 @@ def test_a_failed_probe_is_noted_and_the_run_goes_on(tmp_path, monkeypatch):
 def test_a_local_run_has_no_probe(tmp_path):
     _, run_dir = _train(tmp_path, "local", backend="local", normalization_probe=True)
     assert not (run_dir / PROBE_FILE).exists()
+
+
+class _BlockingService:
+    """A service whose create_lora_training_client blocks (pytrio's is synchronous)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def create_lora_training_client(self, **_kwargs):
+        self.release.wait(30)
+        raise RuntimeError("released")
+
+
+def test_a_call_that_blocks_ends_at_the_deadline():
+    service = _BlockingService()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ProbeError, match="no answer within 0.5 s"):
+            probe_normalization(service, MODEL, timeout_s=0.5)
+        assert time.monotonic() - started < 5
+    finally:
+        service.release.set()
