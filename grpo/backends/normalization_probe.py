@@ -56,6 +56,9 @@ CHANGE_WINDOW = (0.02, 0.5)  # a first-batch change in this range is measured as
 MAX_CALIBRATION_STEPS = 4
 MAX_RESCALE = 1e3  # eta changes by at most this factor per calibration step
 GRADIENT_MULTIPLIER = -2.0  # batch 2's summed gradient over batch 1's
+MAX_CALLS = 1 + 1 + 3 * MAX_CALIBRATION_STEPS + 3
+"""The most calls a probe makes: the client, a forward, each calibration step's
+forward_backward, optim_step and forward, and batch 2's."""
 
 _X_INPUT = list(range(10, 17))
 _X_TARGETS = [IGNORE_INDEX] * 3 + [21, 22, 23, 24]

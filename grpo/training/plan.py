@@ -195,7 +195,20 @@ def describe(pre: Preflight, usage: TokenUsage, start_step: int = 0) -> list[str
         f"{len(pre.test_problems)} problems; "
         f"{count_checkpoints(config, pre.steps, start_step)} checkpoint(s)",
         *_teacher_line(pre, start_step),
+        *_probe_line(config),
         *usage_lines(usage, pre.prices),
+    ]
+
+
+def _probe_line(config: TrainConfig) -> list[str]:
+    if config.backend != "pytrio" or not config.normalization_probe:
+        return []
+    from grpo.backends.normalization_probe import DEFAULT_TIMEOUT_S, MAX_CALLS
+
+    return [
+        "  normalization probe at start: a throwaway rank-4 LoRA, two tiny batches, at most "
+        f"{MAX_CALLS} calls, {DEFAULT_TIMEOUT_S:g} s (not in the usage below; "
+        "--no-normalization-probe skips it)"
     ]
 
 

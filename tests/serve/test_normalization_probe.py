@@ -17,6 +17,7 @@ from pytrio.types import APIFuture, TensorData
 from grpo.backends.local import NORMALIZATIONS, LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.backends.normalization_probe import (
+    MAX_CALLS,
     ProbeError,
     batch_totals,
     probe_batches,
@@ -26,7 +27,7 @@ from grpo.core.normalization_probe import BatchTotals, expected_scale_ratios
 from grpo.serve.client import configured_pytrio
 from grpo.serve.server import serve_in_thread
 from grpo.training.config import TrainConfig
-from grpo.training.run import train
+from grpo.training.run import dry_run, train
 from grpo.training.run_files import PROBE_FILE, read_metrics
 from tests.runs import TINY, comparable
 
@@ -53,7 +54,7 @@ def test_the_probe_names_the_local_backends_normalization(tmp_path, normalizatio
         result = probe_normalization(service, MODEL)
     assert result.verdict.convention == normalization, result.verdict.describe()
     assert result.changes[0] > 0 > result.changes[1]
-    assert result.calls <= 17
+    assert result.calls <= MAX_CALLS == 17
     record = result.to_record()
     assert record["convention"] == normalization
     assert record["first_batch"] == {"samples": 1, "active_tokens": 4, "advantage_tokens": 4}
@@ -212,3 +213,15 @@ def test_a_call_that_blocks_ends_at_the_deadline():
         assert time.monotonic() - started < 5
     finally:
         service.release.set()
+
+
+def test_the_dry_run_plans_the_probe_of_a_pytrio_run(tmp_path):
+    def plan(**overrides):
+        config = TrainConfig(**{**TINY, "run_dir": str(tmp_path / "plan"), **overrides})
+        with LocalServiceClient(root=tmp_path / "service", seed=0) as service:
+            return [line for line in dry_run(config, service_client=service) if "probe" in line]
+
+    (line,) = plan(backend="pytrio")
+    assert "at most 17 calls, 120 s" in line
+    assert plan(backend="pytrio", normalization_probe=False) == []
+    assert plan(backend="local") == []
