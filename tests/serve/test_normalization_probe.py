@@ -225,3 +225,18 @@ def test_the_dry_run_plans_the_probe_of_a_pytrio_run(tmp_path):
     assert "at most 17 calls, 120 s" in line
     assert plan(backend="pytrio", normalization_probe=False) == []
     assert plan(backend="local") == []
+
+
+def test_a_service_whose_steps_change_nothing_is_a_probe_error(tmp_path, monkeypatch):
+    from pytrio.types import OptimStepResponse
+
+    from grpo.backends.local import LocalTrainingClient
+
+    monkeypatch.setattr(
+        LocalTrainingClient,
+        "optim_step",
+        lambda self, _adam: APIFuture.completed(OptimStepResponse(metrics={})),
+    )
+    with LocalServiceClient(root=tmp_path, seed=0) as service:
+        with pytest.raises(ProbeError, match="no step size moved the log-probs by 0.02..0.5"):
+            probe_normalization(service, MODEL)
