@@ -318,6 +318,12 @@ class TrainConfig:
     connect_timeout: float = flag(
         30.0, "seconds to wait for the PyTRIO service to answer before giving up", Above(0)
     )
+    normalization_probe: bool = flag(
+        True,
+        "--backend pytrio: at start, measure which total the service divides a built-in "
+        "loss's gradient by (a throwaway LoRA, a few tiny calls; the result goes to "
+        "service_probe.json; docs/FORMULAS.md); --no-normalization-probe skips it",
+    )
     max_retries: int = flag(
         3,
         "retries of a failed sampling/training call before the run stops with a checkpoint",

@@ -276,7 +276,20 @@ def describe(pre: Preflight, usage: TokenUsage, start_step: int = 0) -> list[str
         f"{count_checkpoints(config, pre.steps, start_step)} checkpoint(s)",
         *_teacher_line(pre, start_step),
         *([episode_plan_line(config)] if config.env is not None else []),
+        *_probe_line(config),
         *usage_lines(usage, pre.prices, env=config.env is not None),
+    ]
+
+
+def _probe_line(config: TrainConfig) -> list[str]:
+    if config.backend != "pytrio" or not config.normalization_probe:
+        return []
+    from grpo.backends.normalization_probe import DEFAULT_TIMEOUT_S, MAX_CALLS
+
+    return [
+        "  normalization probe at start: a throwaway rank-4 LoRA, two tiny batches, at most "
+        f"{MAX_CALLS} calls, {DEFAULT_TIMEOUT_S:g} s (not in the usage below; "
+        "--no-normalization-probe skips it)"
     ]
 
 

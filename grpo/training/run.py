@@ -194,6 +194,7 @@ def _train_in(
         distill_warning = sampling_note(config)
         if distill_warning is not None:
             note(distill_warning)
+    probe = normalization_probe(config, service, note)
     if checkpoint is not None:
         training_client, checkpoint = _load_checkpoint(service, run_dir, checkpoint, note)
     elif init_path is not None:
@@ -214,6 +215,8 @@ def _train_in(
         note(f"resuming at step {start_step}: {dropped} logged row(s) after it will be redone")
     (run_dir / run_files.SUMMARY_FILE).unlink(missing_ok=True)
     run_files.write_json_atomic(run_dir / run_files.CONFIG_FILE, scrub_secrets(to_dict(config)))
+    if probe is not None:
+        run_files.write_json_atomic(run_dir / run_files.PROBE_FILE, probe)
     run = Run(
         config=config,
         run_dir=run_dir,
@@ -250,6 +253,32 @@ def _train_in(
         usage_logged=logged_usage(run_dir, start_step),
     )
     return _run_steps(run, state, echo, progress)
+
+
+def normalization_probe(
+    config: TrainConfig, service: Any, note: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """With --backend pytrio and --normalization-probe: the probe's record (service_probe.json),
+    its verdict noted; a failure is noted and recorded, never raised; else None."""
+    if config.backend != "pytrio" or not config.normalization_probe:
+        return None
+    from grpo.backends.normalization_probe import PROBE_LOSSES, probe_normalization
+
+    builtin = config.loss_fn in PROBE_LOSSES and not config.runs_custom_loss
+    loss_fn = config.loss_fn if builtin else "importance_sampling"
+    try:
+        result = probe_normalization(service, config.base_model, loss_fn=loss_fn, seed=config.seed)
+    except Exception as error:  # noqa: BLE001 - the probe informs; it never stops the run
+        reason = f"{type(error).__name__}: {error}"
+        note(
+            f"normalization probe failed: {reason}; continuing (--no-normalization-probe skips it)"
+        )
+        return {"convention": None, "loss_fn": loss_fn, "failed": reason}
+    note(
+        f"normalization probe ({loss_fn}, {result.calls} calls, {result.elapsed_s:.1f}s): the "
+        f"service's gradient scale is {result.verdict.describe()}"
+    )
+    return result.to_record()
 
 
 def _load_checkpoint(

@@ -12,6 +12,8 @@ time and holds:
   of its metrics row; written just before that row, truncated like it on resume;
 - ``checkpoint.json``: the latest resumable checkpoint (step and state path; a path inside
   the run directory is stored relative to it, so a moved run directory still resumes);
+- ``service_probe.json``: with --backend pytrio, what the loss-normalization probe measured
+  at the start of the latest launch (its verdict, evidence, or why it failed);
 - ``summary.json``: written when the run finished (its sampler path is read back inside
   this run directory when the run was moved or copied);
 - ``backend/``: the local backend's checkpoints; ``train.log``: output of a run launched by
@@ -45,6 +47,7 @@ METRICS_FILE = "metrics.jsonl"
 ROLLOUTS_FILE = "rollouts.jsonl"
 CHECKPOINT_FILE = "checkpoint.json"
 SUMMARY_FILE = "summary.json"
+PROBE_FILE = "service_probe.json"
 LOG_FILE = "train.log"
 LOCK_FILE = ".lock"
 BACKEND_DIR = "backend"

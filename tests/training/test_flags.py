@@ -102,6 +102,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     },
     "price_currency": st.none() | TEXT,
     "connect_timeout": _floats(0.1, 300.0),
+    "normalization_probe": st.booleans(),
     "dataset_config": st.none() | TEXT,
     "train_split": TEXT,
     "test_split": TEXT,
