@@ -21,7 +21,7 @@ from pytrio import AdamParams, Datum, ModelInput, SamplingParams
 
 from grpo.backends import pytrio as pytrio_backend
 from grpo.backends.local import LocalServiceClient
-from grpo.backends.local.tiny import TINY_MODEL_NAME
+from grpo.backends.local.tiny import TINY_MODEL_NAME, TINY_TOOLS_MODEL_NAME
 from grpo.serve.faults import Fault, FaultPlan, parse_fault
 from grpo.training.config import TrainConfig
 from grpo.training.run import train
@@ -174,8 +174,10 @@ def test_every_method_through_pytrio_computes_what_the_local_backend_computes(
 def test_capabilities_and_tokenizer_are_the_local_models(served: Any) -> None:
     service = pytrio.ServiceClient()
     local = LocalServiceClient(root=served.state.registry.root / "caps")
-    (model,) = service.get_server_capabilities().supported_models
-    assert model == local.get_server_capabilities().supported_models[0]
+    models = service.get_server_capabilities().supported_models
+    assert models == local.get_server_capabilities().supported_models
+    assert [m.model_name for m in models] == [TINY_MODEL_NAME, TINY_TOOLS_MODEL_NAME]
+    model = models[0]
     assert model.max_context_length == model.sampling.max_seq_len == model.training.max_seq_len
     training = service.create_lora_training_client(TINY_MODEL_NAME, rank=4)
     tokenizer = training.get_tokenizer()  # pytrio's get_tokenizer, offline
@@ -322,6 +324,25 @@ def test_the_loop_through_the_server_equals_the_local_backend(
     assert extra == [row["usage/trained_tokens"] if custom_loss else 0 for row in remote]
     assert without_forward_usage(remote) == without_forward_usage(local)
     assert [row["step"] for row in remote] == [0, 1, 2] and "test/reward" in remote[-1]
+
+
+def test_an_env_run_on_the_tool_model_through_the_server_equals_the_local_backend(
+    served: Any, tmp_path: Path
+) -> None:
+    """--env (multi-turn episodes, tool calls) on the built-in tool model, served by name."""
+    options = dict(
+        env="grpo.envs:calculator_wordproblems",
+        dataset="wordproblems",
+        base_model=TINY_TOOLS_MODEL_NAME,
+        max_tokens=48,
+        steps=2,
+        eval_every=2,
+        eval_limit=4,
+    )
+    remote = run_rows(tmp_path, "remote", backend="pytrio", **options)
+    local = run_rows(tmp_path, "local", backend="local", **options)
+    assert remote == local
+    assert remote[-1]["test/tool_use"] > 0 and remote[1]["env/tool_calls"] > 0
 
 
 def test_resume_through_the_server_continues_like_an_uninterrupted_run(
@@ -504,7 +525,7 @@ def test_a_model_alias_lets_a_program_that_asks_for_another_model_run(tmp_path: 
         configured_pytrio(handle.url, api_key="any", home=tmp_path),
     ):
         service = pytrio.ServiceClient()
-        assert service.get_supported_models() == [TINY_MODEL_NAME, alias]
+        assert service.get_supported_models() == [TINY_MODEL_NAME, TINY_TOOLS_MODEL_NAME, alias]
         training = service.create_lora_training_client(alias, rank=4, seed=0)
         batch = datums(training.get_tokenizer())
         assert training.forward(batch, "ppo").result().metrics["token_count"] > 0

@@ -73,8 +73,8 @@ from grpo.backends.local.loss_execution import GradientTotals
 from grpo.backends.local.model import LoraSpec
 from grpo.backends.local.rest import LocalRestClient
 from grpo.backends.local.sampling_client import LocalSamplingClient, read_sampler_weights
-from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.backends.local.training import LocalTrainingClient
+from grpo.backends.names import BUILTIN_MODEL_NAMES
 
 SAMPLER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -140,8 +140,9 @@ class LocalServiceClient:
         self.close()
 
     def get_supported_models(self) -> list[str]:
-        """Named models (a local Hugging Face model directory works too)."""
-        return [TINY_MODEL_NAME]
+        """The built-in models by name, the default one first (a local Hugging Face model
+        directory works too)."""
+        return list(BUILTIN_MODEL_NAMES)
 
     def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
         """The named models' real limits: context length = max sequence length = model positions."""
