@@ -162,14 +162,14 @@ def base_model_of(adapter: Path) -> str:
 
 
 def load_base(base_model: str) -> tuple[Any, Any]:
-    """The base model (fp32) and tokenizer: the built-in model by name, else a local HF dir."""
+    """The base model (fp32) and tokenizer: a built-in model by name, else a local HF dir."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo.backends.local import tiny
 
-    if base_model == tiny.TINY_MODEL_NAME:
-        return tiny.load_tiny_model()
+    if base_model in tiny.MODEL_DIRS:
+        return tiny.load_tiny_model(base_model)
     directory = Path(base_model).expanduser()
     if not (directory / "config.json").is_file():
         raise ConfigError(

@@ -12,7 +12,7 @@ import torch
 from pytrio.types import ModelInput
 
 from grpo.backends.local import LocalServiceClient
-from grpo.backends.local.tiny import TINY_MODEL_NAME
+from grpo.backends.local.tiny import TINY_MODEL_NAME, TINY_TOOLS_MODEL_NAME
 from grpo.cli import main
 from grpo.tools.export import export
 from grpo.training.config import TrainConfig
@@ -138,6 +138,25 @@ def test_exported_adapter_and_merged_model_give_the_local_samplers_logprobs(
     np.testing.assert_allclose(_logprobs_of_model(adapted, tokens), expected, atol=2e-5)
 
     merged_dir = export(str(trained_run), tmp_path / "merged", merge=True)
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, local_files_only=True).eval()
+    np.testing.assert_allclose(_logprobs_of_model(merged, tokens), expected, atol=1e-4)
+    service.close()
+
+
+def test_a_tool_model_run_exports_and_merges_onto_the_tool_model(tmp_path: Path) -> None:
+    """--merge finds every built-in base by name, the tool model included (not the default)."""
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "tools-run"
+    config = {**TINY, "base_model": TINY_TOOLS_MODEL_NAME, "steps": 1, "save_every": 0}
+    tiny_runs.quiet_train(TrainConfig(**config, run_dir=str(run_dir)))
+    service = LocalServiceClient(root=tmp_path / "unused")
+    sampler = service.create_sampling_client(
+        TINY_TOOLS_MODEL_NAME, model_path=read_summary(run_dir)["sampler_path"]
+    )
+    tokens = sampler.get_tokenizer().encode("<|im_start|>user\nWhat is 12+30?<|im_end|>\n")
+    expected = np.asarray(sampler.compute_logprobs(ModelInput.from_ints(tokens)).result()[1:])
+    merged_dir = export(str(run_dir), tmp_path / "merged", merge=True)
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, local_files_only=True).eval()
     np.testing.assert_allclose(_logprobs_of_model(merged, tokens), expected, atol=1e-4)
     service.close()
