@@ -50,6 +50,40 @@ def test_only_assistant_tokens_carry_weight(messages: list[dict[str, str]]) -> N
     assert example.tokens_T.tolist() == tok.encode(full, add_special_tokens=False)
 
 
+UNMARKED_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chats(), st.booleans())
+def test_the_generation_marks_render_nothing_and_mask_what_extension_masks(
+    messages: list[dict[str, str]], generation_prompt: bool
+) -> None:
+    """The built-in template's {% generation %} marks: the same text as the template without
+    them, and the template's mask (return_assistant_tokens_mask) equals the one rendering
+    each prefix gives (grpo.core.sft.extension_mask)."""
+    import copy
+
+    from grpo.tasks.sft_data import has_generation_marks
+
+    marked = tokenizer()
+    unmarked = copy.deepcopy(marked)
+    unmarked.chat_template = UNMARKED_TEMPLATE
+    assert has_generation_marks(marked) and not has_generation_marks(unmarked)
+    for kwargs in ({"add_generation_prompt": generation_prompt}, {}):
+        assert marked.apply_chat_template(
+            messages, tokenize=False, enable_thinking=False, **kwargs
+        ) == unmarked.apply_chat_template(messages, tokenize=False, enable_thinking=False, **kwargs)
+    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    by_marks, by_extension = (chat_example(t, messages, trained) for t in (marked, unmarked))
+    assert by_marks.tokens_T.tolist() == by_extension.tokens_T.tolist()
+    assert by_marks.mask_T.tolist() == by_extension.mask_T.tolist()
+
+
 def test_prompt_completion_rows_train_only_the_completion() -> None:
     tok = tokenizer()
     row = {"prompt": "What is 2+3?", "completion": "2+3=5. \\boxed{5}"}

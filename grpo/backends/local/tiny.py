@@ -44,9 +44,17 @@ PRETOKENIZE_PATTERN = (
 )
 
 # Qwen-style chat template; `enable_thinking` is accepted and ignored (no thinking mode).
+# An assistant message's content and its <|im_end|> are marked {% generation %}, the tokens
+# `return_assistant_tokens_mask` (and so `grpo sft`) trains on; the marks render nothing.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
