@@ -128,7 +128,7 @@ def test_every_method_through_pytrio_computes_what_the_local_backend_computes(
     remote = exercise(pytrio.ServiceClient())
     with LocalServiceClient(root=tmp_path / "in-process", seed=0) as service:
         local = exercise(service)
-    assert remote["models"] == local["models"] == [TINY_MODEL_NAME]
+    assert remote["models"] == local["models"] == [TINY_MODEL_NAME, TINY_TOOLS_MODEL_NAME]
     for key in ("forward", "fb", "custom", "with_optimizer_fb", "weights_only_fb"):
         assert remote[key].metrics == pytest.approx(local[key].metrics, rel=1e-6), key
         for left, right in zip(
