@@ -186,9 +186,13 @@ def time_generate(prompts: Sequence[list[int]], *, repeats: int) -> tuple[Timing
     return measure(generate, repeats=repeats), generated[-1]
 
 
-def limit_table(num_sequences: int, *, repeats: int) -> tuple[list[str], str]:
-    """(lines stating the limit, the samplers' table) at one thread."""
-    with torch_threads(1):
+def limit_table(num_sequences: int, *, repeats: int, threads: int = 1) -> tuple[list[str], str]:
+    """(lines stating the limit, the samplers' table) at `threads` torch threads.
+
+    The limit is FLOPs per token against the measured matmul rate at the same thread count.
+    """
+    label = "1 thread" if threads == 1 else f"{threads} threads"
+    with torch_threads(threads):
         fast, generated_fast, _, _ = time_backend(num_sequences, repeats=repeats, train=False)
         build = local_sampling._DecodeStep.build
         hugging_face_only = classmethod(lambda cls, model: None)
@@ -209,13 +213,13 @@ def limit_table(num_sequences: int, *, repeats: int) -> tuple[list[str], str]:
     flops = flops_per_token(config, context)
     lines = [
         f"FLOPs per generated token: {flops / 1e6:.2f} M (mean context {context:.0f} positions)",
-        f"matmul throughput, 1 thread: {decode_gflops:.1f} GFLOP/s at {num_sequences} x "
+        f"matmul throughput, {label}: {decode_gflops:.1f} GFLOP/s at {num_sequences} x "
         f"{config.hidden_size} x {2 * config.intermediate_size} (the decode step's largest), "
         f"{peak_gflops:.1f} GFLOP/s at 1024^3",
         f"limit at the decode-step matmul rate: {decode_gflops * 1e9 / flops:,.0f} tokens/s",
     ]
     rows = []
-    for label, timing, generated in (
+    for sampler, timing, generated in (
         ("local sampler, merged decode step", fast, generated_fast),
         ("local sampler, Hugging Face forward", slow, generated_slow),
         ("transformers generate (base model)", generate, generated_by_generate),
@@ -223,7 +227,7 @@ def limit_table(num_sequences: int, *, repeats: int) -> tuple[list[str], str]:
         tokens_per_s = generated / timing.best_s
         rows.append(
             [
-                label,
+                sampler,
                 f"{generated}",
                 f"{tokens_per_s:,.0f}",
                 f"{tokens_per_s * flops / 1e9:.2f}",
@@ -231,7 +235,7 @@ def limit_table(num_sequences: int, *, repeats: int) -> tuple[list[str], str]:
             ]
         )
     table = markdown_table(
-        ["1 thread", "tokens generated", "tokens/s", "GFLOP/s", "fraction of the matmul rate"], rows
+        [label, "tokens generated", "tokens/s", "GFLOP/s", "fraction of the matmul rate"], rows
     )
     return lines, table
 
@@ -278,12 +282,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     print()
-    lines, table = limit_table(num_sequences, repeats=repeats)
-    print("Sampler against its compute limit (1 thread, same sequences)\n")
-    print("\n".join(f"- {line}" for line in lines))
-    print()
-    print(table)
-    print()
+    for label, threads in thread_settings(args.quick):
+        lines, table = limit_table(num_sequences, repeats=repeats, threads=threads)
+        print(f"Sampler against its compute limit ({label}, same sequences)\n")
+        print("\n".join(f"- {line}" for line in lines))
+        print()
+        print(table)
+        print()
     sys.stdout.flush()
     return 0
 
