@@ -10,7 +10,8 @@ the plan, with nothing written.
 
 Reproducibility: every random choice is a pure function of (seed, step, index), so a run
 stopped at step k and resumed from its checkpoint continues exactly as if never stopped
-(strictly on-policy runs; an off-policy pipeline re-samples what was in flight).
+(under --max-steps-off-policy, the rollouts in flight are saved with the checkpoint:
+`grpo.training.ahead`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from grpo.backends.pytrio import make_service_client
 from grpo.core.usage import Prices, TokenUsage, cost, usage_from_row
 from grpo.reward_calls import reward_session
 from grpo.training import run_files
+from grpo.training.ahead import load_ahead
 from grpo.training.config import ConfigError, TrainConfig, resolve_run, to_dict
 from grpo.training.init_from import init_state_path, init_training_client
 from grpo.training.logging import RunLogger, scrub_secrets
@@ -252,6 +254,21 @@ def _train_in(
         version=start_step,
         usage_logged=logged_usage(run_dir, start_step),
     )
+    if checkpoint is not None and config.max_steps_off_policy and start_step < steps:
+        state.jobs.update(
+            load_ahead(
+                run_dir,
+                start_step,
+                checkpoint.state_path,
+                problems=pre.train_problems,
+                batch_size=config.batch_size,
+                seed=config.seed,
+                max_steps_off_policy=config.max_steps_off_policy,
+                steps=steps,
+                version=state.version,
+                note=note,
+            )
+        )
     return _run_steps(run, state, echo, progress)
 
 

@@ -12,6 +12,8 @@ time and holds:
   of its metrics row; written just before that row, truncated like it on resume;
 - ``checkpoint.json``: the latest resumable checkpoint (step and state path; a path inside
   the run directory is stored relative to it, so a moved run directory still resumes);
+- ``ahead/step-N.json``: under --max-steps-off-policy, the rollouts already sampled for
+  the steps after checkpoint N, saved with it (`grpo.training.ahead`);
 - ``service_probe.json``: with --backend pytrio, what the loss-normalization probe measured
   at the start of the latest launch (its verdict, evidence, or why it failed);
 - ``summary.json``: written when the run finished (its sampler path is read back inside
@@ -224,6 +226,11 @@ def _stored_path(run_dir: Path, path: str) -> dict[str, str]:
     if plain.is_absolute() and plain.resolve().is_relative_to(root):
         return {"state_path": plain.resolve().relative_to(root).as_posix(), "scheme": scheme}
     return {"state_path": path}
+
+
+def stored_state_path(run_dir: Path, path: str) -> dict[str, str]:
+    """``path`` as checkpoint.json stores it: equal for a run directory that was moved since."""
+    return _stored_path(run_dir, path)
 
 
 def _loaded_path(run_dir: Path, record: Mapping[str, Any]) -> str:

@@ -34,6 +34,7 @@ from grpo.core.mismatch import correct_batch
 from grpo.core.records import TokenBatch
 from grpo.core.usage import TokenUsage, reference_usage, training_usage, usage_metrics
 from grpo.training import run_files
+from grpo.training.ahead import prune_ahead, save_ahead
 from grpo.training.config import TrainConfig
 from grpo.training.custom_loss import as_custom_loss
 from grpo.training.faults import fault_point
@@ -498,9 +499,13 @@ def save_checkpoint(run: Run, state: RunState, name: str) -> None:
         )
     result = retry(run, lambda: run.training_client.save_state(name).result(), "save_state")
     fault_point("save")
+    if run.config.max_steps_off_policy:  # the rollouts sampled ahead go with the weights
+        save_ahead(run.run_dir, state.completed, result.path, state.jobs, state.version)
     run_files.write_checkpoint(
         run.run_dir,
         run_files.Checkpoint(step=state.completed, state_path=result.path),
         run_name=run.config.run_name or run.run_dir.name,
     )
+    if run.config.max_steps_off_policy:  # the previous checkpoint's file is not needed now
+        prune_ahead(run.run_dir, state.completed)
     state.last_saved_step = state.completed

@@ -454,7 +454,8 @@ def make(task):
 """
 
 
-def test_dynamic_sampling_on_episodes_resumes_exactly(tmp_path: Path):
+@pytest.mark.parametrize("max_off_policy", [0, 1])
+def test_dynamic_sampling_on_episodes_resumes_exactly(tmp_path: Path, max_off_policy: int):
     import json
 
     from grpo.backends.local import LocalServiceClient
@@ -462,8 +463,8 @@ def test_dynamic_sampling_on_episodes_resumes_exactly(tmp_path: Path):
     from grpo.training.run_files import read_rollouts
     from tests.training.test_loop import _StopAfterOptimSteps
 
-    # On-policy (K = 0): with K > 0 a resumed run refills its pipeline afresh, on both paths.
-    flags = dict(steps=4)
+    # With K > 0 the episodes played ahead of the checkpoint are saved with it and reused.
+    flags = dict(steps=4, max_steps_off_policy=max_off_policy)
     whole = quiet_train(_dynamic_env(tmp_path, "whole", **flags)).run_dir
     assert any(row["sampling/rounds"] > 1 for row in read_metrics(whole)), "test setup"
     config = _dynamic_env(tmp_path, "stopped", **flags)
@@ -477,3 +478,5 @@ def test_dynamic_sampling_on_episodes_resumes_exactly(tmp_path: Path):
     resumed = quiet_train(config, resume=True).run_dir
     assert comparable(read_metrics(resumed)) == comparable(read_metrics(whole))
     assert read_rollouts(resumed) == read_rollouts(whole)
+    if max_off_policy:
+        assert max(row["off_policy_steps"] for row in read_metrics(whole)) > 0, "test setup"

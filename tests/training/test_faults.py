@@ -57,6 +57,10 @@ TRIALS = [
     ("sampled:3:SIGINT2", "double Ctrl-C right after step 3 sampled", [0, 1, 2], 2),
 ]
 TIMEOUT_S = 180
+# Under --max-steps-off-policy 1 the checkpoint of step 2 holds step 3's rollouts, sampled
+# on step 1's weights: resumed, the run must train on those, not sample them again.
+OFF_POLICY_FLAGS = [*FLAGS, "--max-steps-off-policy", "1"]
+OFF_POLICY_TRIALS = [TRIALS[1], TRIALS[4]]  # kill -9 mid-update, Ctrl-C: resume from step 2
 
 
 def _train(
@@ -90,13 +94,13 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
     ]
 
 
-def _resume_until_done(run_dir: Path) -> None:
+def _resume_until_done(run_dir: Path, flags: list[str] = FLAGS) -> None:
     """Resume (or, when the kill came before anything was written, restart) to the end."""
     for _attempt in range(3):
         if run_files.run_status(run_dir) == run_files.FINISHED:
             return
         if run_files.run_status(run_dir) == run_files.NEW:
-            result = _train(run_dir, *FLAGS, "--run-dir", str(run_dir))
+            result = _train(run_dir, *flags, "--run-dir", str(run_dir))
         else:
             result = _train(run_dir, "--resume", str(run_dir))
         assert result.returncode == 0, result.stderr[-2000:]
@@ -114,6 +118,40 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     # started from the wrong weights would show in its loss and ratios.
     assert all(row["datums"] > 0 for row in rows[1:]), rows
     return rows
+
+
+@pytest.fixture(scope="module")
+def off_policy_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    run_dir = tmp_path_factory.mktemp("faults") / "off-policy"
+    result = _train(run_dir, *OFF_POLICY_FLAGS, "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = _rows(run_dir)
+    assert [row["off_policy_steps"] for row in rows[1:]] == [0.0, 1.0, 1.0, 1.0], "test setup"
+    assert not (run_dir / "ahead").exists() or not any((run_dir / "ahead").iterdir())
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "what", "logged", "checkpoint_step"),
+    OFF_POLICY_TRIALS,
+    ids=[trial[0] for trial in OFF_POLICY_TRIALS],
+)
+def test_an_off_policy_run_resumes_on_the_rollouts_it_had_sampled_ahead(
+    tmp_path: Path,
+    off_policy_reference: list[dict[str, Any]],
+    fault: str,
+    what: str,
+    logged: list[int],
+    checkpoint_step: int,
+) -> None:
+    run_dir = tmp_path / "run"
+    first = _train(run_dir, *OFF_POLICY_FLAGS, "--run-dir", str(run_dir), fault=fault)
+    assert first.returncode in (-signal.SIGKILL, 130), (what, first.stderr[-2000:])
+    assert [row["step"] for row in run_files.read_metrics(run_dir)] == logged, what
+    assert (run_dir / "ahead" / f"step-{checkpoint_step:06d}.json").is_file(), what
+    _resume_until_done(run_dir, OFF_POLICY_FLAGS)
+    assert _rows(run_dir) == off_policy_reference, what
 
 
 @pytest.mark.slow

@@ -101,11 +101,15 @@ class _SignalingTrainingClient:
         return future
 
 
-def test_resume_after_interrupt_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("max_off_policy", [0, 1, 2])
+def test_resume_after_interrupt_equals_an_uninterrupted_run(
+    tmp_path: Path, max_off_policy: int
+) -> None:
     from grpo.backends.local import LocalServiceClient
 
-    whole = quiet_train(tiny_config(tmp_path, "whole", steps=4, num_substeps=2))
-    config = tiny_config(tmp_path, "stopped", steps=4, num_substeps=2)
+    flags: dict[str, Any] = dict(steps=4, num_substeps=2, max_steps_off_policy=max_off_policy)
+    whole = quiet_train(tiny_config(tmp_path, "whole", **flags))
+    config = tiny_config(tmp_path, "stopped", **flags)
     service = _StopAfterOptimSteps(
         LocalServiceClient(root=tmp_path / "stopped" / "backend", seed=config.seed), n=3
     )
@@ -118,7 +122,11 @@ def test_resume_after_interrupt_equals_an_uninterrupted_run(tmp_path: Path) -> N
     assert [row["step"] for row in read_metrics(tmp_path / "stopped")] == [1, 2]
     assert not (tmp_path / "stopped" / "summary.json").exists()
     resumed = quiet_train(config, resume=True)
+    # Under --max-steps-off-policy K the rollouts sampled ahead of step 2 were saved with
+    # its checkpoint: the resumed run trains on them, as stale as they would have been.
     assert comparable(read_metrics(resumed.run_dir)) == comparable(read_metrics(whole.run_dir))
+    if max_off_policy:
+        assert max(row["off_policy_steps"] for row in read_metrics(whole.run_dir)) > 0
 
 
 @pytest.mark.parametrize("max_off_policy", [1, 2])
