@@ -172,6 +172,7 @@ def planned_usage(
     extra_forward: bool,
     proximal_forward: bool = False,
     teacher_prompt_lens_by_step: Sequence[Sequence[int]] | None = None,
+    extra_prompt_lens_by_step: Sequence[Sequence[int]] | None = None,
 ) -> TokenUsage:
     """An upper bound on a run's usage, exact in the prompts it sends for sampling.
 
@@ -183,16 +184,22 @@ def planned_usage(
     checkpoint check forwards at most one step's batch; with proximal_forward (a mismatch
     correction) every step forwards its batch once more; with teacher prompt lengths
     (distillation) every step sends the teacher ≤ G·Σ (p_T,b + max_tokens) prompt tokens.
+    With extra prompt lengths (dynamic sampling: every extra round's prompts of a step, as
+    if every round ran) those are sampled too, and the B trained groups are bounded by the
+    B longest prompts of all the step's rounds (docs/FORMULAS.md, "Dry-run bound").
     """
     total = TokenUsage()
     largest_batch = 0
-    for prompt_lens in prompt_lens_by_step:
-        positions = group_size * sum(p + max_tokens - 1 for p in prompt_lens)
+    extra_by_step = extra_prompt_lens_by_step or [()] * len(prompt_lens_by_step)
+    for prompt_lens, extra_lens in zip(prompt_lens_by_step, extra_by_step, strict=True):
+        sampled = [*prompt_lens, *extra_lens]
+        trained = sorted(sampled, reverse=True)[: len(prompt_lens)]
+        positions = group_size * sum(p + max_tokens - 1 for p in trained)
         largest_batch = max(largest_batch, positions)
         total += TokenUsage(
-            prompt_tokens=sum(prompt_lens)
-            + (group_size * sum(p + max_tokens for p in prompt_lens) if with_reference else 0),
-            completion_tokens=len(prompt_lens) * group_size * max_tokens,
+            prompt_tokens=sum(sampled)
+            + (group_size * sum(p + max_tokens for p in trained) if with_reference else 0),
+            completion_tokens=len(sampled) * group_size * max_tokens,
             trained_tokens=epochs * positions,
             forward_tokens=(epochs * positions if extra_forward else 0)
             + (positions if proximal_forward else 0),

@@ -24,7 +24,13 @@ from grpo.tasks.data import columns_of, load_run_problems
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig, check_user_inputs
 from grpo.training.prices import prices_for
-from grpo.training.rollouts import Problem, build_problems, pick_batch, tokenizer_max_len
+from grpo.training.rollouts import (
+    Problem,
+    build_problems,
+    extra_batch,
+    pick_batch,
+    tokenizer_max_len,
+)
 from grpo.training.schedule import evaluates_after, evaluates_at_start, saves_after
 
 
@@ -133,6 +139,14 @@ def plan_usage(pre: Preflight, start_step: int = 0) -> TokenUsage:
         [lens[index] for index in pick_batch(len(lens), config.batch_size, step, config.seed)]
         for step in range(start_step, pre.steps)
     ]
+    extra_by_step = [  # --dynamic-sampling: the extra rounds' prompts, as if every round ran
+        [
+            lens[index]
+            for round_ in range(1, sampling_rounds(config))
+            for index in extra_batch(len(lens), config.batch_size, step, round_, config.seed)
+        ]
+        for step in range(start_step, pre.steps)
+    ]
     return planned_usage(
         lens_by_step,
         [len(problem.prompt_tokens) for problem in pre.test_problems],
@@ -145,6 +159,7 @@ def plan_usage(pre: Preflight, start_step: int = 0) -> TokenUsage:
         extra_forward=runs_extra_forward(config),
         proximal_forward=config.mismatch.enabled,
         teacher_prompt_lens_by_step=_teacher_lens(pre, start_step),
+        extra_prompt_lens_by_step=extra_by_step,
     )
 
 
@@ -195,15 +210,23 @@ def _teacher_lens(pre: Preflight, start_step: int) -> list[list[int]] | None:
     )
 
 
-def usage_lines(usage: TokenUsage, prices: Prices | None, *, env: bool = False) -> list[str]:
+def usage_lines(
+    usage: TokenUsage, prices: Prices | None, *, env: bool = False, dynamic: bool = False
+) -> list[str]:
     """The planned totals, one kind a line, and the cost when prices are given.
 
     ``env`` (an --env run): only the sampled tokens are planned; the other lines say why not.
+    ``dynamic`` (--dynamic-sampling): the prompts are a bound, every extra round counted.
     """
     if env:
         return _episode_usage_lines(usage, prices)
+    prompts = (
+        "<= (every --max-sampling-rounds round sampled; exact prompts)"
+        if dynamic
+        else "exact for rollouts and evaluations"
+    )
     rows = [
-        ("prompt tokens (sampler)", usage.prompt_tokens, "exact for rollouts and evaluations"),
+        ("prompt tokens (sampler)", usage.prompt_tokens, prompts),
         ("completion tokens", usage.completion_tokens, "<= (every completion --max-tokens long)"),
         ("trained tokens", usage.trained_tokens, "<= (positions x passes, no group dropped)"),
         ("forward-only tokens", usage.forward_tokens, "<= (checkpoint checks, custom loss)"),
@@ -277,7 +300,9 @@ def describe(pre: Preflight, usage: TokenUsage, start_step: int = 0) -> list[str
         *_teacher_line(pre, start_step),
         *([episode_plan_line(config)] if config.env is not None else []),
         *_probe_line(config),
-        *usage_lines(usage, pre.prices, env=config.env is not None),
+        *usage_lines(
+            usage, pre.prices, env=config.env is not None, dynamic=config.dynamic_sampling
+        ),
     ]
 
 
@@ -330,7 +355,8 @@ def plan_experiment(
         lines.append("  (--env runs count only their sampled tokens)")
     currencies = {prices.currency for _config, _usage, prices in planned if prices}
     all_priced = all(prices for _config, _usage, prices in planned)
-    lines += usage_lines(total, None)[:-1]
+    dynamic = any(config.dynamic_sampling for config, _usage, _prices in planned)
+    lines += usage_lines(total, None, dynamic=dynamic)[:-1]
     if all_priced and len(currencies) == 1:
         spent = sum(cost(usage, prices) for _config, usage, prices in planned if prices)
         lines.append(f"  cost <= {spent:.4f} {currencies.pop()}  (user-supplied prices)")

@@ -16,6 +16,7 @@ from grpo.core.usage import (
     Prices,
     TokenUsage,
     cost,
+    planned_usage,
     sample_usage,
     usage_from_row,
     usage_metrics,
@@ -272,6 +273,59 @@ def test_dry_run_bound_holds_and_its_prompts_are_exact(tmp_path: Path) -> None:
         if kl_coef == 0:
             assert actual.prompt_tokens == planned[-1].prompt_tokens
     assert planned[1].prompt_tokens > planned[0].prompt_tokens
+
+
+def test_the_dynamic_sampling_bound_trains_the_b_longest_prompts_of_all_rounds() -> None:
+    # B = 2 prompts of 10 and 20 tokens; the extra rounds sample prompts of 30 and 5.
+    # G = 2, M = 4: prompts 10 + 20 + 30 + 5, completions 4 x 2 x 4, and the two groups that
+    # can train are at most the 30- and 20-token ones: 2 x ((30 + 3) + (20 + 3)) positions.
+    common = dict(
+        group_size=2, max_tokens=4, epochs=1, num_evals=0, num_checkpoints=1, extra_forward=False
+    )
+    bound = planned_usage(
+        [[10, 20]], [], with_reference=True, extra_prompt_lens_by_step=[[30, 5]], **common
+    )
+    reference = 2 * ((30 + 4) + (20 + 4))
+    assert bound == TokenUsage(65 + reference, 32, 112, 112)
+    assert planned_usage([[10, 20]], [], with_reference=False, **common) == TokenUsage(
+        30, 16, 2 * (13 + 23), 2 * (13 + 23)
+    )
+
+
+DYNAMIC_REWARDS = """
+def parity(completion, row):
+    return float(len(completion) % 2)
+
+def constant(completion, row):
+    return 1.0
+"""
+
+
+@pytest.mark.parametrize("reward", ["parity", "constant"])
+def test_dry_run_bound_holds_under_dynamic_sampling(tmp_path: Path, reward: str) -> None:
+    from grpo.backends.local import LocalServiceClient
+    from tests.test_tasks import reward_file
+
+    overrides = dict(
+        dynamic_sampling=True,
+        max_sampling_rounds=3,
+        batch_size=3,
+        reward=(f"{reward_file(tmp_path, DYNAMIC_REWARDS)}:{reward}",),
+    )
+    config = TrainConfig(**{**TINY, **overrides, "run_dir": str(tmp_path / "plan")})
+    assert any("every --max-sampling-rounds round sampled" in line for line in dry_run(config))
+    planned = plan_usage(preflight(config, lambda: LocalServiceClient(root=tmp_path / "unused")))
+    run_dir, _record = _recorded_run(tmp_path, "run", **overrides)
+    rows = read_metrics(run_dir)
+    rounds = [row["sampling/rounds"] for row in rows if "sampling/rounds" in row]
+    actual = TokenUsage(**json.loads((run_dir / "summary.json").read_text())["usage"])
+    for kind in USAGE_KINDS:
+        assert getattr(actual, kind) <= getattr(planned, kind), (kind, actual, planned)
+    if reward == "constant":  # no group can train: every step runs all its rounds
+        assert rounds == [3.0] * 3 and actual.trained_tokens == 0
+        assert actual.prompt_tokens == planned.prompt_tokens
+    else:
+        assert max(rounds) > 1 and actual.trained_tokens > 0, "test setup"
 
 
 def test_dry_run_refuses_what_the_run_refuses(tmp_path: Path) -> None:
