@@ -25,7 +25,7 @@ from grpo.core.episodes import Episode, Turn
 from grpo.core.records import Completion
 from grpo.core.usage import USAGE_KINDS, TokenUsage
 from grpo.training import run_files
-from grpo.training.rollouts import Problem, pick_batch
+from grpo.training.rollouts import Problem, step_problems
 
 AHEAD_DIR = "ahead"
 _FORMAT = 1
@@ -146,10 +146,9 @@ def load_ahead(
     try:
         for record in payload["jobs"]:
             ahead, behind = int(record["step"]), int(record["behind"])
-            indices = pick_batch(len(problems), batch_size, ahead, seed)
-            batch = [problems[index] for index in indices]
             if ahead >= steps or not 0 <= behind <= max_steps_off_policy:
                 continue
+            batch = step_problems(problems, batch_size, ahead, seed)
             if [problem.index for problem in batch] != list(record["problem_indices"]):
                 raise ValueError(f"step {ahead}'s problems differ from the ones sampled")
             usage = TokenUsage(**{kind: int(record["usage"][kind]) for kind in USAGE_KINDS})

@@ -126,6 +126,13 @@ def pick_batch(num_problems: int, batch_size: int, step: int, seed: int) -> np.n
     return indices
 
 
+def step_problems(
+    problems: Sequence[Problem], batch_size: int, step: int, seed: int
+) -> list[Problem]:
+    """Step ``step``'s problems: ``problems`` at the indices `pick_batch` gives."""
+    return [problems[index] for index in pick_batch(len(problems), batch_size, step, seed)]
+
+
 def sampling_seed(seed: int, step: int, index: int, purpose: int = TRAIN_PURPOSE) -> int:
     """The sampler seed of request ``index`` at ``step``: a pure function (reproducible runs)."""
     return int(

@@ -49,11 +49,11 @@ from grpo.training.rollouts import (
     extra_batch,
     extra_sampling_seed,
     grade_rollouts,
-    pick_batch,
     reference_logprobs,
     refill,
     sampling_seed,
     score_groups,
+    step_problems,
     trainable_groups,
 )
 from grpo.training.schedule import checkpoint_follows, evaluates_after, saves_after
@@ -160,8 +160,7 @@ def submit_rollouts(
     for ahead in range(step, last + 1):
         if ahead in state.jobs:
             continue
-        indices = pick_batch(len(run.train_problems), config.batch_size, ahead, config.seed)
-        problems = [run.train_problems[index] for index in indices]
+        problems = step_problems(run.train_problems, config.batch_size, ahead, config.seed)
         state.jobs[ahead] = submit(problems, ahead)
 
 
