@@ -26,6 +26,7 @@ from grpo.serve.faults import Fault, FaultPlan, parse_fault
 from grpo.training.config import TrainConfig
 from grpo.training.run import train
 from grpo.training.run_files import read_metrics
+from tests.invariance import assert_same_rows
 from tests.runs import TINY
 
 ADAM = AdamParams(learning_rate=1e-3)
@@ -322,7 +323,7 @@ def test_the_loop_through_the_server_equals_the_local_backend(
     # differs: pytrio's SDK runs a custom loss as a forward, then a forward_backward.
     extra = [r["usage/forward_tokens"] - lo["usage/forward_tokens"] for r, lo in zip(remote, local)]
     assert extra == [row["usage/trained_tokens"] if custom_loss else 0 for row in remote]
-    assert without_forward_usage(remote) == without_forward_usage(local)
+    assert_same_rows(without_forward_usage(remote), without_forward_usage(local))
     assert [row["step"] for row in remote] == [0, 1, 2] and "test/reward" in remote[-1]
 
 
@@ -341,7 +342,7 @@ def test_an_env_run_on_the_tool_model_through_the_server_equals_the_local_backen
     )
     remote = run_rows(tmp_path, "remote", backend="pytrio", **options)
     local = run_rows(tmp_path, "local", backend="local", **options)
-    assert remote == local
+    assert_same_rows(remote, local)
     assert remote[-1]["test/tool_use"] > 0 and remote[1]["env/tool_calls"] > 0
 
 
@@ -357,7 +358,7 @@ def test_resume_through_the_server_continues_like_an_uninterrupted_run(
     rows = read_metrics(tmp_path / "resumed")
     timed = [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
     # The 2-step run's final checkpoint check is one forward the whole run did not do.
-    assert without_forward_usage(timed) == without_forward_usage(whole)
+    assert_same_rows(without_forward_usage(timed), without_forward_usage(whole))
 
 
 def test_transient_faults_are_retried_by_pytrio_and_the_run_equals_the_clean_one(
@@ -377,7 +378,7 @@ def test_transient_faults_are_retried_by_pytrio_and_the_run_equals_the_clean_one
         )
     )
     faulty = run_rows(tmp_path, "faulty", backend="pytrio")
-    assert faulty == clean
+    assert_same_rows(faulty, clean)
     injected = {operation for operation, _number, _what in served.faults.injected}
     assert {
         "sample",
@@ -396,7 +397,7 @@ def test_the_loops_retries_take_over_when_pytrio_gives_up(
     monkeypatch.setattr(pytrio_backend.time, "sleep", sleeps.append)
     pytrio.configure(sampling_retry_timeout_seconds=0)  # pytrio raises the first 503 at once
     served.faults.faults = (Fault("sample", status=503, calls=(1, 2, 5)),)
-    assert run_rows(tmp_path, "retried", backend="pytrio") == clean
+    assert_same_rows(run_rows(tmp_path, "retried", backend="pytrio"), clean)
     assert served.faults.count("sample") == 3 and len(sleeps) == 3
 
 

@@ -21,6 +21,7 @@ from grpo.training.config import TrainConfig
 from grpo.training.rollouts import pick_batch
 from grpo.training.run import ConfigError, RunStopped, train
 from grpo.training.run_files import read_metrics
+from tests.invariance import assert_same_rows
 from tests.runs import comparable, quiet_train, tiny_config
 
 
@@ -57,7 +58,9 @@ def test_every_loss_runs_with_every_reduction(tmp_path: Path, loss_fn: str) -> N
 def test_sync_and_concurrent_rollouts_give_identical_results(tmp_path: Path) -> None:
     sync = quiet_train(tiny_config(tmp_path, "sync", concurrency=1, steps=3))
     concurrent = quiet_train(tiny_config(tmp_path, "concurrent", concurrency=8, steps=3))
-    assert comparable(read_metrics(sync.run_dir)) == comparable(read_metrics(concurrent.run_dir))
+    assert_same_rows(
+        comparable(read_metrics(sync.run_dir)), comparable(read_metrics(concurrent.run_dir))
+    )
 
 
 def test_same_seed_same_run_and_other_seed_differs(tmp_path: Path) -> None:
@@ -65,7 +68,7 @@ def test_same_seed_same_run_and_other_seed_differs(tmp_path: Path) -> None:
     second = quiet_train(tiny_config(tmp_path, "b", steps=2, seed=3))
     other = quiet_train(tiny_config(tmp_path, "c", steps=2, seed=4))
     rows = [comparable(read_metrics(r.run_dir)) for r in (first, second, other)]
-    assert rows[0] == rows[1]
+    assert_same_rows(rows[1], rows[0])
     assert rows[0] != rows[2]
 
 
@@ -124,7 +127,9 @@ def test_resume_after_interrupt_equals_an_uninterrupted_run(
     resumed = quiet_train(config, resume=True)
     # Under --max-steps-off-policy K the rollouts sampled ahead of step 2 were saved with
     # its checkpoint: the resumed run trains on them, as stale as they would have been.
-    assert comparable(read_metrics(resumed.run_dir)) == comparable(read_metrics(whole.run_dir))
+    assert_same_rows(
+        comparable(read_metrics(resumed.run_dir)), comparable(read_metrics(whole.run_dir))
+    )
     if max_off_policy:
         assert max(row["off_policy_steps"] for row in read_metrics(whole.run_dir)) > 0
 
@@ -211,7 +216,9 @@ def test_transient_failures_are_retried(tmp_path: Path, monkeypatch: pytest.Monk
         {"sample": 2, "forward_backward": 1, "optim_step": 1},
     )
     result = quiet_train(config, service_client=flaky)
-    assert comparable(read_metrics(result.run_dir)) == comparable(read_metrics(reference.run_dir))
+    assert_same_rows(
+        comparable(read_metrics(result.run_dir)), comparable(read_metrics(reference.run_dir))
+    )
 
 
 def test_persistent_failure_stops_with_a_checkpoint_and_clear_message(
@@ -385,7 +392,7 @@ def test_resuming_a_finished_run_with_more_steps_continues_it(tmp_path: Path) ->
         return [{k: v for k, v in row.items() if k not in forward} for row in comparable(rows)]
 
     short_rows = read_metrics(tmp_path / "short")
-    assert without_forward(short_rows) == without_forward(read_metrics(whole.run_dir))
+    assert_same_rows(without_forward(short_rows), without_forward(read_metrics(whole.run_dir)))
     assert short_rows[0]["usage/forward_tokens"] > 0
     assert json.loads((tmp_path / "short" / "summary.json").read_text())["steps"] == 2
 
@@ -403,7 +410,7 @@ def test_a_moved_run_directory_still_resumes(tmp_path: Path) -> None:
     (tmp_path / "first").rename(moved)
     quiet_train(attrs.evolve(config, run_dir=str(moved)), resume=True)
     whole = quiet_train(tiny_config(tmp_path, "whole", steps=2, save_every=1))
-    assert comparable(read_metrics(moved)) == comparable(read_metrics(whole.run_dir))
+    assert_same_rows(comparable(read_metrics(moved)), comparable(read_metrics(whole.run_dir)))
 
 
 def test_two_runs_cannot_own_one_directory(tmp_path: Path) -> None:
