@@ -98,8 +98,8 @@ def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_sft(args: argparse.Namespace) -> int:
     """`grpo sft`: supervised fine-tuning; exit 0 when finished, 130 on a signal, 1 on failure."""
+    from grpo.training.recipes.sft import dry_run_sft, sft
     from grpo.training.run import RunStopped
-    from grpo.training.sft import dry_run_sft, sft
     from grpo.training.sft_config import SFT_FIELDS, sft_config_from_dict
 
     values = flags.explicit_flags(args, fields=SFT_FIELDS)

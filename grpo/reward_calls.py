@@ -32,14 +32,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from grpo.core.rewards import RewardInput
-
-if TYPE_CHECKING:
-    from grpo.rewards import RewardFn
+from grpo.rewards import RewardFn, checked_values, load_rewards
 
 __all__ = [
     "CallExited",
@@ -103,7 +101,6 @@ def call_one(
     reward: RewardFn, completion: str, row: Mapping[str, Any], sample: RewardInput
 ) -> Result:
     """One reward call, checked: its named values or why it failed (never raises)."""
-    from grpo.rewards import checked_values
 
     try:
         value = reward(completion, row, sample)
@@ -123,7 +120,6 @@ def _worker_start(specs: tuple[str, ...]) -> None:
     """A worker process: ignore SIGINT (the parent decides), load the rewards once."""
     global _WORKER_REWARDS
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from grpo.rewards import load_rewards
 
     _WORKER_REWARDS = load_rewards(specs)
 

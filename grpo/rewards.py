@@ -24,8 +24,8 @@ checkpoint), or scores 0 for that component and is counted in `reward/errors`
 SystemExit or KeyboardInterrupt raises `RewardExit` (the run stops with a checkpoint).
 Built-ins run in this process (`--reward-workers N`: on N threads); user plugins run in
 worker processes with a timeout, each call on its own copy of the row
-(`grpo/reward_calls.py`). Results are collected in completion order, so they equal the
-serial ones.
+(`grpo/reward_calls.py`); `grpo/reward_scores.py` scores a step's completions through them.
+Results are collected in completion order, so they equal the serial ones.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 
 from grpo.core.rewards import (
     RewardInput,
@@ -49,9 +48,7 @@ from grpo.core.rewards import (
     boxed_match,
     extract_boxed,
     overlong_penalty,
-    weighted_total,
 )
-from grpo.reward_calls import CallExited, CallFailed, CallTimedOut, RewardCaller
 from grpo.tasks.code_grading import pass_fraction
 from grpo.tasks.math_grading import math_gold, verify_pooled
 
@@ -60,7 +57,6 @@ __all__ = [
     "RewardError",
     "RewardExit",
     "RewardFn",
-    "RewardScores",
     "boxed_format",
     "boxed_match",
     "checked_values",
@@ -70,12 +66,10 @@ __all__ = [
     "math_verify",
     "overlong_penalty",
     "parse_reward_spec",
-    "score_completions",
 ]
 
 DEFAULT_REWARD = "grpo.rewards:boxed_match"
 ERROR_MODES = ("stop", "zero")
-_TEXT_PREVIEW = 300
 
 
 class RewardError(ValueError):
@@ -238,45 +232,6 @@ def load_rewards(specs: Sequence[str]) -> tuple[RewardFn, ...]:
     return tuple(loaded)
 
 
-@attrs.frozen
-class RewardScores:
-    """Rewards of one step's groups: the weighted totals and every component, per group."""
-
-    totals_P: list[np.ndarray]
-    components_P: list[dict[str, np.ndarray]]
-    weights: dict[str, float]
-    errors: int
-
-    def extended(self, more: RewardScores) -> RewardScores:
-        """These groups followed by those of `more` (another sampling round of the step)."""
-        return RewardScores(
-            totals_P=[*self.totals_P, *more.totals_P],
-            components_P=[*self.components_P, *more.components_P],
-            weights={**self.weights, **more.weights},
-            errors=self.errors + more.errors,
-        )
-
-    def metrics(self) -> dict[str, float]:
-        """`reward/<component>`: the mean of each (unweighted) component over all completions.
-
-        A completion without a value for a component (a failed call) counts as 0, as it does
-        in the total; `reward/errors` counts the failed calls.
-        """
-        metrics = {}
-        for name in self.weights:
-            values = [
-                group.get(name, np.zeros(total.size))
-                for group, total in zip(self.components_P, self.totals_P, strict=True)
-            ]
-            metrics[f"reward/{name}"] = float(np.mean(np.concatenate(values)))
-        metrics["reward/errors"] = float(self.errors)
-        return metrics
-
-
-def _preview(text: str) -> str:
-    return text if len(text) <= _TEXT_PREVIEW else text[:_TEXT_PREVIEW] + "..."
-
-
 def checked_values(reward: RewardFn, value: Any) -> dict[str, float] | str:
     """The named values of one call, or why the value is not a finite number (or dict of them)."""
     items = value.items() if isinstance(value, Mapping) else [(None, value)]
@@ -291,81 +246,3 @@ def checked_values(reward: RewardFn, value: Any) -> dict[str, float] | str:
     if not checked:
         return "returned an empty dict"
     return checked
-
-
-def score_completions(
-    rewards: Sequence[RewardFn],
-    items: Sequence[tuple[str, Mapping[str, Any], RewardInput]],
-    group_sizes: Sequence[int],
-    *,
-    on_error: str = "stop",
-    workers: int = 0,
-    timeout: float = 0.0,
-    caller: RewardCaller | None = None,
-) -> RewardScores:
-    """Every reward of every (completion, row, sample), grouped, with the weighted totals.
-
-    The components are the union of the names returned, in order of first appearance; a
-    completion that lacks one (a failed call under on_error="zero", a dict without that key)
-    scores 0 for it. Calls go through `caller` (the run's, `grpo/reward_calls.py`), else a
-    caller made for this call from `workers` and `timeout`. A call that raised SystemExit or
-    KeyboardInterrupt raises `RewardExit`; one past the timeout is an error like a raise.
-    """
-    calls = [(which, item) for item in items for which in range(len(rewards))]
-    own = caller is None
-    if caller is None:
-        caller = RewardCaller(rewards, workers=workers, timeout=timeout)
-    try:
-        results = caller.results(calls)
-    finally:
-        if own:
-            caller.close()
-    weights: dict[str, float] = {}
-    values: list[dict[str, float]] = [{} for _ in items]
-    errors = 0
-    for position, ((which, (completion, _row, sample)), result) in enumerate(
-        zip(calls, results, strict=True)
-    ):
-        reward = rewards[which]
-        where = f"on row {sample.index} for the completion {_preview(completion)!r}"
-        if isinstance(result, CallExited):
-            raise RewardExit(
-                f"reward {reward.spec!r} {result.why} {where}; a reward may not end the run: "
-                "return a number (or raise an exception, see --reward-errors)"
-            )
-        if isinstance(result, CallTimedOut) and on_error == "stop":
-            raise RewardError(
-                f"reward {reward.spec!r} did not return within --reward-timeout "
-                f"{result.seconds:g}s {where}; make it faster, raise --reward-timeout, or pass "
-                "--reward-errors zero to score such calls 0"
-            )
-        if isinstance(result, CallTimedOut):
-            if caller.note is not None:
-                caller.note(
-                    f"reward {reward.spec!r} timed out after {result.seconds:g}s on row "
-                    f"{sample.index}; scored 0 (--reward-errors zero)"
-                )
-            errors += 1
-            continue
-        if isinstance(result, CallFailed):
-            if on_error == "stop":
-                raise RewardError(
-                    f"reward {reward.spec!r} {result.why} {where}; fix the reward, or pass "
-                    "--reward-errors zero to score such cases 0"
-                )
-            errors += 1
-            continue
-        for name, value in result.items():
-            weights.setdefault(name, reward.weight)
-            values[position // len(rewards)][name] = value
-    columns = {name: np.array([v.get(name, 0.0) for v in values]) for name in weights}
-    totals = weighted_total(columns, weights) if columns else np.zeros(len(items))
-    cuts = np.cumsum(group_sizes)[:-1]
-    totals_P = np.split(totals, cuts)
-    split_columns = {name: np.split(column, cuts) for name, column in columns.items()}
-    components_P = [
-        {name: split_columns[name][g] for name in weights} for g in range(len(group_sizes))
-    ]
-    return RewardScores(
-        totals_P=totals_P, components_P=components_P, weights=weights, errors=errors
-    )

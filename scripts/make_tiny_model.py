@@ -184,7 +184,8 @@ def measure_tools(out: Path, problems: int) -> dict:
     from grpo.backends.local import LocalServiceClient
     from grpo.envs import CalculatorEnv, Task
     from grpo.tasks.prompts import build_messages
-    from grpo.training.episodes import EpisodeLimits, episode_seed, play_episode
+    from grpo.training.episodes import EpisodeLimits, play_episode
+    from grpo.training.seeds import episode_seed
 
     results = {}
     test = load_problems("wordproblems", "test", limit=problems)

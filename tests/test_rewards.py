@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpo.core.rewards import RewardInput
-from grpo.rewards import RewardError, load_rewards, parse_reward_spec, score_completions
+from grpo.reward_scores import score_completions
+from grpo.rewards import RewardError, load_rewards, parse_reward_spec
 from grpo.training.config import ConfigError, TrainConfig, check_user_inputs
 
 

@@ -310,7 +310,7 @@ def test_resume_truncates_rollouts_like_metrics(tmp_path: Path) -> None:
 
 
 def test_extra_rounds_draw_their_own_problems_and_seeds() -> None:
-    from grpo.training.rollouts import extra_batch, extra_sampling_seed, sampling_seed
+    from grpo.training.seeds import extra_batch, extra_sampling_seed, sampling_seed
 
     seeds = {
         (round_, index): extra_sampling_seed(3, 5, round_, index)
@@ -330,7 +330,7 @@ def test_extra_rounds_draw_their_own_problems_and_seeds() -> None:
 def test_swanlab_receives_the_logged_groups_as_text(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from grpo.training.logging import RunLogger
+    from grpo.training.run_log import RunLogger
 
     class FakeSwanlab:
         """The swanlab module surface RunLogger uses: init, Text, log, finish."""

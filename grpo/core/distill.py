@@ -25,7 +25,7 @@ __all__ = [
     "discounted_suffix_sums",
     "distill_advantages",
     "distill_metrics",
-    "teacher_logprobs_of_completion",
+    "teacher_logprobs_at",
 ]
 
 FloatArray = npt.NDArray[np.float64]
@@ -71,25 +71,25 @@ def discounted_suffix_sums(
     return sums
 
 
-def teacher_logprobs_of_completion(
-    teacher_logprobs: list[float | None] | npt.ArrayLike, completion_len: int
+def teacher_logprobs_at(
+    teacher_logprobs: list[float | None] | npt.ArrayLike, positions: npt.ArrayLike
 ) -> FloatArray:
-    """q of the completion's tokens from ``compute_logprobs(x_T + y)``: its last |y| entries.
+    """q of the sampled tokens of a stream from ``compute_logprobs(stream)``: its ``positions``.
 
-    Entry k of the list is log p(token_k | tokens_<k) (None for k = 0), so token y_t, at
-    position |x_T| + t, is entry |x_T| + t; |x_T| >= 1 keeps None out of the slice.
+    Entry k is log p(token_k | tokens_<k) (None for k = 0); an episode's sampled tokens are
+    its action positions (never 0: a turn follows an observation), observations are skipped.
     """
     entries = list(teacher_logprobs)
-    if completion_len < 1 or len(entries) <= completion_len:
+    at = np.asarray(positions, dtype=np.int64)
+    if at.size and (at.min() < 1 or at.max() >= len(entries)):
         raise ValueError(
-            f"teacher log-probs have {len(entries)} entries for a completion of "
-            f"{completion_len} tokens; compute_logprobs must score prompt + completion "
-            "(a prompt of at least one token)"
+            f"teacher log-probs have {len(entries)} entries; sampled positions run "
+            f"{int(at.min())}..{int(at.max())} (compute_logprobs must score the whole stream)"
         )
-    tail = entries[-completion_len:]
-    if any(value is None for value in tail):
-        raise ValueError("the teacher returned None for a completion token's log-prob")
-    return np.asarray(tail, dtype=np.float64)
+    values = [entries[k] for k in at.tolist()]
+    if any(value is None for value in values):
+        raise ValueError("the teacher returned None for a sampled token's log-prob")
+    return np.asarray(values, dtype=np.float64)
 
 
 @attrs.frozen

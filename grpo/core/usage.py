@@ -36,7 +36,6 @@ __all__ = [
     "planned_usage",
     "reference_usage",
     "sample_usage",
-    "teacher_usage",
     "training_usage",
     "usage_from_row",
     "usage_metrics",
@@ -121,11 +120,6 @@ def reference_usage(groups: Sequence[ScoredGroup]) -> TokenUsage:
             for completion in group.completions
         )
     )
-
-
-def teacher_usage(teacher_prompt_lens_C: Sequence[int], completion_lens_C: Sequence[int]) -> int:
-    """Teacher scoring: one ``compute_logprobs`` of x_T + y per completion, Σ (|x_T| + |y|)."""
-    return int(sum(teacher_prompt_lens_C) + sum(completion_lens_C))
 
 
 def training_usage(parts: Sequence[TokenBatch], *, passes: int, extra_forward: bool) -> TokenUsage:

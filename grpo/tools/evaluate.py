@@ -141,6 +141,7 @@ def evaluate(
             seed=seed,
             max_retries=3,
             log=echo,
+            config=config,
         )
     label = model_path or f"base model {config.base_model}"
     echo(

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (--env): episodes through the sampler, and the step that trains them.
+"""Multi-turn rollouts (--env): episodes through the sampler, grouped, evaluated, logged.
 
 An episode's token stream is built by appending: the initial observation rendered with the
 chat template (generation prompt on), then each turn's sampled tokens exactly as sampled,
@@ -10,12 +10,10 @@ earlier turns differently (e.g. one that strips earlier reasoning) is refused wi
 --max-turns turns, --max-tokens per turn, and the model's context (a turn that cannot get
 one more token ends the episode, its last turn marked ``context``).
 
-`train_episode_step` is step.py's steps 1-9 on episodes: pick the problems, play G episodes
-per task (`grpo.envs.make_group`; submitted K steps ahead under --max-steps-off-policy K,
-refilled under --dynamic-sampling as single completions are), group advantages of the
-returns, metrics (``env/*``), drop degenerate groups, pack (`grpo.core.episodes`), optional
-KL shaping, update. `evaluate_episodes` plays one episode per test problem. Every sampler
-seed is a pure function of (seed, purpose, step, episode, turn), and of the round in a
+``submit_groups`` plays G episodes per task (`grpo.envs.make_group`) on the run's pool as an
+`EpisodeJob`; the GRPO recipe trains them through `grpo.training.sources.Episodes`.
+`evaluate_episodes` plays one episode per test problem. Every sampler seed is drawn in
+`grpo.training.seeds` from (seed, purpose, step, episode, turn), and of the round in a
 dynamic-sampling round >= 1.
 """
 
@@ -31,32 +29,19 @@ from pytrio.types import ModelInput, SamplingParams
 
 from grpo.backends.pytrio import call_with_retries
 from grpo.core.advantages import degenerate_groups
-from grpo.core.alignment import mask_sequences
 from grpo.core.episodes import (
     Episode,
     EpisodeGroup,
     Turn,
-    episode_groups,
-    episode_metrics,
-    pack_episode_groups,
-    truncated_episodes,
 )
-from grpo.core.metrics import batch_metrics
 from grpo.core.usage import TokenUsage, sample_usage
 from grpo.envs.base import Env, EnvError, Task, as_step_result, check_messages, make_group
 from grpo.tasks.prompts import build_messages
-from grpo.training.logging import ROLLOUT_TEXT_LIMIT
-from grpo.training.rollouts import (
-    Problem,
-    extra_batch,
-    refill,
-    tokenizer_max_len,
-    trainable_groups,
-)
+from grpo.training.rollouts import Problem, tokenizer_max_len
+from grpo.training.run_log import clip_text
+from grpo.training.seeds import Purpose, episode_seed, extra_episode_seed
 
 Log = Callable[[str], None]
-
-ENV_TRAIN_PURPOSE, ENV_EVAL_PURPOSE, ENV_EXTRA_PURPOSE = 3, 4, 5
 
 
 class TemplateError(EnvError):
@@ -72,20 +57,6 @@ class EpisodeLimits:
     max_len: int | None
     temperature: float
     top_p: float = 1.0
-
-
-def episode_seed(seed: int, purpose: int, step: int, episode: int, turn: int) -> int:
-    """The sampler seed of one turn: a pure function (reproducible, resumable runs)."""
-    state = np.random.SeedSequence([seed, purpose, step, episode, turn]).generate_state(1)
-    return int(state[0] & 0x7FFFFFFF)
-
-
-def extra_episode_seed(seed: int, step: int, round_: int, episode: int, turn: int) -> int:
-    """The sampler seed of one turn of dynamic-sampling round ``round_`` >= 1 of ``step``."""
-    state = np.random.SeedSequence(
-        [seed, ENV_EXTRA_PURPOSE, step, round_, episode, turn]
-    ).generate_state(1)
-    return int(state[0] & 0x7FFFFFFF)
 
 
 def render(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
@@ -301,6 +272,10 @@ class EpisodeJob:
             usage=sum((usage for _episode, usage, _seen in played), TokenUsage()),
         )
 
+    def usage(self) -> TokenUsage:
+        """The tokens every turn sent and sampled (waits for the episodes)."""
+        return self.result().usage
+
     def cancel(self) -> None:
         """Drop episodes that have not started."""
         for future in self._futures:
@@ -314,7 +289,7 @@ def submit_groups(
     *,
     group_size: int,
     temperature: float,
-    purpose: int,
+    purpose: Purpose,
     step: int,
     round_: int = 0,
     sampler_version: int = 0,
@@ -330,7 +305,7 @@ def submit_groups(
         max_tokens=config.max_tokens,
         max_len=run_max_len(run),
         temperature=temperature,
-        top_p=config.top_p if purpose == ENV_TRAIN_PURPOSE else 1.0,
+        top_p=config.top_p if purpose == Purpose.ENV_TRAIN else 1.0,
     )
     futures = []
     for index, problem in enumerate(problems):
@@ -365,7 +340,7 @@ def play_groups(
     *,
     group_size: int,
     temperature: float,
-    purpose: int,
+    purpose: Purpose,
     step: int,
     round_: int = 0,
 ) -> PlayedGroups:
@@ -410,95 +385,6 @@ def reference_episode_logprobs(
     return np.concatenate([future.result() for future in futures]), usage
 
 
-def train_episode_step(run: Any, state: Any, step: int) -> dict[str, float]:
-    """Steps 1-9 of docs/DESIGN.md on episodes (--env); returns the metrics, not yet logged.
-
-    The single-turn step's sampling structure on episode groups: steps ``step .. step + K``
-    submitted ahead (--max-steps-off-policy K), and under --dynamic-sampling extra rounds
-    (`grpo.training.rollouts.refill`) until --batch-size groups have unequal returns.
-    """
-    from grpo.training.step import (
-        current_sampler,
-        sampling_metrics,
-        shape_with_kl,
-        submit_rollouts,
-        take_rollouts,
-        update,
-    )
-    from grpo.training.timing import timed
-
-    config = run.config
-
-    def submit(problems: list[Problem], ahead: int) -> EpisodeJob:
-        return submit_groups(
-            run,
-            current_sampler(run, state),
-            problems,
-            group_size=config.group_size,
-            temperature=config.temperature,
-            purpose=ENV_TRAIN_PURPOSE,
-            step=ahead,
-            sampler_version=state.version,
-        )
-
-    timings: dict[str, float] = {}
-    with timed("time/sample", timings):  # 1. pick the problems; 2. play G episodes of each
-        submit_rollouts(run, state, step, submit)
-        job, staleness = take_rollouts(run, state, step)
-        played = job.result()
-        if config.dynamic_sampling:  # DAPO: play more tasks until batch_size groups can train
-            played = refill(
-                played,
-                needed=config.batch_size,
-                max_rounds=config.max_sampling_rounds,
-                sample_round=lambda round_: play_extra_round(run, state, step, round_),
-            )
-        state.usage += played.usage
-    groups_P = episode_groups(played.episodes_P, config.advantage)  # 3.-4. returns, advantages
-    metrics = {**episode_metrics(groups_P), "off_policy_steps": float(staleness)}  # 5. metrics
-    limit = config.batch_size if config.dynamic_sampling else None
-    trainable_P = trainable_groups(groups_P, limit)  # ... then drop the degenerate groups
-    if config.dynamic_sampling:
-        metrics.update(sampling_metrics(played, trainable_P))
-    state.rollout_log = episode_records(
-        played.problems_P, groups_P, played.seen_P, run.tokenizer, config.log_rollouts
-    )
-    with timed("time/train", timings):
-        batch = pack_episode_groups(trainable_P, drop_degenerate=False)  # 6. align + pack
-        if config.mask_truncated:
-            batch = mask_sequences(batch, truncated_episodes(trainable_P))
-        if batch.num_train_tokens:
-            if run.ref_sampler is not None:  # 7. KL shaping against the base model
-                ref_logprobs_N, ref_usage = reference_episode_logprobs(run, trainable_P)
-                batch, metrics["kl"] = shape_with_kl(batch, ref_logprobs_N, config)
-                state.usage += ref_usage
-            metrics.update(batch_metrics(batch))
-            metrics.update(update(run, state, batch, staleness))  # 8.-9. update, its metrics
-            state.version += 1
-        else:
-            metrics.update(batch_metrics(batch))
-    return {**metrics, **timings}
-
-
-def play_extra_round(run: Any, state: Any, step: int, round_: int) -> PlayedGroups:
-    """Dynamic sampling's round ``round_`` >= 1 of ``step``: new tasks (`extra_batch`, as the
-    single-turn path draws them) and new turn seeds (`extra_episode_seed`), current weights."""
-    from grpo.training.step import current_sampler
-
-    config = run.config
-    indices = extra_batch(len(run.train_problems), config.batch_size, step, round_, config.seed)
-    return play_groups(
-        run,
-        current_sampler(run, state),
-        [run.train_problems[index] for index in indices],
-        group_size=config.group_size,
-        temperature=config.temperature,
-        purpose=ENV_TRAIN_PURPOSE,
-        step=step,
-        round_=round_,
-    )
-
-
 def evaluate_episodes(run: Any, sampler: Any) -> tuple[dict[str, float], TokenUsage]:
     """One episode per test problem: mean return (``test/reward``), its tool use and turns."""
     played = play_groups(
@@ -507,7 +393,7 @@ def evaluate_episodes(run: Any, sampler: Any) -> tuple[dict[str, float], TokenUs
         run.test_problems,
         group_size=1,
         temperature=run.config.temperature,
-        purpose=ENV_EVAL_PURPOSE,
+        purpose=Purpose.ENV_EVAL,
         step=0,
     )
     episodes = [episode for group in played.episodes_P for episode in group]
@@ -519,13 +405,6 @@ def evaluate_episodes(run: Any, sampler: Any) -> tuple[dict[str, float], TokenUs
         "test/turns": float(np.mean([episode.num_turns for episode in episodes])),
     }
     return metrics, played.usage
-
-
-def _clip(text: str) -> str:
-    if len(text) <= ROLLOUT_TEXT_LIMIT:
-        return text
-    half = ROLLOUT_TEXT_LIMIT // 2
-    return f"{text[:half]} [... {len(text) - 2 * half} characters ...] {text[-half:]}"
 
 
 def episode_records(
@@ -545,8 +424,8 @@ def episode_records(
         for member, (episode, seen) in enumerate(zip(group.episodes, seen_G, strict=True)):
             turns = [
                 {
-                    "action": _clip(turn.action_text),
-                    "observation": _clip(seen[t + 1]) if t + 1 < len(seen) else "",
+                    "action": clip_text(turn.action_text),
+                    "observation": clip_text(seen[t + 1]) if t + 1 < len(seen) else "",
                     "reward": turn.reward,
                     "tokens": int(turn.action_tokens.size),
                     "stop_reason": turn.stop_reason,
@@ -558,7 +437,7 @@ def episode_records(
             transcript = "".join(turn["action"] + turn["observation"] for turn in turns)
             completions.append(
                 {
-                    "text": _clip(transcript),
+                    "text": clip_text(transcript),
                     "reward": episode.reward,
                     "components": {},
                     "advantage": float(group.advantages[member]),
@@ -571,7 +450,7 @@ def episode_records(
             {
                 "group": index,
                 "row": problem.index,
-                "prompt": _clip(seen_G[0][0]),
+                "prompt": clip_text(seen_G[0][0]),
                 "gold": problem.gold,
                 "degenerate": group.is_degenerate,
                 "completions": completions,

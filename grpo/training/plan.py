@@ -24,14 +24,9 @@ from grpo.tasks.data import columns_of, load_run_problems
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig, check_user_inputs
 from grpo.training.prices import prices_for
-from grpo.training.rollouts import (
-    Problem,
-    build_problems,
-    extra_batch,
-    pick_batch,
-    tokenizer_max_len,
-)
+from grpo.training.rollouts import Problem, build_problems, tokenizer_max_len
 from grpo.training.schedule import evaluates_after, evaluates_at_start, saves_after
+from grpo.training.seeds import extra_batch, pick_batch
 
 
 @attrs.frozen
@@ -89,7 +84,7 @@ def preflight(config: TrainConfig, make_service: Callable[[], Any]) -> Preflight
             raise ConfigError(str(error)) from None
     teacher = None
     if config.teacher is not None:
-        from grpo.training.distill import resolve_teacher
+        from grpo.training.teacher import resolve_teacher
 
         teacher = resolve_teacher(service, config, tokenizer)
     return Preflight(
@@ -203,7 +198,7 @@ def episode_plan_line(config: TrainConfig) -> str:
 def _teacher_lens(pre: Preflight, start_step: int) -> list[list[int]] | None:
     if pre.teacher is None:
         return None
-    from grpo.training.distill import planned_teacher_lens
+    from grpo.training.teacher import planned_teacher_lens
 
     return planned_teacher_lens(
         pre.teacher, pre.train_problems, pre.config, range(start_step, pre.steps)
@@ -321,7 +316,7 @@ def _probe_line(config: TrainConfig) -> list[str]:
 def _teacher_line(pre: Preflight, start_step: int) -> list[str]:
     if pre.teacher is None:
         return []
-    from grpo.training.distill import teacher_plan_line
+    from grpo.training.teacher import teacher_plan_line
 
     return [teacher_plan_line(pre.teacher, _teacher_lens(pre, start_step) or [], pre.config)]
 

@@ -1,8 +1,8 @@
 """Rollouts: problems, sampling jobs, grading, reference log-probs and evaluation.
 
-Everything the loop asks of a sampler lives here. Every random choice is a pure function
-of (seed, step, index): ``pick_batch`` orders the data, ``sampling_seed`` seeds each
-request, so a run resumed from a checkpoint samples exactly what it would have.
+Everything the single-turn loop asks of a sampler lives here. Every random choice is a
+pure function drawn in `grpo.training.seeds` (which problems, every request's seed), so a
+run resumed from a checkpoint samples exactly what it would have.
 Suffixes name axes (docs/DESIGN.md): ``_P`` one per problem of a step, ``_C`` one per
 completion.
 """
@@ -21,16 +21,16 @@ from grpo.backends.pytrio import call_with_retries
 from grpo.core.advantages import group_advantages
 from grpo.core.metrics import pass_at_k
 from grpo.core.records import Completion, ScoredGroup
-from grpo.core.rewards import RewardInput, extract_gold, grade
+from grpo.core.rewards import RewardInput, extract_gold
 from grpo.core.usage import TokenUsage, sample_usage
 from grpo.reward_calls import active_caller
-from grpo.rewards import RewardFn, RewardScores, score_completions
+from grpo.reward_scores import RewardScores, score_completions
+from grpo.rewards import RewardFn
 from grpo.tasks.prompts import DEFAULT_TEMPLATE, PromptTemplate, build_prompt_tokens
 from grpo.training.config import ConfigError
+from grpo.training.seeds import Purpose, pick_batch, sampling_seed
 
 Log = Callable[[str], None]
-
-TRAIN_PURPOSE, EVAL_PURPOSE, EXTRA_PURPOSE = 0, 1, 2
 
 
 class Rounds(Protocol):
@@ -114,44 +114,11 @@ def build_problems(
     return problems
 
 
-def pick_batch(num_problems: int, batch_size: int, step: int, seed: int) -> np.ndarray:
-    """Indices of step ``step``'s problems: slices of a per-pass permutation seeded (seed, pass)."""
-    positions = np.arange(step * batch_size, (step + 1) * batch_size)
-    passes, offsets = np.divmod(positions, num_problems)
-    indices = np.empty(batch_size, dtype=np.int64)
-    for data_pass in np.unique(passes):
-        order = np.random.default_rng([seed, int(data_pass)]).permutation(num_problems)
-        selected = passes == data_pass
-        indices[selected] = order[offsets[selected]]
-    return indices
-
-
 def step_problems(
     problems: Sequence[Problem], batch_size: int, step: int, seed: int
 ) -> list[Problem]:
     """Step ``step``'s problems: ``problems`` at the indices `pick_batch` gives."""
     return [problems[index] for index in pick_batch(len(problems), batch_size, step, seed)]
-
-
-def sampling_seed(seed: int, step: int, index: int, purpose: int = TRAIN_PURPOSE) -> int:
-    """The sampler seed of request ``index`` at ``step``: a pure function (reproducible runs)."""
-    return int(
-        np.random.SeedSequence([seed, purpose, step, index]).generate_state(1)[0] & 0x7FFFFFFF
-    )
-
-
-def extra_batch(
-    num_problems: int, batch_size: int, step: int, round_: int, seed: int
-) -> np.ndarray:
-    """Problems of extra sampling round ``round_`` >= 1 of ``step``: distinct, seeded by all."""
-    rng = np.random.default_rng([seed, EXTRA_PURPOSE, step, round_])
-    return rng.choice(num_problems, size=min(batch_size, num_problems), replace=False)
-
-
-def extra_sampling_seed(seed: int, step: int, round_: int, index: int) -> int:
-    """The sampler seed of request ``index`` of extra round ``round_`` of ``step`` (pure)."""
-    state = np.random.SeedSequence([seed, EXTRA_PURPOSE, step, round_, index]).generate_state(1)
-    return int(state[0] & 0x7FFFFFFF)
 
 
 def _completion_from(sequence: Any, tokenizer: Any) -> Completion:
@@ -257,18 +224,6 @@ class Sampling:
         )
 
 
-def grade_groups(
-    problems_P: Sequence[Problem], completions_P: Sequence[Sequence[Completion]]
-) -> list[np.ndarray]:
-    """Reward of every completion: 1.0 when its last boxed answer matches the gold answer."""
-    return [
-        np.array(
-            [grade(completion.text, problem.gold) for completion in completions], dtype=np.float64
-        )
-        for problem, completions in zip(problems_P, completions_P, strict=True)
-    ]
-
-
 def reward_groups(
     problems_P: Sequence[Problem],
     completions_P: Sequence[Sequence[Completion]],
@@ -280,7 +235,7 @@ def reward_groups(
     workers: int,
     timeout: float = 0.0,
 ) -> RewardScores:
-    """Every --reward of every completion (see `grpo.rewards.score_completions`), called by
+    """Every --reward of every completion (see `grpo.reward_scores.score_completions`), called by
     the run's reward caller when one is active (`grpo.reward_calls.reward_session`)."""
     items = [
         (
@@ -374,24 +329,33 @@ def evaluate(
     seed: int,
     max_retries: int,
     log: Log,
+    config: Any,
 ) -> tuple[dict[str, float], TokenUsage]:
-    """Accuracy (mean reward over all samples), pass@k for k = 1, 2, 4, ... <= num_samples, and
-    the tokens the evaluation's sampling sent and sampled."""
+    """The test split graded as the run trains (``config``'s --reward list), and its usage.
+
+    ``test/reward`` is the mean weighted total over all samples, ``test/<component>`` each
+    reward's mean (as ``reward/<component>`` in training), ``test/reward_errors`` the failed
+    calls, and ``test/pass@k`` (k = 1, 2, 4, ... <= num_samples) counts a sample correct when
+    its total reaches 1, the full reward (docs/FORMULAS.md, "pass@k").
+    """
 
     def params(index: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=1.0,
-            seed=sampling_seed(seed, 0, index, purpose=EVAL_PURPOSE),
+            seed=sampling_seed(seed, 0, index, purpose=Purpose.EVAL),
         )
 
     job = Sampling(pool, tokenizer, max_retries, log).submit(
         sampler, problems, params, num_samples=num_samples
     )
-    rewards_P = grade_groups(problems, job.result())
-    correct_P = [int(rewards.sum()) for rewards in rewards_P]
-    metrics = {"test/reward": float(np.mean(np.concatenate(rewards_P)))}
+    scores = grade_rollouts(problems, job.result(), config).scores
+    correct_P = [int(np.sum(totals >= 1.0)) for totals in scores.totals_P]
+    metrics = {"test/reward": float(np.mean(np.concatenate(scores.totals_P)))}
+    for key, value in scores.metrics().items():
+        name = key.removeprefix("reward/")
+        metrics["test/reward_errors" if name == "errors" else f"test/{name}"] = value
     k = 1
     while k <= num_samples:
         metrics[f"test/pass@{k}"] = float(

@@ -1,7 +1,8 @@
 """The records a run carries through its steps: ``Run`` (fixed) and ``RunState`` (changing).
 
-`grpo.training.run` builds them once a run's checks have passed; every step of
-`grpo.training.step` reads the first and advances the second.
+`grpo.training.run` builds them once a run's checks have passed; every step of a recipe
+(`grpo.training.recipes`) reads the first and advances the second; the lifecycle
+(`grpo.training.lifecycle`) keeps the progress fields of the second for every recipe.
 """
 
 from __future__ import annotations
@@ -9,18 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 from pytrio.types import AdamParams
 
 from grpo.core.usage import Prices, TokenUsage
 from grpo.training.config import TrainConfig
-from grpo.training.logging import RunLogger
-from grpo.training.rollouts import Problem, RolloutJob
-
-if TYPE_CHECKING:
-    from grpo.training.episodes import EpisodeJob
+from grpo.training.rollouts import Problem
+from grpo.training.run_log import RunLogger
 
 
 @attrs.frozen
@@ -41,7 +39,7 @@ class Run:
     note: Callable[[str], None]
     prices: Prices | None = None
     teacher: Any = None
-    """The checked teacher of `grpo distill` (`grpo.training.distill.Teacher`), else None."""
+    """The checked teacher of `grpo distill` (`grpo.training.teacher.Teacher`), else None."""
 
 
 @attrs.define
@@ -59,8 +57,9 @@ class RunState:
     """The last minibatch, stripped to targets: no checkpoint if its log-probs are not finite."""
     sampler: Any = None
     sampler_version: int = -1
-    jobs: dict[int, "RolloutJob | EpisodeJob"] = attrs.Factory(dict)
-    """Sampling in flight, by step (steps ahead under --max-steps-off-policy)."""
+    jobs: dict[int, Any] = attrs.Factory(dict)
+    """Sampling in flight, by step (steps ahead under --max-steps-off-policy): each a
+    `grpo.training.jobs.Job`."""
     rollout_log: list[dict[str, Any]] = attrs.Factory(list)
     """The groups of the step being trained, for rollouts.jsonl (written with its row)."""
     last_metrics: dict[str, float] = attrs.Factory(dict)

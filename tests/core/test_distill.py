@@ -12,7 +12,7 @@ from grpo.core.distill import (
     discounted_suffix_sums,
     distill_advantages,
     distill_metrics,
-    teacher_logprobs_of_completion,
+    teacher_logprobs_at,
 )
 from tests.strategies import distill_batches
 
@@ -158,12 +158,16 @@ def test_metrics_are_the_means_over_completion_tokens(batch):
     assert metrics["distill/teacher_logprob"] == pytest.approx(batch["teacher"][on].mean())
 
 
-def test_teacher_logprobs_are_the_last_completion_entries():
+def test_teacher_logprobs_are_the_entries_at_the_sampled_positions():
     # prompt [a, b] + completion [c, d, e]: entry k scores token k given tokens before it
     entries = [None, -0.1, -1.0, -2.0, -3.0]
-    np.testing.assert_array_equal(teacher_logprobs_of_completion(entries, 3), [-1.0, -2.0, -3.0])
-    with pytest.raises(ValueError, match="at least one token"):
-        teacher_logprobs_of_completion([None, -1.0], 2)
+    np.testing.assert_array_equal(teacher_logprobs_at(entries, [2, 3, 4]), [-1.0, -2.0, -3.0])
+    # an episode: action [c], observation [d], action [e]: the observation is not scored
+    np.testing.assert_array_equal(teacher_logprobs_at(entries, [2, 4]), [-1.0, -3.0])
+    with pytest.raises(ValueError, match="sampled positions run 0..1"):
+        teacher_logprobs_at([None, -1.0], [0, 1])
+    with pytest.raises(ValueError, match="whole stream"):
+        teacher_logprobs_at([None, -1.0], [1, 2])
 
 
 def test_bad_shapes_and_values_are_refused():

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from grpo.core.rewards import RewardInput
-from grpo.rewards import load_rewards, math_verify, score_completions
+from grpo.reward_scores import score_completions
+from grpo.rewards import load_rewards, math_verify
 from grpo.tasks.math_grading import (
     GradingTimeout,
     math_gold,

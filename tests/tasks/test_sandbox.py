@@ -16,7 +16,8 @@ import pytest
 
 from grpo.cli import main
 from grpo.core.rewards import RewardInput
-from grpo.rewards import code_tests, code_tests_partial, load_rewards, score_completions
+from grpo.reward_scores import score_completions
+from grpo.rewards import code_tests, code_tests_partial, load_rewards
 from grpo.tasks.code_grading import CODE_TASKS, last_python_block, row_tests
 from grpo.tasks.sandbox import (
     SandboxLimits,

@@ -12,9 +12,9 @@ import pytest
 
 from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.training.config import ConfigError, TrainConfig
-from grpo.training.distill import check_same_tokenizer
 from grpo.training.run import dry_run
 from grpo.training.run_files import read_metrics
+from grpo.training.teacher import check_same_tokenizer
 from tests.invariance import assert_same_rows
 from tests.runs import comparable, quiet_train, tiny_config
 

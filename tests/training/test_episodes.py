@@ -323,8 +323,8 @@ def test_dynamic_sampling_on_episodes_drops_equal_return_groups_and_samples_more
     import numpy as np
 
     from grpo.tasks.data import load_run_problems
-    from grpo.training.rollouts import extra_batch, pick_batch
     from grpo.training.run_files import read_rollouts
+    from grpo.training.seeds import extra_batch, pick_batch
     from tests.test_tasks import _check_dynamic_invariants
 
     config = _dynamic_env(tmp_path, "parity")

@@ -15,7 +15,8 @@ import pytest
 
 from grpo.core.rewards import RewardInput
 from grpo.reward_calls import uses_processes
-from grpo.rewards import RewardError, load_rewards, score_completions
+from grpo.reward_scores import score_completions
+from grpo.rewards import RewardError, load_rewards
 from grpo.training.run import RunStopped
 from grpo.training.run_files import read_checkpoint, read_metrics
 from tests.invariance import assert_same_rows

@@ -18,9 +18,9 @@ import pytest
 from grpo.core import losses
 from grpo.training import run_files
 from grpo.training.config import TrainConfig
-from grpo.training.rollouts import pick_batch
 from grpo.training.run import ConfigError, RunStopped, train
 from grpo.training.run_files import read_metrics
+from grpo.training.seeds import pick_batch
 from tests.invariance import assert_same_rows
 from tests.runs import comparable, quiet_train, tiny_config
 
@@ -334,7 +334,7 @@ def test_pick_batch_is_a_pure_function_covering_each_pass() -> None:
 
 
 def test_config_is_saved_without_secrets(tmp_path: Path) -> None:
-    from grpo.training.logging import scrub_secrets
+    from grpo.training.run_log import scrub_secrets
 
     assert scrub_secrets(
         {"api_key": "sk-123", "PYTRIO_API_KEY": "x", "auth_token": "t", "steps": 3, "max_tokens": 8}

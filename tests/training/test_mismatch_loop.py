@@ -112,7 +112,7 @@ def test_masked_tokens_keep_their_place_in_the_datums_mask(
     """A masked token (w = 0, so A = 0) still counts in a mean's denominator at the backend."""
     import numpy as np
 
-    import grpo.training.step
+    import grpo.training.learner
     from grpo.backends.datums import batch_to_datums, read_datums
     from grpo.core.alignment import align, pack
 
@@ -127,7 +127,7 @@ def test_masked_tokens_keep_their_place_in_the_datums_mask(
         calls.append(with_mask)
         return batch_to_datums(batch, with_mask=with_mask)
 
-    monkeypatch.setattr(grpo.training.step, "batch_to_datums", recording)
+    monkeypatch.setattr(grpo.training.learner, "batch_to_datums", recording)
     assert _rows(tmp_path, "mean", mismatch_correction="token_mask", reduction="token_mean")
     trained_with_mean = list(calls)
     assert _rows(tmp_path, "sum", mismatch_correction="token_mask")

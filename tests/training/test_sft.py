@@ -15,8 +15,8 @@ from pytrio.types import ModelInput
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig
 from grpo.training.init_from import init_state_path, init_training_client
+from grpo.training.recipes.sft import dry_run_sft, example_datum, sft
 from grpo.training.run import RunStopped
-from grpo.training.sft import dry_run_sft, example_datum, sft
 from grpo.training.sft_config import SftConfig
 from tests.invariance import assert_same_rows
 from tests.runs import comparable
@@ -108,23 +108,23 @@ def test_sft_lowers_the_loss_and_resume_equals_an_uninterrupted_run(tmp_path: Pa
 
 
 def test_eval_loss_is_over_the_held_out_rows_only(tmp_path: Path) -> None:
-    from grpo.training.sft import SftRun
+    from grpo.training.recipes.sft import SftRecipe
 
     config = _config(tmp_path, "eval", epochs=1)
     calls: list[int] = []
-    original = SftRun.eval_loss
+    original = SftRecipe.evaluate
 
-    def spy(self: SftRun) -> dict[str, float]:
+    def spy(self: SftRecipe, state: object) -> dict[str, float]:
         calls.append(len(self.plan.eval))
         held = {tuple(e.tokens_T.tolist()) for e in self.plan.eval}
         assert held and not held & {tuple(e.tokens_T.tolist()) for e in self.plan.train}
-        return original(self)
+        return original(self, state)
 
-    SftRun.eval_loss = spy  # type: ignore[method-assign]
+    SftRecipe.evaluate = spy  # type: ignore[method-assign]
     try:
         _quiet(config)
     finally:
-        SftRun.eval_loss = original  # type: ignore[method-assign]
+        SftRecipe.evaluate = original  # type: ignore[method-assign]
     assert calls and set(calls) == {6}
 
 

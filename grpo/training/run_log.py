@@ -59,7 +59,8 @@ def console_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> s
     return " | ".join(parts)
 
 
-def _clip(text: str) -> str:
+def clip_text(text: str) -> str:
+    """``text`` as rollouts.jsonl keeps it: whole up to ROLLOUT_TEXT_LIMIT, else both ends."""
     if len(text) <= ROLLOUT_TEXT_LIMIT:
         return text
     half = ROLLOUT_TEXT_LIMIT // 2
@@ -79,12 +80,12 @@ def rollout_records(
             {
                 "group": index,
                 "row": problem.index,
-                "prompt": _clip(tokenizer.decode(list(problem.prompt_tokens))),
+                "prompt": clip_text(tokenizer.decode(list(problem.prompt_tokens))),
                 "gold": problem.gold,
                 "degenerate": group.is_degenerate,
                 "completions": [
                     {
-                        "text": _clip(completion.text),
+                        "text": clip_text(completion.text),
                         "reward": float(group.rewards[member]),
                         "components": {
                             name: float(values[member]) for name, values in components.items()

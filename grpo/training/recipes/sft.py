@@ -10,15 +10,18 @@ mean negative log-prob of its trained tokens (docs/FORMULAS.md, "Supervised fine
 each datum's ``weights`` are its mask over the batch's trained-token count, summed by the
 service.
 
-The run around it is `grpo train`'s: the run directory and its lock, config.json,
-metrics.jsonl, checkpoint.json (every --save-every steps and at the end), summary.json with
-the final sampler weights (what `grpo train --init-from` and `grpo distill --teacher`
-read), resume with the same batches and learning rates, a checkpoint on Ctrl-C/SIGTERM,
-token usage and cost, SwanLab, and a dry run that writes nothing.
+The run around it is the lifecycle every recipe shares (`grpo.training.lifecycle`): the run
+directory and its lock, config.json, metrics.jsonl, checkpoint.json (every --save-every
+steps and at the end, never of weights whose log-probs are not finite), resume with the
+same batches and learning rates (from the newest intact checkpoint when the latest cannot
+be loaded), a checkpoint on Ctrl-C/SIGTERM, summary.json with the final sampler weights
+(what `grpo train --init-from` and `grpo distill --teacher` read), token usage and cost,
+SwanLab; and a dry run that writes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -28,8 +31,8 @@ import attrs
 import numpy as np
 from pytrio.types import AdamParams, Datum, ModelInput, TensorData
 
-from grpo.backends.datums import output_logprobs
-from grpo.backends.pytrio import call_with_retries, make_service_client
+from grpo.backends.datums import forward_only, output_logprobs
+from grpo.backends.pytrio import make_service_client
 from grpo.core.sft import (
     SftExample,
     heldout_split,
@@ -38,25 +41,27 @@ from grpo.core.sft import (
     token_mean_cross_entropy,
     token_mean_weights,
 )
-from grpo.core.usage import Prices, TokenUsage, cost, usage_metrics
+from grpo.core.usage import Prices, TokenUsage, cost
 from grpo.tasks.sft_data import SftDataError, load_examples
 from grpo.training import run_files
 from grpo.training.config import FIELDS as TRAIN_FIELDS
 from grpo.training.fields import ConfigError
-from grpo.training.logging import RunLogger, scrub_secrets
-from grpo.training.prices import prices_for
-from grpo.training.rollouts import tokenizer_max_len
-from grpo.training.run import (
+from grpo.training.lifecycle import (
     RunResult,
-    RunStopped,
     check_run_status,
-    logged_usage,
-    sampler_weights_name,
-    stop_on_signals,
-    usage_summary,
+    finished_result,
+    load_checkpoint,
+    open_run,
+    retry,
+    run_steps,
+    start_state,
 )
+from grpo.training.prices import prices_for
+from grpo.training.recipe import Session
+from grpo.training.rollouts import tokenizer_max_len
+from grpo.training.run_log import RunLogger, scrub_secrets
 from grpo.training.sft_config import SftConfig, resolve_sft_run, sft_to_dict
-from grpo.training.timing import timed
+from grpo.training.state import RunState
 
 __all__ = ["SftPlan", "dry_run_sft", "example_datum", "sft"]
 
@@ -106,6 +111,8 @@ def _make_service(config: SftConfig, run_dir: Path) -> Any:
         seed=config.seed,
         connect_timeout_s=config.connect_timeout,
         concurrency=TRAIN_FIELDS["concurrency"].default,
+        threads=config.threads,
+        service_normalization=config.service_normalization,
     )
 
 
@@ -238,102 +245,60 @@ def sft(
     with run_files.owned(run_dir):
         checkpoint = check_run_dir(run_dir, resume)
         if checkpoint is False:
-            summary = run_files.read_summary(run_dir) or {}
-            echo(f"[grpo] {run_dir} already finished; nothing to do")
-            return RunResult(
-                run_dir=run_dir,
-                steps=int(summary.get("steps", 0)),
-                final_metrics=dict(summary.get("final", {})),
-                sampler_path=summary.get("sampler_path"),
-            )
+            return finished_result(run_dir, echo, "")
         plan = preflight_sft(config, lambda: service_client or _make_service(config, run_dir))
-        return SftRun(plan, run_dir, checkpoint, echo).run(progress)
 
+        def note(message: str) -> None:
+            echo(f"[grpo] {message}")
 
-class SftRun:
-    """One SFT run's clients, sinks and progress (the step loop)."""
-
-    def __init__(
-        self,
-        plan: SftPlan,
-        run_dir: Path,
-        checkpoint: run_files.Checkpoint | None,
-        echo: Callable[[str], None],
-    ) -> None:
-        config = self.config = plan.config
-        self.plan, self.run_dir, self.echo = plan, run_dir, echo
         service = plan.service
         if checkpoint is not None:
-            self.client = service.create_training_client_from_state_with_optimizer(
-                checkpoint.state_path
-            )
+            client, checkpoint = load_checkpoint(service, run_dir, checkpoint, note)
         else:
-            self.client = service.create_lora_training_client(
+            client = service.create_lora_training_client(
                 base_model=config.base_model, rank=config.lora_rank, seed=config.seed
             )
-        start = checkpoint.step if checkpoint is not None else 0
-        dropped = run_files.prepare_metrics_for_resume(
-            run_dir, checkpoint.step if checkpoint else None
+        start = open_run(run_dir, checkpoint, scrub_secrets(sft_to_dict(config)), note)
+        session = Session(
+            run_dir=run_dir,
+            run_name=str(config.run_name or run_dir.name),
+            steps=plan.steps,
+            training_client=client,
+            logger=RunLogger(
+                run_dir,
+                config=sft_to_dict(config),
+                swanlab_mode=config.swanlab_mode,
+                swanlab_project=config.swanlab_project,
+                run_name=str(config.run_name),
+            ),
+            note=note,
+            prices=plan.prices,
+            max_retries=config.max_retries,
         )
-        if dropped:
-            echo(
-                f"[grpo] resuming at step {start}: {dropped} logged row(s) after it will be redone"
-            )
-        run_files.write_json_atomic(
-            run_dir / run_files.CONFIG_FILE, scrub_secrets(sft_to_dict(config))
-        )
-        self.logger = RunLogger(
-            run_dir,
-            config=sft_to_dict(config),
-            swanlab_mode=config.swanlab_mode,
-            swanlab_project=config.swanlab_project,
-            run_name=str(config.run_name),
-        )
-        self.completed = self.saved = start
-        self.usage, self.usage_logged = TokenUsage(), logged_usage(run_dir, start)
-        self.last_metrics: dict[str, float] = {}
-        self.dirty = False
+        return run_steps(SftRecipe(plan, session), start_state(run_dir, start), echo, progress)
 
-    def _retry(self, call: Callable[[], Any], what: str) -> Any:
-        return call_with_retries(
-            call,
-            what=what,
-            max_retries=self.config.max_retries,
-            on_retry=lambda m: self.echo(f"[grpo] {m}"),
-        )
 
-    def eval_loss(self) -> dict[str, float]:
-        """eval/loss: the token-mean cross-entropy over every held-out row (forward only)."""
-        logprobs, masks = [], []
-        for batch in token_batches(
-            [e.tokens_T.size for e in self.plan.eval],
-            budget=self.config.batch_tokens,
-            seed=0,
-            epoch=0,
-        ):
-            examples = [self.plan.eval[i] for i in batch]
-            datums = batch_datums(examples)
-            result = self._retry(
-                lambda datums=datums: self.client.forward(datums, loss_fn="cross_entropy").result(),
-                "forward (eval loss)",
-            )
-            logprobs.append(output_logprobs(result.loss_fn_outputs))
-            masks += [example.mask_T[1:] for example in examples]
-            self.usage += TokenUsage(forward_tokens=sum(e.num_positions for e in examples))
-        return {
-            "eval/loss": token_mean_cross_entropy(np.concatenate(logprobs), np.concatenate(masks))
-        }
+class SftRecipe:
+    """Supervised fine-tuning as the lifecycle drives it: one batch of rows a step."""
 
-    def train_step(self, step: int) -> dict[str, float]:
+    command = "sft"
+    progress_label = "sft"
+    steps_word = "SFT steps"
+
+    def __init__(self, plan: SftPlan, session: Session) -> None:
+        self.plan, self.config, self.session = plan, plan.config, session
+
+    def step(self, state: RunState, step: int) -> dict[str, float]:
         """One batch: forward_backward (cross_entropy), then optim_step at the step's rate."""
-        config, plan = self.config, self.plan
+        config, plan, client = self.config, self.plan, self.session.training_client
         examples = [plan.train[i] for i in plan.batches[step]]
-        datums = batch_datums(examples)
-        result = self._retry(
-            lambda: self.client.forward_backward(datums, loss_fn="cross_entropy").result(),
+        datums = batch_datums(examples)  # 1. the step's rows, weighted for a token mean
+        result = retry(  # 2. forward_backward with the built-in cross-entropy
+            self.session,
+            lambda: client.forward_backward(datums, loss_fn="cross_entropy").result(),
             "forward_backward",
         )
-        rate = config.learning_rate * lr_multiplier(
+        rate = config.learning_rate * lr_multiplier(  # 3. the step's learning rate
             step,
             total_steps=plan.steps,
             warmup_steps=config.warmup_steps,
@@ -347,12 +312,13 @@ class SftRun:
             weight_decay=config.weight_decay,
             grad_clip_norm=config.grad_clip_norm,
         )
-        self.dirty = True  # the weights move past the logged step until this row is logged
-        optim = self._retry(lambda: self.client.optim_step(adam).result(), "optim_step")
+        state.weights_dirty = True  # the weights move past the logged step until it is logged
+        optim = retry(self.session, lambda: client.optim_step(adam).result(), "optim_step")
+        state.probe_datums = forward_only(datums)  # a checkpoint checks these are finite
         positions = sum(example.num_positions for example in examples)
-        self.usage += TokenUsage(trained_tokens=positions)
+        state.usage += TokenUsage(trained_tokens=positions)
         masks = np.concatenate([example.mask_T[1:] for example in examples])
-        return {
+        return {  # 4. the step's metrics
             "loss": token_mean_cross_entropy(output_logprobs(result.loss_fn_outputs), masks),
             "learning_rate": rate,
             "epoch": float(plan.epochs_of_steps[step]),
@@ -362,114 +328,65 @@ class SftRun:
             "grad_norm": float(optim.metrics.get("grad_norm", float("nan"))),
         }
 
-    def log(self, step: int, metrics: dict[str, float], write: Callable[[str], None]) -> None:
-        """The step's row to disk (durable) with its usage, then the console line."""
-        logged = self.usage_logged + self.usage
-        metrics.update(usage_metrics(self.usage, logged, self.plan.prices))
-        self.logger.log(step, metrics)
-        self.usage, self.usage_logged = TokenUsage(), logged
-        self.completed, self.last_metrics, self.dirty = step, metrics, False
+    def evaluates_after(self, done: int) -> bool:
+        """Before training, every --eval-every steps and at the end, when rows are held out."""
+        return evaluates(self.config, done, self.plan.steps, bool(self.plan.eval))
+
+    def evaluate(self, state: RunState) -> dict[str, float]:
+        """eval/loss: the token-mean cross-entropy over every held-out row (forward only)."""
+        client = self.session.training_client
+        logprobs, masks = [], []
+        for batch in token_batches(
+            [e.tokens_T.size for e in self.plan.eval],
+            budget=self.config.batch_tokens,
+            seed=0,
+            epoch=0,
+        ):
+            examples = [self.plan.eval[i] for i in batch]
+            datums = batch_datums(examples)
+            result = retry(
+                self.session,
+                lambda datums=datums: client.forward(datums, loss_fn="cross_entropy").result(),
+                "forward (eval loss)",
+            )
+            logprobs.append(output_logprobs(result.loss_fn_outputs))
+            masks += [example.mask_T[1:] for example in examples]
+            state.usage += TokenUsage(forward_tokens=sum(e.num_positions for e in examples))
+        return {
+            "eval/loss": token_mean_cross_entropy(np.concatenate(logprobs), np.concatenate(masks))
+        }
+
+    def baseline(self, state: RunState) -> dict[str, float]:
+        """The eval loss before training."""
+        return self.evaluate(state)
+
+    def saves_after(self, done: int) -> bool:
+        """Every --save-every steps before the last."""
+        return saves(self.config, done, self.plan.steps) and done < self.plan.steps
+
+    def console_line(self, step: int, metrics: dict[str, float]) -> str:
+        """Step, loss, eval loss, learning rate and cost."""
         parts = [f"step {step}/{self.plan.steps}"]
         for key, fmt in (("loss", "{:.4f}"), ("eval/loss", "{:.4f}"), ("learning_rate", "{:.2e}")):
             if key in metrics:
                 parts.append(f"{key}={fmt.format(metrics[key])}")
         if "cost/cum" in metrics:
             parts.append(f"cost={metrics['cost/cum']:.4f}")
-        write(" | ".join(parts))
+        return " | ".join(parts)
 
-    def save(self, name: str) -> None:
-        """A resumable checkpoint of the weights of step ``self.completed``."""
-        result = self._retry(lambda: self.client.save_state(name).result(), "save_state")
-        run_files.write_checkpoint(
-            self.run_dir,
-            run_files.Checkpoint(step=self.completed, state_path=result.path),
-            run_name=str(self.config.run_name),
-        )
-        self.saved = self.completed
+    def save_beside(self, state: RunState, state_path: str) -> None:
+        """Nothing goes with an SFT checkpoint but the weights."""
 
-    def _steps(self, stop: threading.Event, bar: Any, write: Callable[[str], None]) -> str:
-        steps, has_eval = self.plan.steps, bool(self.plan.eval)
-        if self.completed == 0 and evaluates(self.config, 0, steps, has_eval):
-            self.log(0, self.eval_loss(), write)
-        for step in range(self.completed, steps):
-            if stop.is_set():
-                raise KeyboardInterrupt
-            metrics: dict[str, float] = {}
-            with timed("time/step", metrics):
-                metrics.update(self.train_step(step))
-                if evaluates(self.config, step + 1, steps, has_eval):
-                    metrics.update(self.eval_loss())
-            self.log(step + 1, metrics, write)
-            bar.update(1)
-            if saves(self.config, step + 1, steps) and step + 1 < steps:
-                self.save(f"step-{step + 1:06d}")
-        self.save("final")
-        name = sampler_weights_name(str(self.config.run_name))
-        return self._retry(
-            lambda: self.client.save_weights_for_sampler(name).result(), "save_weights_for_sampler"
-        ).path
+    def saved(self, state: RunState) -> None:
+        """Nothing to prune."""
 
-    def _stop(self) -> None:
-        """A checkpoint of the last logged step, unless the weights already moved past it."""
-        if self.dirty:
-            self.echo(f"[grpo] stopped mid-step: keeping the checkpoint of step {self.saved}")
-        elif self.completed != self.saved:
-            try:
-                self.save(f"step-{self.completed:06d}")
-                self.echo(f"[grpo] checkpoint saved at step {self.completed}")
-            except Exception as error:  # noqa: BLE001 - the original stop is what matters
-                self.echo(f"[grpo] could not save a checkpoint ({error}); last is {self.saved}")
+    def calls(self, stop: threading.Event) -> contextlib.AbstractContextManager[Any]:
+        """No reward workers."""
+        return contextlib.nullcontext()
 
-    def run(self, progress: bool) -> RunResult:
-        """Every step not yet logged, the final checkpoint and sampler weights, summary.json."""
-        from tqdm import tqdm
+    def summary(self, state: RunState) -> dict[str, Any]:
+        """The recipe and its final eval loss."""
+        return {"recipe": "sft", "eval/loss": state.last_metrics.get("eval/loss")}
 
-        bar = tqdm(
-            total=self.plan.steps,
-            initial=self.completed,
-            desc="sft",
-            unit="step",
-            disable=not progress,
-            dynamic_ncols=True,
-        )
-        write = bar.write if progress else self.echo
-        clock: dict[str, float] = {}
-        resume = f"`grpo sft --resume {self.run_dir}`"
-        with timed("wall_time_s", clock):
-            try:
-                with stop_on_signals() as stop:
-                    sampler_path = self._steps(stop, bar, write)
-            except KeyboardInterrupt:
-                self._stop()
-                raise RunStopped(
-                    f"stopped by signal after step {self.completed}; resume with {resume}", 130
-                ) from None
-            except Exception as error:
-                self._stop()
-                raise RunStopped(
-                    f"run failed at step {self.completed + 1}: {type(error).__name__}: {error}\n"
-                    f"resume with {resume}",
-                    exit_code=1,
-                ) from error
-            finally:
-                bar.close()
-                self.logger.close()
-        run_files.write_json_atomic(
-            self.run_dir / run_files.SUMMARY_FILE,
-            {
-                "finished": True,
-                "recipe": "sft",
-                "steps": self.plan.steps,
-                "wall_time_s": clock["wall_time_s"],
-                "final": self.last_metrics,
-                "eval/loss": self.last_metrics.get("eval/loss"),
-                **run_files.summary_sampler_path(self.run_dir, sampler_path),
-                "run_name": self.config.run_name,
-                **usage_summary(self.usage_logged + self.usage, self.plan.prices),
-            },
-        )
-        self.echo(
-            f"[grpo] done: {self.plan.steps} SFT steps in {clock['wall_time_s']:.1f}s; final "
-            f"sampler weights: {sampler_path}"
-        )
-        return RunResult(self.run_dir, self.plan.steps, self.last_metrics, sampler_path)
+    def close(self, state: RunState) -> None:
+        """Nothing in flight."""

@@ -1,18 +1,18 @@
-"""The shell of on-policy distillation (`grpo distill`): the teacher, its scoring, step pieces.
+"""The teacher of on-policy distillation (`grpo distill`): resolved, checked, scoring.
 
-docs/FORMULAS.md, "On-policy distillation". The student samples as in `grpo train`; then:
+docs/FORMULAS.md, "On-policy distillation"; the step's pieces are in
+`grpo.training.recipes.distill`.
 
 - `resolve_teacher` (pre-flight, before any training call): --teacher as a finished run
   directory (its final sampler weights, else its last checkpoint), a weights path (sampler
   weights or a training state), or a model name; refused unless its tokenizer equals the
   student's (`check_same_tokenizer`: vocabulary and chat template).
-- `TeacherScoring` (step 2b): one ``compute_logprobs(x_T + y)`` per completion on the
-  teacher's own thread pool (--teacher-concurrency), retried like every call, while the
-  step grades; ``result_N`` places q on the batch's completion positions.
+- `TeacherScoring` (step 2b): one ``compute_logprobs`` per completion (x_T + y) or episode
+  (its whole stream) on the teacher's own thread pool (--teacher-concurrency), retried like
+  every call, while the step grades; ``result_N`` places q on the batch's sampled positions.
 - `distill_batch` (step 7b): the batch with A_t of `grpo.core.distill.distill_advantages`
   and the `distill/*` metrics; under --mismatch-correction recompute it runs inside the
   update on the trainer's log-probs (``update``'s ``reshape`` hook).
-- `teacher_test_metrics`: the teacher's own test reward, measured once (the baseline row).
 """
 
 from __future__ import annotations
@@ -28,13 +28,15 @@ import numpy as np
 from pytrio.types import ModelInput
 
 from grpo.backends.pytrio import call_with_retries
-from grpo.core.distill import distill_advantages, distill_metrics, teacher_logprobs_of_completion
+from grpo.core.distill import distill_advantages, distill_metrics, teacher_logprobs_at
+from grpo.core.episodes import Episode
 from grpo.core.records import Completion, TokenBatch
-from grpo.core.usage import TokenUsage, planned_teacher_tokens, teacher_usage
+from grpo.core.usage import TokenUsage, planned_teacher_tokens
 from grpo.tasks.prompts import build_prompt_tokens
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig
-from grpo.training.rollouts import Problem, evaluate, pick_batch
+from grpo.training.rollouts import Problem
+from grpo.training.seeds import pick_batch
 
 Log = Callable[[str], None]
 
@@ -183,24 +185,25 @@ def sampling_note(config: TrainConfig) -> str | None:
 
 
 class TeacherScoring:
-    """Step 2b: the teacher's log-probs of every completion, requested concurrently."""
+    """Step 2b: the teacher's log-probs of every sampled token, requested concurrently.
+
+    One ``compute_logprobs`` per sequence (a prompt + completion, or an episode's whole
+    stream), read at the sequence's sampled positions; sequences in packing order.
+    """
 
     def __init__(
         self,
         teacher: Teacher,
-        problems_P: Sequence[Problem],
-        completions_P: Sequence[Sequence[Completion]],
+        sequences: Sequence[tuple[list[int], np.ndarray]],
         *,
         max_retries: int,
         log: Log,
     ) -> None:
         self._started = time.perf_counter()
         self._finished: list[float] = []
-        self._prompt_lens_C: list[int] = []
-        self._completion_lens_C: list[int] = []
+        self._tokens = sum(len(tokens) for tokens, _positions in sequences)
 
-        def score(prompt: tuple[int, ...], completion: Completion) -> np.ndarray:
-            tokens = [*prompt, *completion.tokens.tolist()]
+        def score(tokens: list[int], positions: np.ndarray) -> np.ndarray:
             values = call_with_retries(
                 lambda: teacher.sampler.compute_logprobs(ModelInput.from_ints(tokens)).result(),
                 what="teacher compute_logprobs",
@@ -208,25 +211,51 @@ class TeacherScoring:
                 on_retry=log,
             )
             self._finished.append(time.perf_counter())
-            return teacher_logprobs_of_completion(values, int(completion.tokens.size))
+            return teacher_logprobs_at(values, positions)
 
-        self._futures_C: list[Future[np.ndarray]] = []
+        self._futures_C: list[Future[np.ndarray]] = [
+            teacher.pool.submit(score, tokens, positions) for tokens, positions in sequences
+        ]
+
+    @classmethod
+    def of_completions(
+        cls,
+        teacher: Teacher,
+        problems_P: Sequence[Problem],
+        completions_P: Sequence[Sequence[Completion]],
+        *,
+        max_retries: int,
+        log: Log,
+    ) -> TeacherScoring:
+        """Each completion scored after the teacher's prompt x_T: q(y_t | x_T, y_<t)."""
+        sequences = []
         for problem, completions in zip(problems_P, completions_P, strict=True):
-            prompt = teacher.prompt_tokens(problem)
+            prompt = list(teacher.prompt_tokens(problem))
             for completion in completions:
-                self._prompt_lens_C.append(len(prompt))
-                self._completion_lens_C.append(int(completion.tokens.size))
-                self._futures_C.append(teacher.pool.submit(score, prompt, completion))
+                tokens = [*prompt, *completion.tokens.tolist()]
+                sequences.append((tokens, np.arange(len(prompt), len(tokens))))
+        return cls(teacher, sequences, max_retries=max_retries, log=log)
+
+    @classmethod
+    def of_episodes(
+        cls, teacher: Teacher, episodes: Sequence[Episode], *, max_retries: int, log: Log
+    ) -> TeacherScoring:
+        """Each episode's whole stream scored at its sampled tokens (observations and tool
+        outputs are context, never scored)."""
+        sequences = [
+            (episode.tokens.tolist(), np.flatnonzero(episode.sampled)) for episode in episodes
+        ]
+        return cls(teacher, sequences, max_retries=max_retries, log=log)
 
     def result_N(self, batch: TokenBatch) -> np.ndarray:
-        """q on ``batch``'s completion positions (mask 1, as packed), 0 elsewhere."""
+        """q on ``batch``'s sampled positions (mask 1, as packed), 0 elsewhere."""
         values_C = [future.result() for future in self._futures_C]
         mask = np.asarray(batch.mask, dtype=bool)
         teacher_N = np.zeros(mask.size, dtype=np.float64)
         flat = np.concatenate(values_C) if values_C else np.zeros(0)
         if flat.size != int(mask.sum()):
             raise AssertionError(
-                f"the teacher scored {flat.size} completion tokens, the batch has "
+                f"the teacher scored {flat.size} sampled tokens, the batch has "
                 f"{int(mask.sum())}: the groups must be packed in sampling order"
             )
         teacher_N[mask] = flat
@@ -237,12 +266,12 @@ class TeacherScoring:
         return max(self._finished, default=self._started) - self._started
 
     def usage(self) -> TokenUsage:
-        """The prompt tokens sent to the teacher: Σ (|x_T| + |y|) over the completions."""
+        """The prompt tokens sent to the teacher: every scored sequence's tokens."""
         return TokenUsage(prompt_tokens=self.num_tokens())
 
     def num_tokens(self) -> int:
-        """Σ (|x_T| + |y|): the teacher-token count (``usage/teacher_prompt_tokens``)."""
-        return teacher_usage(self._prompt_lens_C, self._completion_lens_C)
+        """Σ |sequence| (|x_T| + |y| per completion): ``usage/teacher_prompt_tokens``."""
+        return self._tokens
 
 
 def distill_batch(
@@ -293,23 +322,3 @@ def teacher_plan_line(
         + f", tokenizer equal to the student's; teacher prompt tokens <= {bound:,} "
         "(in the prompt tokens below)"
     )
-
-
-def teacher_test_metrics(run: Any, teacher: Teacher) -> tuple[dict[str, float], TokenUsage]:
-    """The teacher's own test reward, evaluated as the student's (``distill/teacher_test_*``)."""
-    config = run.config
-    metrics, usage = evaluate(
-        run.pool,
-        teacher.sampler,
-        run.test_problems,
-        run.tokenizer,
-        num_samples=1,
-        temperature=config.temperature,
-        max_tokens=config.max_tokens,
-        seed=config.seed,
-        max_retries=config.max_retries,
-        log=run.note,
-    )
-    return {
-        f"distill/teacher_{key.replace('/', '_')}": value for key, value in metrics.items()
-    }, usage

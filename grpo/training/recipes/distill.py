@@ -1,0 +1,69 @@
+"""On-policy distillation as a scorer on the GRPO step's rollouts (`grpo distill`).
+
+docs/FORMULAS.md, "On-policy distillation". The student samples as the GRPO recipe does,
+on completions or on an environment's episodes; then, in the step's own story:
+
+- 2b. ``submit_scoring``: the teacher's log-probs q of every sampled token, requested while
+  the step grades (`grpo.training.teacher.TeacherScoring`: a completion after the
+  teacher's prompt, an episode's whole stream read at its sampled tokens, so observations
+  and tool outputs are never scored or trained).
+- 6b. ``teacher_logprobs``: q placed on the packed batch's sampled positions.
+- 7b. ``distill_now``: the batch's advantages A_t of `grpo.core.distill.distill_advantages`
+  and the ``distill/*`` metrics; under --mismatch-correction recompute they are computed
+  inside the update, on the trainer's log-probs (the update's ``reshape`` hook).
+- ``teacher_test_metrics``: the teacher's own test reward, once, in the baseline row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from grpo.core.records import TokenBatch
+from grpo.core.usage import TokenUsage
+from grpo.training.config import TrainConfig
+from grpo.training.sources import RolloutSource
+from grpo.training.state import Run, RunState
+from grpo.training.teacher import Teacher, TeacherScoring, distill_batch, in_update
+
+
+def submit_scoring(run: Run, source: RolloutSource, sampled: Any) -> TeacherScoring | None:
+    """Step 2b: the teacher's scoring of every sampled token, submitted (None: no teacher)."""
+    if run.teacher is None:
+        return None
+    return source.teacher_scoring(run, sampled)
+
+
+def teacher_logprobs(
+    state: RunState, scoring: TeacherScoring, batch: TokenBatch, metrics: dict[str, float]
+) -> np.ndarray:
+    """Step 6b: q on the batch's sampled positions; its time and usage into the step's row."""
+    teacher_N = scoring.result_N(batch)
+    metrics["time/teacher"] = scoring.seconds()
+    metrics["usage/teacher_prompt_tokens"] = float(scoring.num_tokens())
+    state.usage += scoring.usage()
+    return teacher_N
+
+
+def distill_now(
+    batch: TokenBatch, teacher_N: np.ndarray, config: TrainConfig, metrics: dict[str, float]
+) -> tuple[TokenBatch, Callable[[TokenBatch], tuple[TokenBatch, dict[str, float]]] | None]:
+    """Step 7b: the distilled batch now (s = the sampler's), or a hook for the update (s = the
+    trainer's, under --mismatch-correction recompute)."""
+    if in_update(config):
+        return batch, lambda corrected: distill_batch(corrected, teacher_N, config)
+    batch, found = distill_batch(batch, teacher_N, config)
+    metrics.update(found)
+    return batch, None
+
+
+def teacher_test_metrics(
+    run: Run, source: RolloutSource, teacher: Teacher
+) -> tuple[dict[str, float], TokenUsage]:
+    """The teacher's own test reward, evaluated as the student's (``distill/teacher_test_*``)."""
+    metrics, usage = source.evaluate(run, teacher.sampler)
+    return {
+        f"distill/teacher_{key.replace('/', '_')}": value for key, value in metrics.items()
+    }, usage

@@ -1,0 +1,179 @@
+"""The GRPO recipe, told in the ten steps of docs/DESIGN.md ("One training step").
+
+``train_step`` is steps 1-9 for any rollout source (`grpo.training.sources`: completions,
+or an environment's episodes under --env) and, with a teacher, on-policy distillation
+(`grpo.training.recipes.distill` scores the same rollouts); step 10 (evaluate when due,
+log, checkpoint) is the lifecycle's (`grpo.training.lifecycle`), which ``GrpoRecipe``
+plugs into. The maths lives in ``grpo.core``, the update in ``grpo.training.learner``.
+
+With ``max_steps_off_policy = K > 0``, sampling for the next K steps is submitted before
+this step trains (`grpo.training.jobs`), and a rollout is never used more than K updates
+stale; a checkpoint keeps those rollouts beside it (`grpo.training.ahead`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+from grpo.core.alignment import mask_sequences
+from grpo.core.metrics import batch_metrics
+from grpo.reward_calls import reward_session
+from grpo.training.ahead import prune_ahead, save_ahead
+from grpo.training.faults import fault_point
+from grpo.training.jobs import submit_rollouts, take_rollouts
+from grpo.training.learner import current_sampler, shape_with_kl, update
+from grpo.training.recipe import Session
+from grpo.training.recipes.distill import (
+    distill_now,
+    submit_scoring,
+    teacher_logprobs,
+    teacher_test_metrics,
+)
+from grpo.training.rollouts import trainable_groups
+from grpo.training.run_log import console_line
+from grpo.training.schedule import evaluates_after, evaluates_at_start, saves_after
+from grpo.training.sources import RolloutSource, source_of
+from grpo.training.state import Run, RunState
+from grpo.training.timing import timed
+
+
+def train_step(run: Run, state: RunState, step: int, source: RolloutSource) -> dict[str, float]:
+    """Steps 1-9 of one training step; returns its metrics, not yet logged."""
+    config = run.config
+    timings: dict[str, float] = {}
+    with timed("time/sample", timings):
+        submit_rollouts(  # 1. pick the problems; 2. sample them (async, K steps ahead)
+            run, state, step, lambda problems, ahead: source.submit(run, state, problems, ahead)
+        )
+        job, staleness = take_rollouts(run, state, step)
+        sampled = source.take(state, job)  # 2. ... a group of G completions (episodes) each
+        fault_point("sampled")
+    scoring = submit_scoring(run, source, sampled)  # 2b. distill: the teacher scores them
+    played = source.grade(run, state, step, sampled)  # 3. grade (--reward, or env returns)
+    groups_P, metrics = source.groups(run, played)  # 4. group advantages, rollout metrics
+    metrics["off_policy_steps"] = float(staleness)
+    limit = config.batch_size if config.dynamic_sampling else None
+    # 5. drop the degenerate groups (under distillation the teacher scores every one)
+    trainable_P = trainable_groups(groups_P, limit) if scoring is None else list(groups_P)
+    if config.dynamic_sampling:
+        metrics.update(sampling_metrics(played, trainable_P))
+    state.rollout_log = source.records(run, played, groups_P)
+    with timed("time/train", timings):
+        batch = source.pack(trainable_P)  # 6. align + pack a TokenBatch
+        teacher_N = None if scoring is None else teacher_logprobs(state, scoring, batch, metrics)
+        if config.mask_truncated:  # DAPO: truncated completions train no tokens
+            batch = mask_sequences(batch, source.truncated(trainable_P))
+        if batch.num_train_tokens:
+            if run.ref_sampler is not None:  # 7. KL shaping against the base model
+                ref_logprobs_N, ref_usage = source.reference(run, trainable_P)
+                batch, metrics["kl"] = shape_with_kl(batch, ref_logprobs_N, config)
+                state.usage += ref_usage
+            reshape = None
+            if teacher_N is not None:  # 7b. distill: the teacher's log-probs as the advantages
+                batch, reshape = distill_now(batch, teacher_N, config, metrics)
+            metrics.update(batch_metrics(batch))
+            metrics.update(update(run, state, batch, staleness, reshape))  # 8.-9. update, metrics
+            state.version += 1
+        else:
+            metrics.update(batch_metrics(batch))
+    return {**metrics, **timings}
+
+
+def sampling_metrics(played: Any, trainable_P: list[Any]) -> dict[str, float]:
+    """Dynamic sampling's cost and result: rounds, extra sampled tokens, groups that train."""
+    return {
+        "sampling/rounds": float(played.rounds),
+        "sampling/extra_tokens": float(played.extra_tokens),
+        "sampling/groups": float(len(trainable_P)),
+    }
+
+
+class GrpoRecipe:
+    """GRPO (and on-policy distillation) as the lifecycle drives it."""
+
+    command = "train"
+    progress_label = "grpo"
+    steps_word = "steps"
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.source = source_of(run.config)
+        self.session = Session(
+            run_dir=run.run_dir,
+            run_name=str(run.config.run_name or run.run_dir.name),
+            steps=run.steps,
+            training_client=run.training_client,
+            logger=run.logger,
+            note=run.note,
+            prices=run.prices,
+            max_retries=run.config.max_retries,
+        )
+
+    def step(self, state: RunState, step: int) -> dict[str, float]:
+        """Steps 1-9 (`train_step`)."""
+        return train_step(self.run, state, step, self.source)
+
+    def evaluates_after(self, done: int) -> bool:
+        """Every --eval-every steps, after the last, and before the first of a fresh run."""
+        if done == 0:
+            return evaluates_at_start(self.run.config, 0)
+        return evaluates_after(self.run.config, done, self.run.steps)
+
+    def evaluate(self, state: RunState) -> dict[str, float]:
+        """The test split graded as the run trains, on the current weights."""
+        fault_point("eval")
+        metrics, usage = self.source.evaluate(self.run, current_sampler(self.run, state))
+        state.usage += usage
+        return metrics
+
+    def baseline(self, state: RunState) -> dict[str, float]:
+        """The evaluation before training and, distilling, the teacher's own (once)."""
+        metrics = self.evaluate(state)
+        if self.run.teacher is not None:
+            found, usage = teacher_test_metrics(self.run, self.source, self.run.teacher)
+            metrics.update(found)
+            state.usage += usage
+        return metrics
+
+    def saves_after(self, done: int) -> bool:
+        """Every --save-every steps before the last."""
+        return saves_after(self.run.config, done, self.run.steps)
+
+    def console_line(self, step: int, metrics: dict[str, float]) -> str:
+        """The article's one-line summary of a step."""
+        return console_line(step, self.run.steps, metrics)
+
+    def save_beside(self, state: RunState, state_path: str) -> None:
+        """Under --max-steps-off-policy, the rollouts sampled ahead go with the weights."""
+        if self.run.config.max_steps_off_policy:
+            save_ahead(self.run.run_dir, state.completed, state_path, state.jobs, state.version)
+
+    def saved(self, state: RunState) -> None:
+        """The previous checkpoint's rollouts sampled ahead are not needed now."""
+        if self.run.config.max_steps_off_policy:
+            prune_ahead(self.run.run_dir, state.completed)
+
+    def calls(self, stop: threading.Event) -> contextlib.AbstractContextManager[Any]:
+        """The reward workers (--reward-workers), for the whole run."""
+        config = self.run.config
+        return reward_session(
+            config.reward_fns,
+            workers=config.reward_workers,
+            timeout=config.reward_timeout,
+            stop=stop,
+            note=self.run.note,
+        )
+
+    def summary(self, state: RunState) -> dict[str, Any]:
+        """summary.json's final test reward."""
+        return {"test/reward": state.last_metrics.get("test/reward")}
+
+    def close(self, state: RunState) -> None:
+        """Cancel the sampling in flight; release the pools."""
+        for pending in state.jobs.values():
+            pending.cancel()
+        self.run.pool.shutdown(wait=False, cancel_futures=True)
+        if self.run.teacher is not None:
+            self.run.teacher.close()
