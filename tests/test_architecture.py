@@ -8,6 +8,7 @@
 - Inside grpo nothing but the CLI (``grpo/cli.py``) imports ``grpo.serve``; tests and
   benchmarks may.
 - ``grpo --help`` loads neither torch nor transformers.
+- No import circle anywhere under ``grpo/``: a circle is a seam in the wrong place.
 
 Every import counts, including those inside functions and under ``TYPE_CHECKING``.
 """
@@ -30,16 +31,16 @@ def _module_name(path: Path, root: Path = PACKAGE_ROOT) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_grpo_module(name: str) -> bool:
-    """Whether ``name`` is a module or package of the grpo source tree."""
+def _is_grpo_module(name: str, package_root: Path = PACKAGE_ROOT) -> bool:
+    """Whether ``name`` is a module or package of the grpo source tree at ``package_root``."""
     relative = Path(*name.split("."))
-    root = PACKAGE_ROOT.parent
+    root = package_root.parent
     is_file = (root / relative).with_suffix(".py").is_file()
     return is_file or (root / relative / "__init__.py").is_file()
 
 
 def imported_modules(
-    source: str, module: str, is_package: bool = False
+    source: str, module: str, is_package: bool = False, root: Path = PACKAGE_ROOT
 ) -> Iterator[tuple[int, str]]:
     """(line, module) for every import statement anywhere in ``source``.
 
@@ -60,7 +61,7 @@ def imported_modules(
                 base = node.module or ""
             for alias in node.names:
                 submodule = f"{base}.{alias.name}"
-                yield node.lineno, submodule if _is_grpo_module(submodule) else base
+                yield node.lineno, submodule if _is_grpo_module(submodule, root) else base
 
 
 def _within(name: str, prefix: str) -> bool:
@@ -114,6 +115,80 @@ def may_import_serve(name: str) -> bool:
 
 SERVE_IMPORTERS = ("grpo.cli", "grpo.serve")
 """The grpo modules that may import grpo.serve: the CLI, and the package itself."""
+
+
+def import_graph(root: Path = PACKAGE_ROOT) -> dict[str, set[str]]:
+    """Each grpo module -> the grpo modules it imports (a package means its ``__init__``)."""
+
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        module = _module_name(path, root)
+        source = path.read_text(encoding="utf-8")
+        is_package = path.name == "__init__.py"
+        names = {name for _, name in imported_modules(source, module, is_package, root)}
+        graph[module] = {name for name in names if _is_grpo_module(name, root)}
+        graph[module].discard(module)
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of two or more modules (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def test_the_circle_finder_sees_a_planted_circle_through_a_deferred_import(tmp_path: Path):
+    package = tmp_path / "grpo"
+    (package / "training").mkdir(parents=True)
+    for path, source in {
+        "__init__.py": "",
+        "training/__init__.py": "",
+        "training/a.py": "from grpo.training.b import x\n",
+        "training/b.py": "def x():\n    from grpo.training import c\n",
+        "training/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from grpo.training.a import y\n",
+        "training/d.py": "import grpo.training.a\n",
+    }.items():
+        (package / path).write_text(source)
+    assert import_circles(import_graph(package)) == [
+        ["grpo.training.a", "grpo.training.b", "grpo.training.c"]
+    ]
+
+
+def test_there_is_no_import_circle_under_grpo():
+    circles = import_circles(import_graph())
+    assert not circles, "import circles (move the shared piece below both): " + "; ".join(
+        " <-> ".join(circle) for circle in circles
+    )
 
 
 def test_the_import_scanner_sees_imports_in_functions_relative_and_from_package():

@@ -501,7 +501,8 @@ class TrainConfig:
 
 
 def check_recipe(config: "TrainConfig") -> None:
-    """--recipe distill needs --teacher (and no --dynamic-sampling); --teacher needs distill."""
+    """--recipe distill needs --teacher (no --dynamic-sampling, no --teacher-system-prompt under
+    --env); --teacher needs distill."""
     if config.distill_discount > 1:
         raise ConfigError(f"--distill-discount must be in [0, 1], got {config.distill_discount}")
     if config.recipe == "distill" and config.teacher is None:
@@ -510,6 +511,12 @@ def check_recipe(config: "TrainConfig") -> None:
         raise ConfigError(
             f"--teacher {config.teacher} is for distillation; run `grpo distill` (or --recipe "
             "distill), or drop --teacher"
+        )
+    if config.recipe == "distill" and config.env is not None and config.teacher_system_prompt:
+        raise ConfigError(
+            "--teacher-system-prompt with --env: the teacher scores each episode's own stream "
+            "(the environment's prompt), so a teacher system message has nowhere to go; drop "
+            "--teacher-system-prompt, or put the privileged context in the environment"
         )
     if config.recipe == "distill" and config.dynamic_sampling:
         raise ConfigError(

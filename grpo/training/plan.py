@@ -318,7 +318,15 @@ def _teacher_line(pre: Preflight, start_step: int) -> list[str]:
         return []
     from grpo.training.teacher import teacher_plan_line
 
-    return [teacher_plan_line(pre.teacher, _teacher_lens(pre, start_step) or [], pre.config)]
+    teacher = pre.teacher
+    if pre.config.env is not None:  # the streams' lengths are the environment's to decide
+        return [
+            f"  teacher: {teacher.source}"
+            + (f" (weights {teacher.weights})" if teacher.weights else " (a base model)")
+            + ", tokenizer equal to the student's; it scores each episode's whole stream "
+            "(teacher prompt tokens not planned: the observations' lengths are the env's)"
+        ]
+    return [teacher_plan_line(teacher, _teacher_lens(pre, start_step) or [], pre.config)]
 
 
 def plan_experiment(

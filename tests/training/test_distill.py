@@ -152,3 +152,38 @@ def test_grpo_distill_needs_a_teacher_and_records_its_recipe(
     saved = json.loads((run_dir / "config.json").read_text())
     assert (saved["recipe"], saved["teacher"]) == ("distill", TINY_MODEL_NAME)
     assert "distill/reverse_kl" in read_metrics(run_dir)[0]
+
+
+ENV = "grpo.envs:calculator_wordproblems"
+TOOLS_MODEL = "grpo/tiny-qwen3-bpe-tools"
+
+
+def test_distill_on_an_env_with_the_student_as_teacher_has_zero_reverse_kl(tmp_path: Path):
+    # Every sampled turn is scored (observations and tool outputs are context): with the
+    # base model as teacher, q = s on every scored token, up to KV-cache noise.
+    config = distill_config(
+        tmp_path, "env-identity", env=ENV, base_model=TOOLS_MODEL, teacher=TOOLS_MODEL, eps=1.0
+    )
+    rows = read_metrics(quiet_train(config).run_dir)
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert abs(row["distill/reverse_kl"]) < 1e-5 and row["env/turns"] >= 1
+        assert row["usage/teacher_prompt_tokens"] > row["train_tokens"]  # whole streams scored
+        assert row["datums"] == config.batch_size * config.group_size
+
+
+@pytest.mark.slow
+def test_distill_on_an_env_falls_towards_a_trained_teacher(tmp_path: Path) -> None:
+    env = dict(env=ENV, base_model=TOOLS_MODEL, batch_size=4, group_size=4, num_substeps=2)
+    teacher = quiet_train(tiny_config(tmp_path, "teacher", steps=10, learning_rate=1e-3, **env))
+    config = distill_config(
+        tmp_path, "student", teacher=str(teacher.run_dir), steps=10, learning_rate=2e-4, **env
+    )
+    kl = [row["distill/reverse_kl"] for row in read_metrics(quiet_train(config).run_dir)]
+    assert len(kl) == 10, kl  # every step distils
+    assert kl[0] > 0.05 and np.mean(kl[-3:]) < kl[0] / 3, kl
+
+
+def test_a_teacher_system_prompt_under_env_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--teacher-system-prompt with --env"):
+        distill_config(tmp_path, "x", env=ENV, teacher_system_prompt="you know the answer")
