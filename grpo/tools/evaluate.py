@@ -184,14 +184,18 @@ class EvalReport:
         """The terminal table: one line per metric, its mean, interval and per-seed values."""
         seeds = len(self.results)
         width = max(len(name) for name in self.summary)
-        header = f"  {'metric':<{width}}  {'mean':>8}  {'95% interval':>17}"
+        intervals = {
+            name: f"[{stat.interval.low:.4f}, {stat.interval.high:.4f}]"
+            for name, stat in self.summary.items()
+        }
+        span = max(len(text) for text in intervals.values())
+        header = f"  {'metric':<{width}}  {'mean':>9}  {'95% interval':<{span}}"
         lines = [header + ("  per seed" if seeds > 1 else "")]
         for name, stat in self.summary.items():
-            interval = f"[{stat.interval.low:.4f}, {stat.interval.high:.4f}]"
-            line = f"  {name:<{width}}  {stat.mean:>8.4f}  {interval:>17}"
+            line = f"  {name:<{width}}  {stat.mean:>9.4f}  {intervals[name]:<{span}}"
             if seeds > 1:
                 line += "  " + " ".join(f"{value:.4f}" for value in stat.per_seed)
-            lines.append(line)
+            lines.append(line.rstrip())
         return lines
 
 
