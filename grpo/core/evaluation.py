@@ -10,7 +10,8 @@ samples of one problem, ``_E`` seeds (repeated evaluations, or a configuration's
   named as logged (``test/avg@8``, ``test/pass@4``, ``test/cons@8``, ``test/format_rate`` ...).
 - `bootstrap_interval`: the percentile bootstrap over problems of a mean over seeds.
 - `seed_summary`: every metric of E seeds, its mean, its bootstrap interval, its per-seed values.
-- `student_t_quantile`, `t_interval`: the t interval over training runs (compare, sweep).
+- `student_t_quantile`, `t_interval`: the t interval over training runs (compare, sweep);
+  `intervals_overlap`: whether two intervals leave the two values unseparated.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "bootstrap_interval",
     "cons_at_n",
     "evaluation_metrics",
+    "intervals_overlap",
     "majority_index",
     "pass_at_k",
     "powers_of_two",
@@ -320,3 +322,8 @@ def t_interval(values_E: Sequence[float], level: float = LEVEL) -> Interval | No
     return Interval(
         low=mean - half, high=mean + half, level=level, method=f"t over {values.size} seeds"
     )
+
+
+def intervals_overlap(first: Interval, second: Interval) -> bool:
+    """[l1, h1] and [l2, h2] share a point: l1 <= h2 and l2 <= h1 (not separated)."""
+    return first.low <= second.high and second.low <= first.high

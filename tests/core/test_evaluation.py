@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 
 from grpo.core.evaluation import (
     EvalSamples,
+    Interval,
     bootstrap_interval,
     cons_at_n,
     evaluation_metrics,
+    intervals_overlap,
     majority_index,
     pass_at_k,
     powers_of_two,
@@ -246,3 +248,11 @@ def test_eval_samples_refuse_inconsistent_arrays(field: str, value: object, mess
     }
     with pytest.raises(ValueError, match=message):
         EvalSamples(**fields)
+
+
+@given(st.lists(st.floats(-5, 5), min_size=4, max_size=4))
+def test_intervals_overlap_when_the_larger_low_is_below_the_smaller_high(ends: list[float]) -> None:
+    first = Interval(min(ends[:2]), max(ends[:2]), 0.95, "t")
+    second = Interval(min(ends[2:]), max(ends[2:]), 0.95, "t")
+    expected = max(first.low, second.low) <= min(first.high, second.high)
+    assert intervals_overlap(first, second) == expected == intervals_overlap(second, first)
