@@ -163,7 +163,14 @@ class EvalReport:
                         for g in range(samples.num_samples)
                     ]
                 )
-            problems.append({"index": problem.index, "gold": problem.gold, "samples": seeds})
+            problems.append(
+                {
+                    "index": problem.index,
+                    "question": problem.question,
+                    "gold": problem.gold,
+                    "samples": seeds,
+                }
+            )
         return {
             "format": RECORD_FORMAT,
             **self.provenance,
