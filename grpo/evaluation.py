@@ -58,10 +58,9 @@ class Decoding:
 
 @attrs.frozen
 class Evaluation:
-    """One seed's graded samples, the texts they were graded on, and the tokens it used."""
+    """One seed's graded samples and the tokens it used."""
 
     samples: EvalSamples
-    texts_PG: tuple[tuple[str, ...], ...]
     usage: TokenUsage
 
     def metrics(self, prefix: str = "test/") -> dict[str, float]:
@@ -170,7 +169,6 @@ def _sample_completions(
     )
     return Evaluation(
         samples=completion_samples(completions_P, scores, config.reward_fns),
-        texts_PG=tuple(tuple(c.text for c in group) for group in completions_P),
         usage=job.usage(),
     )
 
@@ -233,9 +231,6 @@ def _play_episodes(
     ]
     return Evaluation(
         samples=episode_samples(episodes_P),
-        texts_PG=tuple(
-            tuple("".join(t.action_text for t in e.turns) for e in group) for group in episodes_P
-        ),
         usage=sum((usage for _episode, usage, _seen in played), TokenUsage()),
     )
 

@@ -9,6 +9,7 @@ from itertools import combinations
 from pathlib import Path
 from types import SimpleNamespace
 
+import attrs
 import numpy as np
 import pytest
 
@@ -337,3 +338,28 @@ def test_eval_refuses_an_existing_out_file_without_force(
     assert "already exists" in capsys.readouterr().err
     assert main(["eval", "--limit", "2", "--out", str(out), "--force"]) == 0
     assert json.loads(out.read_text())["format"] == "grpo-eval/1"
+
+
+def test_correctness_reads_the_first_rewards_first_component_and_failed_calls_are_wrong() -> None:
+    completions = [
+        Completion(tokens=np.array([1]), logprobs=np.zeros(1), text=t, stop_reason="stop")
+        for t in ("\\boxed{4}", "\\boxed{5}")
+    ]
+    rewards = load_rewards(["grpo.rewards:boxed_format", "grpo.rewards:boxed_match"])
+    items = [(c.text, {}, RewardInput(0, "4", 1, 4, "stop", 1)) for c in completions]
+    samples = completion_samples([completions], score_completions(rewards, items, [2]), rewards)
+    # boxed_format grades here: both answers are well formed, so both count as correct.
+    assert samples.correct_PG.tolist() == [[True, True]]
+    assert samples.reward_PG.tolist() == [[2.0, 1.0]]
+
+    def broken(completion: str, row: dict) -> float:
+        raise RuntimeError("down")
+
+    failing = (
+        attrs.evolve(rewards[1], name="broken", spec="x:broken", fn=broken, takes_sample=False),
+        rewards[1],
+    )
+    scores = score_completions(failing, items, [2], on_error="zero")
+    assert completion_samples([completions], scores, failing).correct_PG.tolist() == [
+        [False, False]
+    ]
