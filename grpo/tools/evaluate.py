@@ -109,6 +109,21 @@ def weights_of(run_dir: str | Path | None, checkpoint: str | None, base_model: s
     }
 
 
+def _sample_record(samples: Any, p: int, g: int) -> dict[str, Any]:
+    """Sample g of problem p of one seed's `EvalSamples`, as the record stores it."""
+    record = {
+        "correct": bool(samples.correct_PG[p, g]),
+        "answer": samples.answers_PG[p][g],
+        "reward": float(samples.reward_PG[p, g]),
+        "truncated": bool(samples.truncated_PG[p, g]),
+        "tokens": int(samples.tokens_PG[p, g]),
+    }
+    if samples.turns_PG is not None and samples.tool_calls_PG is not None:
+        record["turns"] = int(samples.turns_PG[p, g])
+        record["tool_calls"] = int(samples.tool_calls_PG[p, g])
+    return record
+
+
 @attrs.frozen
 class EvalReport:
     """An evaluation over seeds: its provenance, its per-seed results, every metric's summary."""
@@ -137,40 +152,21 @@ class EvalReport:
             }
             for name, stat in self.summary.items()
         }
-        problems = []
-        for p, problem in enumerate(self.problems):
-            seeds = []
-            for result in self.results:
-                samples = result.samples
-                seeds.append(
+        problems = [
+            {
+                "index": problem.index,
+                "question": problem.question,
+                "gold": problem.gold,
+                "samples": [
                     [
-                        {
-                            "correct": bool(samples.correct_PG[p, g]),
-                            "answer": samples.answers_PG[p][g],
-                            "reward": float(samples.reward_PG[p, g]),
-                            "truncated": bool(samples.truncated_PG[p, g]),
-                            "tokens": int(samples.tokens_PG[p, g]),
-                            **(
-                                {
-                                    "turns": int(samples.turns_PG[p, g]),
-                                    "tool_calls": int(samples.tool_calls_PG[p, g]),
-                                }
-                                if samples.turns_PG is not None
-                                and samples.tool_calls_PG is not None
-                                else {}
-                            ),
-                        }
-                        for g in range(samples.num_samples)
+                        _sample_record(result.samples, p, g)
+                        for g in range(result.samples.num_samples)
                     ]
-                )
-            problems.append(
-                {
-                    "index": problem.index,
-                    "question": problem.question,
-                    "gold": problem.gold,
-                    "samples": seeds,
-                }
-            )
+                    for result in self.results
+                ],
+            }
+            for p, problem in enumerate(self.problems)
+        ]
         return {
             "format": RECORD_FORMAT,
             **self.provenance,
