@@ -127,7 +127,7 @@ def run_distill(args: argparse.Namespace) -> int:
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `grpo eval`."""
+    """Flags of `grpo eval`: the weights, the task (as `grpo train`'s), decoding, seeds, output."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
         "--run-dir", help="evaluate a run's final sampler weights (or its latest checkpoint)"
@@ -145,48 +145,117 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="base model (default: the run's, else the built-in tiny model)",
     )
-    parser.add_argument(
-        "--dataset", default=None, help="problems (default: the run's, else arithmetic)"
+    task = parser.add_argument_group("task (default: the run's, else grpo train's defaults)")
+    task.add_argument(
+        "--dataset",
+        default=None,
+        help="arithmetic, wordproblems, gsm8k, a local .jsonl/.parquet/.csv file (or a "
+        "directory of train.*/test.*), or a hub OWNER/NAME",
     )
+    task.add_argument("--dataset-config", default=None, help="config of a hub --dataset")
+    task.add_argument("--prompt-column", default=None, help="dataset column holding the question")
+    task.add_argument("--answer-column", default=None, help="dataset column holding the answer")
+    task.add_argument(
+        "--gold-rule", default=None, help="gold answer of the answer column: ####, whole or regex:P"
+    )
+    task.add_argument(
+        "--reward",
+        action="append",
+        default=None,
+        metavar="MODULE:FUNCTION[=WEIGHT]",
+        help="reward, repeatable (replaces the run's list); the first one grades correctness "
+        "(correct when it scores >= 1), e.g. grpo.rewards:math_verify",
+    )
+    task.add_argument(
+        "--env",
+        default=None,
+        metavar="MODULE:FACTORY",
+        help="play episodes of an environment (correct when the return is >= 1), e.g. "
+        "grpo.envs:calculator_wordproblems",
+    )
+    task.add_argument("--max-turns", type=int, default=None, help="most turns of an --env episode")
     parser.add_argument("--split", default="test", help="train or test (default: test)")
     parser.add_argument(
         "--limit", type=int, default=200, help="number of problems, >= 1 (default: 200)"
     )
-    parser.add_argument(
+    decoding = parser.add_argument_group("decoding and seeds")
+    decoding.add_argument(
         "--samples",
         type=int,
         default=1,
-        help="samples per problem, >= 1; pass@k is reported for k = 1, 2, 4 ... <= samples "
+        help="samples n per problem, >= 1: avg@n, pass@k for k = 1, 2, 4 ... <= n, cons@n "
         "(default: 1)",
     )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0.0)")
-    parser.add_argument(
+    decoding.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default: 0.0)"
+    )
+    decoding.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus threshold in (0, 1] (default: 1.0)"
+    )
+    decoding.add_argument(
         "--max-tokens", type=int, default=None, help="(default: the run's, else 24)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    decoding.add_argument(
+        "--seed", type=int, default=0, help="sampling seed of the first seed (default: 0)"
+    )
+    decoding.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="evaluate with seeds --seed, --seed + 1, ...: each metric's mean over them and "
+        "its 95%% bootstrap interval over problems (default: 1)",
+    )
     parser.add_argument("--concurrency", type=int, default=32, help="(default: 32)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE.json",
+        help="write the result: what produced it, every metric with its interval, and every "
+        "sample's correctness and answer",
+    )
+    from grpo.tools.paths import add_force_argument
+
+    add_force_argument(parser, "--out file")
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    """`grpo eval`: accuracy and pass@k of a checkpoint or the base model on a split."""
-    from grpo.tools.evaluate import evaluate
+    """`grpo eval`: avg@n, pass@k, cons@n, format and truncation rates, with intervals."""
+    from grpo.tools.evaluate import evaluate_report, write_record
+    from grpo.tools.paths import check_out
 
-    metrics = evaluate(
+    out = Path(args.out) if args.out is not None else None
+    if out is not None:
+        if out.suffix != ".json":
+            raise ValueError(f"--out {out} must be a .json file; e.g. --out eval.json")
+        check_out(out, force=args.force, sources=[Path(args.run_dir)] if args.run_dir else [])
+    report = evaluate_report(
         args.run_dir,
         checkpoint=args.checkpoint,
         backend=args.backend,
         base_model=args.base_model,
         dataset=args.dataset,
+        dataset_config=args.dataset_config,
+        prompt_column=args.prompt_column,
+        answer_column=args.answer_column,
+        gold_rule=args.gold_rule,
+        reward=args.reward,
+        env=args.env,
+        max_turns=args.max_turns,
         split=args.split,
         limit=args.limit,
         samples=args.samples,
         temperature=args.temperature,
+        top_p=args.top_p,
         max_tokens=args.max_tokens,
         seed=args.seed,
+        seeds=args.seeds,
         concurrency=args.concurrency,
     )
-    for key, value in metrics.items():
-        print(f"  {key.removeprefix('test/')}: {value:.4f}")
+    for line in report.table():
+        print(line)
+    if out is not None:
+        write_record(report, out)
+        print(f"wrote {out}")
     return 0
 
 
@@ -241,7 +310,7 @@ COMMANDS: tuple[tuple[str, str, str, str], ...] = (
     ),
     (
         "eval",
-        "accuracy and pass@k of a checkpoint or the base model",
+        "avg@n, pass@k, cons@n, format and truncation rates of weights, with intervals",
         "grpo.cli:add_eval_arguments",
         "grpo.cli:run_eval",
     ),

@@ -402,3 +402,31 @@ def distill_batches(draw: st.DrawFn, max_sequences: int = 5, max_len: int = 9) -
         "teacher": rng.uniform(-8.0, 0.0, size) * mask,
         "task": np.repeat(rng.normal(size=count), np.array(prompt_lens) + completion_lens) * mask,
     }
+
+
+# --- evaluation (tests/core/test_evaluation.py) ---
+
+from grpo.core.evaluation import EvalSamples  # noqa: E402
+
+
+@st.composite
+def eval_samples(draw: st.DrawFn, max_problems: int = 6, max_samples: int = 9) -> EvalSamples:
+    """Graded samples of P problems x n samples: answers from a small alphabet (so votes tie
+    and repeat), correctness, truncation, lengths and rewards; episodes' turns half the time."""
+    problems = draw(st.integers(1, max_problems))
+    n = draw(st.integers(1, max_samples))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    answers = [
+        [None if rng.random() < 0.25 else "abc"[rng.integers(0, 3)] for _ in range(n)]
+        for _ in range(problems)
+    ]
+    episodes = draw(st.booleans())
+    return EvalSamples(
+        correct_PG=rng.random((problems, n)) < draw(st.sampled_from([0.0, 0.3, 0.7, 1.0])),
+        answers_PG=answers,
+        truncated_PG=rng.random((problems, n)) < 0.2,
+        tokens_PG=rng.integers(0, 50, (problems, n)),
+        reward_PG=rng.normal(size=(problems, n)),
+        turns_PG=rng.integers(1, 5, (problems, n)) if episodes else None,
+        tool_calls_PG=rng.integers(0, 3, (problems, n)) if episodes else None,
+    )

@@ -150,7 +150,7 @@ def test_sigint_mid_run_leaves_resumable_checkpoint_and_complete_logs(tmp_path: 
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == target
 
 
-def test_eval_reports_accuracy_and_pass_at_k(
+def test_eval_reports_avg_pass_and_cons_at_n(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_dir = tmp_path / "run"
@@ -173,8 +173,8 @@ def test_eval_reports_accuracy_and_pass_at_k(
         == 0
     )
     out = capsys.readouterr().out
-    for key in ("reward", "pass@1", "pass@2", "pass@4"):
-        assert f"  {key}:" in out
+    for key in ("avg@4", "pass@1", "pass@2", "pass@4", "cons@4", "format_rate", "reward"):
+        assert f"  {key} " in out
     assert main(["eval", "--limit", "6"]) == 0
     assert "base model" in capsys.readouterr().out
 

@@ -43,9 +43,11 @@ def test_train_then_evaluate_from_python_returns_the_metrics(tmp_path: Path):
     assert 0.0 <= result.final_metrics["reward"] <= 1.0
     lines: list[str] = []
     metrics = grpo.evaluate(result.run_dir, limit=4, samples=2, echo=lines.append)
-    assert set(metrics) == {"test/reward", "test/pass@1", "test/pass@2"}
+    assert {"test/avg@2", "test/pass@1", "test/pass@2", "test/cons@2", "test/reward"} <= set(
+        metrics
+    )
     assert 0.0 <= metrics["test/pass@1"] <= metrics["test/pass@2"] <= 1.0
-    assert lines[-1].endswith("4 test problems, 2 sample(s), temperature 0.0")
+    assert "4 test problems, 2 sample(s) x 1 seed(s), temperature 0.0" in lines[-1]
 
 
 def test_evaluate_rejects_bad_arguments_before_loading_anything(tmp_path: Path):

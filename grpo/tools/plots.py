@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
+from grpo.core.evaluation import t_interval
 from grpo.tools import paths
 from grpo.training import run_files
 from grpo.training.run_files import STEP_KEY
@@ -103,13 +104,16 @@ def metric_series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarr
 
 @attrs.frozen
 class Band:
-    """A curve over seeds: at each step, the mean, min and max of the seeds that logged it."""
+    """A curve over seeds: at each step, the mean, min and max of the seeds that logged it, and
+    the 95% t interval of the mean (`ci_low`, `ci_high`; NaN where fewer than 2 seeds logged)."""
 
     steps: np.ndarray
     mean: np.ndarray
     low: np.ndarray
     high: np.ndarray
     count: np.ndarray
+    ci_low: np.ndarray
+    ci_high: np.ndarray
 
 
 def mean_band(series: Sequence[tuple[np.ndarray, np.ndarray]]) -> Band:
@@ -121,12 +125,15 @@ def mean_band(series: Sequence[tuple[np.ndarray, np.ndarray]]) -> Band:
     present = ~np.isnan(table)
     count = present.sum(axis=0)
     filled_sum = np.where(present, table, 0.0).sum(axis=0)
+    intervals = [t_interval(column[~np.isnan(column)]) for column in table.T]
     return Band(
         steps=all_steps,
         mean=filled_sum / np.maximum(count, 1),
         low=np.where(present, table, np.inf).min(axis=0, initial=np.inf),
         high=np.where(present, table, -np.inf).max(axis=0, initial=-np.inf),
         count=count,
+        ci_low=np.array([np.nan if i is None else i.low for i in intervals]),
+        ci_high=np.array([np.nan if i is None else i.high for i in intervals]),
     )
 
 
@@ -203,7 +210,8 @@ def unknown_metric_message(metric: str, keys: set[str]) -> str:
 def band_figure(
     groups: Mapping[str, Sequence[MetricRows]], metrics: Sequence[str], *, title: str = ""
 ) -> Figure:
-    """A subplot per metric; per group, the mean over its runs with a shaded min–max band.
+    """A subplot per metric; per group, the mean over its runs with its shaded 95% t interval
+    over the runs at each step (docs/FORMULAS.md, "Evaluation metrics"; none for one run).
 
     `ax.lines[i]` of each panel is group i's mean curve (groups without the metric draw an
     empty line, so the index always matches the group order).
@@ -223,8 +231,8 @@ def band_figure(
                     # A band of evaluations at a few steps would be invisible slivers: draw bars.
                     ax.vlines(
                         band.steps,
-                        band.low,
-                        band.high,
+                        band.ci_low,
+                        band.ci_high,
                         color=line.get_color(),
                         alpha=0.4,
                         linewidth=4,
@@ -232,13 +240,13 @@ def band_figure(
                 else:
                     ax.fill_between(
                         band.steps,
-                        band.low,
-                        band.high,
+                        band.ci_low,
+                        band.ci_high,
                         color=line.get_color(),
                         alpha=0.2,
                         linewidth=0,
                     )
-        ax.set_title(f"{metric}: mean over seeds, band = min–max")
+        ax.set_title(f"{metric}: mean over seeds, band = 95% t interval")
         ax.set_xlabel("step")
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)

@@ -12,7 +12,7 @@ one more token ends the episode, its last turn marked ``context``).
 
 ``submit_groups`` plays G episodes per task (`grpo.envs.make_group`) on the run's pool as an
 `EpisodeJob`; the GRPO recipe trains them through `grpo.training.sources.Episodes`.
-`evaluate_episodes` plays one episode per test problem. Every sampler seed is drawn in
+Every sampler seed is drawn in
 `grpo.training.seeds` from (seed, purpose, step, episode, turn), and of the round in a
 dynamic-sampling round >= 1.
 """
@@ -333,30 +333,6 @@ def submit_groups(
     return EpisodeJob(problems, futures, group_size=group_size, sampler_version=sampler_version)
 
 
-def play_groups(
-    run: Any,
-    sampler: Any,
-    problems: Sequence[Problem],
-    *,
-    group_size: int,
-    temperature: float,
-    purpose: Purpose,
-    step: int,
-    round_: int = 0,
-) -> PlayedGroups:
-    """``group_size`` episodes per problem on the run's pool, in problem order (waited for)."""
-    return submit_groups(
-        run,
-        sampler,
-        problems,
-        group_size=group_size,
-        temperature=temperature,
-        purpose=purpose,
-        step=step,
-        round_=round_,
-    ).result()
-
-
 def run_max_len(run: Any) -> int | None:
     """The model's context length, as the tokenizer states it."""
     return tokenizer_max_len(run.tokenizer)
@@ -383,28 +359,6 @@ def reference_episode_logprobs(
     futures = [run.pool.submit(one, episode) for episode in episodes]
     usage = TokenUsage(prompt_tokens=sum(episode.tokens.size for episode in episodes))
     return np.concatenate([future.result() for future in futures]), usage
-
-
-def evaluate_episodes(run: Any, sampler: Any) -> tuple[dict[str, float], TokenUsage]:
-    """One episode per test problem: mean return (``test/reward``), its tool use and turns."""
-    played = play_groups(
-        run,
-        sampler,
-        run.test_problems,
-        group_size=1,
-        temperature=run.config.temperature,
-        purpose=Purpose.ENV_EVAL,
-        step=0,
-    )
-    episodes = [episode for group in played.episodes_P for episode in group]
-    calls = np.array([sum(turn.tool_calls for turn in e.turns) for e in episodes], dtype=float)
-    metrics = {
-        "test/reward": float(np.mean([episode.reward for episode in episodes])),
-        "test/tool_use": float(np.mean(calls > 0)),
-        "test/tool_calls": float(calls.mean()),
-        "test/turns": float(np.mean([episode.num_turns for episode in episodes])),
-    }
-    return metrics, played.usage
 
 
 def episode_records(

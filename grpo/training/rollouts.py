@@ -19,7 +19,6 @@ from pytrio.types import ModelInput, SamplingParams
 
 from grpo.backends.pytrio import call_with_retries
 from grpo.core.advantages import group_advantages
-from grpo.core.metrics import pass_at_k
 from grpo.core.records import Completion, ScoredGroup
 from grpo.core.rewards import RewardInput, extract_gold
 from grpo.core.usage import TokenUsage, sample_usage
@@ -28,7 +27,7 @@ from grpo.reward_scores import RewardScores, score_completions
 from grpo.rewards import RewardFn
 from grpo.tasks.prompts import DEFAULT_TEMPLATE, PromptTemplate, build_prompt_tokens
 from grpo.training.config import ConfigError
-from grpo.training.seeds import Purpose, pick_batch, sampling_seed
+from grpo.training.seeds import pick_batch
 
 Log = Callable[[str], None]
 
@@ -315,54 +314,6 @@ def reference_logprobs(
         for completion in group.completions
     ]
     return np.concatenate([future.result() for future in futures_C])
-
-
-def evaluate(
-    pool: ThreadPoolExecutor,
-    sampler: Any,
-    problems: Sequence[Problem],
-    tokenizer: Any,
-    *,
-    num_samples: int,
-    temperature: float,
-    max_tokens: int,
-    seed: int,
-    max_retries: int,
-    log: Log,
-    config: Any,
-) -> tuple[dict[str, float], TokenUsage]:
-    """The test split graded as the run trains (``config``'s --reward list), and its usage.
-
-    ``test/reward`` is the mean weighted total over all samples, ``test/<component>`` each
-    reward's mean (as ``reward/<component>`` in training), ``test/reward_errors`` the failed
-    calls, and ``test/pass@k`` (k = 1, 2, 4, ... <= num_samples) counts a sample correct when
-    its total reaches 1, the full reward (docs/FORMULAS.md, "pass@k").
-    """
-
-    def params(index: int) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=1.0,
-            seed=sampling_seed(seed, 0, index, purpose=Purpose.EVAL),
-        )
-
-    job = Sampling(pool, tokenizer, max_retries, log).submit(
-        sampler, problems, params, num_samples=num_samples
-    )
-    scores = grade_rollouts(problems, job.result(), config).scores
-    correct_P = [int(np.sum(totals >= 1.0)) for totals in scores.totals_P]
-    metrics = {"test/reward": float(np.mean(np.concatenate(scores.totals_P)))}
-    for key, value in scores.metrics().items():
-        name = key.removeprefix("reward/")
-        metrics["test/reward_errors" if name == "errors" else f"test/{name}"] = value
-    k = 1
-    while k <= num_samples:
-        metrics[f"test/pass@{k}"] = float(
-            np.mean([pass_at_k(num_samples, c, k) for c in correct_P])
-        )
-        k *= 2
-    return metrics, job.usage()
 
 
 @attrs.frozen

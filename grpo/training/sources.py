@@ -32,11 +32,10 @@ from grpo.training.episodes import (
     EpisodeJob,
     PlayedGroups,
     episode_records,
-    evaluate_episodes,
-    play_groups,
     reference_episode_logprobs,
     submit_groups,
 )
+from grpo.training.evaluation import Decoding, evaluation_row
 from grpo.training.jobs import Job
 from grpo.training.learner import current_sampler
 from grpo.training.rollouts import (
@@ -44,7 +43,6 @@ from grpo.training.rollouts import (
     RolloutJob,
     Sampling,
     StepRollouts,
-    evaluate,
     grade_rollouts,
     reference_logprobs,
     refill,
@@ -162,20 +160,7 @@ class Completions:
 
     def evaluate(self, run: Run, sampler: Any) -> tuple[dict[str, float], TokenUsage]:
         """One sample per test problem at the run's temperature, graded by --reward."""
-        config = run.config
-        return evaluate(
-            run.pool,
-            sampler,
-            run.test_problems,
-            run.tokenizer,
-            num_samples=1,
-            temperature=config.temperature,
-            max_tokens=config.max_tokens,
-            seed=config.seed,
-            max_retries=config.max_retries,
-            log=run.note,
-            config=config,
-        )
+        return evaluate_now(run, sampler)
 
 
 class Episodes:
@@ -234,8 +219,26 @@ class Episodes:
         return reference_episode_logprobs(run, groups_P)
 
     def evaluate(self, run: Run, sampler: Any) -> tuple[dict[str, float], TokenUsage]:
-        """One episode per test task: the mean return, tool use and turns."""
-        return evaluate_episodes(run, sampler)
+        """One episode per test task: the return's metrics, tool use and turns."""
+        return evaluate_now(run, sampler)
+
+
+def evaluate_now(run: Run, sampler: Any) -> tuple[dict[str, float], TokenUsage]:
+    """The run's test evaluation (`grpo.training.evaluation`): one sample (episode) per test
+    problem at the run's temperature and top-p 1, graded as the run trains."""
+    config = run.config
+    return evaluation_row(
+        sampler,
+        run.test_problems,
+        run.tokenizer,
+        config,
+        pool=run.pool,
+        decoding=Decoding(temperature=config.temperature, top_p=1.0, max_tokens=config.max_tokens),
+        samples=1,
+        seed=config.seed,
+        max_retries=config.max_retries,
+        log=run.note,
+    )
 
 
 def source_of(config: TrainConfig) -> RolloutSource:
@@ -308,13 +311,5 @@ def _play_extra_round(run: Run, state: RunState, step: int, round_: int) -> Play
     single-turn path draws them) and new turn seeds (`extra_episode_seed`), current weights."""
     config = run.config
     indices = extra_batch(len(run.train_problems), config.batch_size, step, round_, config.seed)
-    return play_groups(
-        run,
-        current_sampler(run, state),
-        [run.train_problems[index] for index in indices],
-        group_size=config.group_size,
-        temperature=config.temperature,
-        purpose=Purpose.ENV_TRAIN,
-        step=step,
-        round_=round_,
-    )
+    problems = [run.train_problems[index] for index in indices]
+    return _play(run, state, problems, step, round_).result()

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from grpo.core.evaluation import student_t_quantile
 from grpo.tools.experiments.compare import add_compare_arguments, compare_specs, run_compare
 from grpo.tools.experiments.report import experiment_figure
 from grpo.tools.experiments.runner import MANAGED_FLAGS, execute_runs, normalize_overrides
@@ -26,6 +27,7 @@ from grpo.tools.experiments.stats import (
     mean_std,
     on_policy_warning,
     read_run,
+    separation,
     steps_per_second,
 )
 from grpo.tools.experiments.sweep import add_sweep_arguments, load_sweep, run_sweep
@@ -372,11 +374,15 @@ def test_compare_runs_each_loss_and_seed_and_reports_numbers_from_the_metrics(
         assert entry["steps_per_s"]["mean"] == pytest.approx(2.0)
         row = next(line for line in report.splitlines() if line.startswith(f"| `{loss}` |"))
         assert f"{np.mean(train):.3f} ± {statistics.stdev(train):.3f}" in row
-        assert f"{np.mean(test):.3f} ± {statistics.stdev(test):.3f}" in row
+        half = student_t_quantile(0.975, 1) * statistics.stdev(test) / np.sqrt(2)
+        mean = np.mean(test)
+        assert f"{mean:.3f} [{mean - half:.3f}, {mean + half:.3f}]" in row
+        assert entry["test_reward"]["interval"]["low"] == pytest.approx(mean - half)
         assert f"{np.mean(clip):.2%}" in row
         assert "| 2/2 |" in row
     assert "WARNING" not in report
     assert "--learning-rate 0.0002" in report and "--steps 4" in report
+    assert "Test accuracy: no winner" in report or "overlaps none of the others" in report
 
     png = (out / "reward.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
@@ -730,3 +736,23 @@ def test_compare_end_to_end_with_the_real_trainer(tmp_path: Path) -> None:
     assert [entry["label"] for entry in comparison["losses"]] == ["importance_sampling", "ppo"]
     assert all(entry["train_reward"]["n"] == 1 for entry in comparison["losses"])
     assert (out / "reward.png").stat().st_size > 0
+
+
+def test_separation_calls_no_winner_when_the_best_interval_overlaps_another() -> None:
+    close = [("a", mean_std([0.60, 0.64, 0.62])), ("b", mean_std([0.58, 0.63, 0.61]))]
+    assert separation(close, what="Test accuracy").startswith("Test accuracy: no winner.")
+    assert "`a` and `b` overlap" in separation(close, what="Test accuracy")
+    apart = [("a", mean_std([0.90, 0.91, 0.92])), ("b", mean_std([0.10, 0.11, 0.12]))]
+    assert "`a` is ahead" in separation(apart, what="x") and "overlaps none" in separation(
+        apart, what="x"
+    )
+    single = [("a", mean_std([0.9])), ("b", mean_std([0.1]))]
+    assert "no interval" in separation(single, what="x")
+    assert separation(single[:1], what="x") is None
+
+
+def test_a_stat_formats_its_t_interval_and_alone_for_one_seed() -> None:
+    stat = mean_std([1.0, 2.0, 3.0])
+    half = student_t_quantile(0.975, 2) * 1.0 / np.sqrt(3)
+    assert stat.format_interval() == f"2.000 [{2 - half:.3f}, {2 + half:.3f}]"
+    assert mean_std([0.5]).format_interval() == "0.500" and mean_std([]).format_interval() == "–"

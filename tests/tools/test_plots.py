@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from grpo.core.evaluation import student_t_quantile
 from grpo.tools import plots
 from grpo.tools.plots import (
     add_plot_arguments,
@@ -199,3 +200,16 @@ def test_loss_shapes_figure_draws_the_kernel_curves(tmp_path: Path) -> None:
     out = tmp_path / "docs" / "loss_shapes.png"
     assert run_plot_losses(parser.parse_args(["--out", str(out)])) == 0
     assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 20000
+
+
+def test_mean_band_carries_the_t_interval_of_the_mean_where_two_seeds_logged() -> None:
+    band = mean_band(
+        [
+            (np.array([1.0, 2.0, 3.0]), np.array([0.0, 1.0, 2.0])),
+            (np.array([1.0, 2.0]), np.array([2.0, 5.0])),
+        ]
+    )
+    half = student_t_quantile(0.975, 1) * np.array([np.sqrt(2), np.sqrt(8)]) / np.sqrt(2)
+    np.testing.assert_allclose(band.ci_low[:2], band.mean[:2] - half)
+    np.testing.assert_allclose(band.ci_high[:2], band.mean[:2] + half)
+    assert np.isnan(band.ci_low[2]) and np.isnan(band.ci_high[2])

@@ -37,7 +37,12 @@ from grpo.tools.experiments.runner import (
     RunSpec,
     normalize_overrides,
 )
-from grpo.tools.experiments.stats import ConfigSummary, on_policy_warning, summarize_by_label
+from grpo.tools.experiments.stats import (
+    ConfigSummary,
+    on_policy_warning,
+    separation,
+    summarize_by_label,
+)
 from grpo.tools.experiments.sweep import ExperimentPlan, check_distinct, grid_configs, sweep_specs
 from grpo.training.flags import add_train_arguments, explicit_flags, load_toml, train_argv
 
@@ -129,7 +134,7 @@ def render_compare_report(
             f"`{summary.label}`",
             f"{summary.finished}/{len(summary.runs)}",
             summary.train_reward.format(),
-            summary.test_reward.format(),
+            summary.test_reward.format_interval(),
             summary.steps_per_s.format(2),
             percent(summary.clip_fraction),
             percent(summary.clip_low_fraction),
@@ -153,13 +158,21 @@ def render_compare_report(
     if warning:
         lines += [f"> {warning}", ""]
     lines += table(header, rows)
+    by_test = sorted(
+        (summary for summary in summaries if summary.test_reward.mean is not None),
+        key=lambda summary: -float(summary.test_reward.mean or 0.0),
+    )
+    verdict = separation(
+        [(summary.label, summary.test_reward) for summary in by_test], what="Test accuracy"
+    )
+    lines += ["", verdict] if verdict else []
     lines += unfinished_section(all_runs)
     lines += ["", "## Runs", ""] + runs_table(all_runs)
     lines += [
         "",
         "## Reward",
         "",
-        f"![reward per loss: mean over seeds, band = min-max]({FIGURE_FILE})",
+        f"![reward per loss: mean over seeds, band = 95% t interval]({FIGURE_FILE})",
         "",
     ]
     return "\n".join(lines)

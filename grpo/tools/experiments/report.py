@@ -101,7 +101,9 @@ def runs_table(stats: Sequence[RunStats]) -> list[str]:
 def definitions(last_steps: int) -> str:
     return (
         f"Train reward: mean `reward` of the last {last_steps} logged steps. Test accuracy: "
-        "`test/reward` of the final evaluation. `±` is the sample standard deviation over seeds. "
+        "`test/reward` of the final evaluation. `±` is the sample standard deviation over seeds; "
+        "`mean [low, high]` is the mean over seeds with its 95% t interval "
+        '(docs/FORMULAS.md, "Evaluation metrics"). '
         "Clip fractions and ratio mean: mean over steps of the loss's metrics; ratio min / max: "
         "extremes over all steps of all seeds."
     )

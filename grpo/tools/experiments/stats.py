@@ -1,6 +1,7 @@
 """The numbers of an experiment's report, from run directories: per run, then per configuration.
 
-run dirs -> `RunData` -> `RunStats` -> `ConfigSummary` (mean ± sample std over seeds). Pure
+run dirs -> `RunData` -> `RunStats` -> `ConfigSummary` (mean ± sample std over seeds, and the
+95% t interval of the mean); `separation` says whether the best is separated from the rest. Pure
 functions except `read_run`, so the statistics are testable without processes or pictures.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from grpo.core.evaluation import Interval, intervals_overlap, t_interval
 from grpo.tools.plots import metric_keys, metric_series, read_run_metrics
 from grpo.training import run_files
 
@@ -176,11 +178,14 @@ def run_usage(run: RunData) -> dict[str, Any]:
 
 @attrs.frozen
 class Stat:
-    """Mean and sample standard deviation (ddof 1; None for one value) of the values present."""
+    """Mean, sample standard deviation (ddof 1) and 95% t interval of the mean over the seeds'
+    values present (std and interval None for one value; docs/FORMULAS.md, "Evaluation
+    metrics")."""
 
     mean: float | None
     std: float | None
     n: int
+    interval: Interval | None = None
 
     def format(self, digits: int = 3) -> str:
         """The stat as `mean ± std`, the mean alone for one value, "–" for none."""
@@ -190,9 +195,19 @@ class Stat:
             return f"{self.mean:.{digits}f}"
         return f"{self.mean:.{digits}f} ± {self.std:.{digits}f}"
 
+    def format_interval(self, digits: int = 3) -> str:
+        """The stat as `mean [low, high]` (its 95% interval), the mean alone for one value."""
+        if self.mean is None:
+            return "–"
+        if self.interval is None:
+            return f"{self.mean:.{digits}f}"
+        low, high = self.interval.low, self.interval.high
+        return f"{self.mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+
 
 def mean_std(values: Iterable[float | None]) -> Stat:
-    """Stat of the non-None values: mean Σx/n and sample std sqrt(Σ(x − mean)²/(n − 1))."""
+    """Stat of the non-None values: mean Σx/n, sample std sqrt(Σ(x − mean)²/(n − 1)), and
+    the t interval mean ± t_{0.975, n−1}·std/√n."""
     present = [float(value) for value in values if value is not None]
     count = len(present)
     if count == 0:
@@ -203,7 +218,37 @@ def mean_std(values: Iterable[float | None]) -> Stat:
         if count > 1
         else None
     )
-    return Stat(mean=mean, std=std, n=count)
+    return Stat(mean=mean, std=std, n=count, interval=t_interval(present))
+
+
+def separation(entries: Sequence[tuple[str, Stat]], *, what: str) -> str | None:
+    """A sentence on whether the first entry (the best) is separated from the others by their
+    95% intervals: overlapping intervals are reported as no winner. None for fewer than two."""
+    present = [(label, stat) for label, stat in entries if stat.mean is not None]
+    if len(present) < 2:
+        return None
+    if any(stat.interval is None for _, stat in present):
+        return (
+            f"{what}: with one seed of a configuration there is no interval, so the order is "
+            "not evidence of a difference; run `--seeds 3` or more."
+        )
+    (best, best_stat), others = present[0], present[1:]
+    assert best_stat.interval is not None
+    tied = [
+        f"`{label}`"
+        for label, stat in others
+        if stat.interval is not None and intervals_overlap(best_stat.interval, stat.interval)
+    ]
+    seeds = min(stat.n for _, stat in present)
+    if not tied:
+        return (
+            f"{what}: `{best}` is ahead, and its 95% t interval over seeds overlaps none of "
+            "the others'."
+        )
+    return (
+        f"{what}: no winner. The 95% t intervals over seeds of `{best}` and {', '.join(tied)} "
+        f"overlap, so these runs ({seeds}+ seeds each) do not separate them; more seeds may."
+    )
 
 
 @attrs.frozen

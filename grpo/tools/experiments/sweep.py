@@ -43,6 +43,7 @@ from grpo.tools.experiments.stats import (
     final_value,
     mean_std,
     on_policy_warning,
+    separation,
     summarize_by_label,
 )
 from grpo.tools.plots import metric_keys
@@ -291,10 +292,10 @@ def render_sweep_report(
         [
             str(entry.rank) if entry.rank else "–",
             f"`{entry.summary.label}`",
-            entry.metric.format(4),
+            entry.metric.format_interval(4),
             f"{entry.summary.finished}/{len(entry.summary.runs)}",
             entry.summary.train_reward.format(),
-            entry.summary.test_reward.format(),
+            entry.summary.test_reward.format_interval(),
             entry.summary.steps_per_s.format(2),
             percent(entry.summary.clip_fraction),
         ]
@@ -323,6 +324,11 @@ def render_sweep_report(
     ]
     lines += [f"> {warning}\n" for warning in warnings]
     lines += table(header, rows)
+    verdict = separation(
+        [(entry.summary.label, entry.metric) for entry in ranked if entry.rank],
+        what=f"`{plan.rank_by}`",
+    )
+    lines += ["", verdict] if verdict else []
     all_runs = [run for entry in ranked for run in entry.summary.runs]
     lines += unfinished_section(all_runs)
     lines += ["", "## Runs", ""] + runs_table(all_runs)
@@ -330,7 +336,7 @@ def render_sweep_report(
         "",
         "## Curves",
         "",
-        f"![curves per configuration: mean over seeds, band = min-max]({FIGURE_FILE})",
+        f"![curves per configuration: mean over seeds, band = 95% t interval]({FIGURE_FILE})",
         "",
     ]
     return "\n".join(lines)

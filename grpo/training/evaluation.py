@@ -1,0 +1,310 @@
+"""One evaluation for `grpo eval` and in-training evaluation: sample, grade, the metrics.
+
+n samples of every problem with stated decoding (temperature, top-p, max tokens) and a seed,
+graded by the run's task: its `--reward` list (single completions) or its `--env`
+(episodes). Each sample becomes a row of a `grpo.core.evaluation.EvalSamples`, from which
+the core computes avg@n, pass@k, cons@n, format and truncation rates (docs/FORMULAS.md,
+"Evaluation metrics"):
+
+- correct: the first `--reward` component scores >= 1 (under `--env`: the return R >= 1);
+- answer: the last `\\boxed{}`, normalized (the code rewards: the last fenced Python block);
+- truncated: stopped by max_tokens (under `--env`: the last turn did not stop by itself).
+
+Entry points: `evaluate_policy` samples and grades one seed (a sampler, the problems, the
+tokenizer, the run's `TrainConfig`); `evaluation_row` is it with the metrics as logged
+(``test/avg@n`` ...) and the token usage, the shape in-training evaluation logs;
+`completion_samples` / `episode_samples` build the record from samples already drawn.
+Request seeds are drawn in `grpo.training.seeds` (the evaluation streams), so the same seed
+samples the same completions in `grpo eval` and in the run's own evaluation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import numpy as np
+from pytrio.types import SamplingParams
+
+from grpo.core.episodes import Episode
+from grpo.core.evaluation import EvalSamples, evaluation_metrics
+from grpo.core.records import Completion
+from grpo.core.rewards import extract_boxed, normalize_answer
+from grpo.core.usage import TokenUsage
+from grpo.envs.base import make_group
+from grpo.reward_scores import RewardScores
+from grpo.rewards import RewardFn
+from grpo.tasks.code_grading import last_python_block
+from grpo.training.episodes import EpisodeLimits, play_episode, task_of
+from grpo.training.rollouts import Sampling, reward_groups, tokenizer_max_len
+from grpo.training.seeds import Purpose, episode_seed, sampling_seed
+
+Log = Callable[[str], None]
+AnswerOf = Callable[[str], "str | None"]
+
+CODE_REWARDS = frozenset({"code_tests", "code_tests_partial"})
+CORRECT_AT_LEAST = 1.0
+
+
+@attrs.frozen
+class Decoding:
+    """How an evaluation samples: temperature, nucleus threshold, tokens per completion (turn)."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        """The settings as recorded in a result."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens}
+
+
+@attrs.frozen
+class Evaluation:
+    """One seed's graded samples and the tokens it used."""
+
+    samples: EvalSamples
+    usage: TokenUsage
+    extra: dict[str, float] = attrs.field(factory=dict)
+    """What a training row logs beside the samples' metrics: each --reward component's mean
+    (``test/<component>``, as ``reward/<component>`` in training) and ``reward_errors``, or
+    under --env the share of episodes that called a tool (``tool_use``)."""
+
+    def metrics(self, prefix: str = "test/") -> dict[str, float]:
+        """`grpo.core.evaluation.evaluation_metrics` of the samples (``test/avg@n`` ...) and
+        the extra means."""
+        found = evaluation_metrics(self.samples, prefix=prefix)
+        found.update({f"{prefix}{name}": value for name, value in self.extra.items()})
+        return found
+
+
+def boxed_answer(text: str) -> str | None:
+    """The normalized content of the last `\\boxed{}`; None when absent or empty."""
+    answer = extract_boxed(text)
+    if answer is None:
+        return None
+    normalized = normalize_answer(answer)
+    return normalized or None
+
+
+def code_answer(text: str) -> str | None:
+    """The last fenced Python block, stripped; None when absent or empty."""
+    block = last_python_block(text)
+    return block.strip() or None if block is not None else None
+
+
+def answer_extractor(rewards: Sequence[RewardFn]) -> AnswerOf:
+    """What a sample's answer is for the grader (the first reward): code or a boxed answer."""
+    return code_answer if rewards and rewards[0].name in CODE_REWARDS else boxed_answer
+
+
+def correctness(scores: RewardScores, grader: str) -> list[np.ndarray]:
+    """c of every completion: the first component of reward `grader` scores >= 1."""
+    names = [name for name in scores.weights if name == grader or name.startswith(f"{grader}/")]
+    if not names:
+        return [np.zeros(total.size, dtype=bool) for total in scores.totals_P]
+    return [
+        group.get(names[0], np.zeros(total.size)) >= CORRECT_AT_LEAST
+        for group, total in zip(scores.components_P, scores.totals_P, strict=True)
+    ]
+
+
+def completion_samples(
+    completions_P: Sequence[Sequence[Completion]],
+    scores: RewardScores,
+    rewards: Sequence[RewardFn],
+) -> EvalSamples:
+    """The record of n graded completions per problem (what a step or an eval sampled)."""
+    answer_of = answer_extractor(rewards)
+    grader = rewards[0].name if rewards else ""
+    return EvalSamples(
+        correct_PG=correctness(scores, grader),
+        answers_PG=[[answer_of(c.text) for c in group] for group in completions_P],
+        truncated_PG=[[c.is_truncated for c in group] for group in completions_P],
+        tokens_PG=[[c.tokens.size for c in group] for group in completions_P],
+        reward_PG=scores.totals_P,
+    )
+
+
+def episode_samples(episodes_P: Sequence[Sequence[Episode]]) -> EvalSamples:
+    """The record of n episodes per problem: correct when the return R >= 1, the answer of
+    the last turn's action, its turns and tool calls."""
+    return EvalSamples(
+        correct_PG=[[e.reward >= CORRECT_AT_LEAST for e in group] for group in episodes_P],
+        answers_PG=[[boxed_answer(e.turns[-1].action_text) for e in group] for group in episodes_P],
+        truncated_PG=[[e.is_truncated for e in group] for group in episodes_P],
+        tokens_PG=[[e.num_sampled for e in group] for group in episodes_P],
+        reward_PG=[[e.reward for e in group] for group in episodes_P],
+        turns_PG=[[e.num_turns for e in group] for group in episodes_P],
+        tool_calls_PG=[[sum(t.tool_calls for t in e.turns) for e in group] for group in episodes_P],
+    )
+
+
+def _sample_completions(
+    pool: ThreadPoolExecutor,
+    sampler: Any,
+    problems: Sequence[Any],
+    tokenizer: Any,
+    config: Any,
+    *,
+    decoding: Decoding,
+    samples: int,
+    seed: int,
+    max_retries: int,
+    log: Log,
+) -> Evaluation:
+    def params(index: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=decoding.max_tokens,
+            temperature=decoding.temperature,
+            top_p=decoding.top_p,
+            seed=sampling_seed(seed, 0, index, purpose=Purpose.EVAL),
+        )
+
+    job = Sampling(pool, tokenizer, max_retries, log).submit(
+        sampler, problems, params, num_samples=samples
+    )
+    completions_P = job.result()
+    scores = reward_groups(
+        problems,
+        completions_P,
+        config.reward_fns,
+        max_tokens=decoding.max_tokens,
+        overlong_buffer=config.overlong_tokens,
+        on_error=config.reward_errors,
+        workers=config.reward_workers,
+        timeout=config.reward_timeout,
+    )
+    extra = {
+        ("reward_errors" if key == "reward/errors" else key.removeprefix("reward/")): value
+        for key, value in scores.metrics().items()
+    }
+    return Evaluation(
+        samples=completion_samples(completions_P, scores, config.reward_fns),
+        usage=job.usage(),
+        extra=extra,
+    )
+
+
+def _play_episodes(
+    pool: ThreadPoolExecutor,
+    sampler: Any,
+    problems: Sequence[Any],
+    tokenizer: Any,
+    config: Any,
+    *,
+    decoding: Decoding,
+    samples: int,
+    seed: int,
+    max_retries: int,
+    log: Log,
+) -> Evaluation:
+    limits = EpisodeLimits(
+        max_turns=config.max_turns,
+        max_tokens=decoding.max_tokens,
+        max_len=tokenizer_max_len(tokenizer),
+        temperature=decoding.temperature,
+        top_p=decoding.top_p,
+    )
+    futures = []
+    for index, problem in enumerate(problems):
+        envs = make_group(config.env_factory, task_of(problem, config), samples)
+        for member, env in enumerate(envs):
+            episode = index * samples + member
+
+            def seed_for(turn: int, episode: int = episode) -> int:
+                return episode_seed(seed, Purpose.ENV_EVAL, 0, episode, turn)
+
+            futures.append(
+                pool.submit(
+                    play_episode,
+                    sampler,
+                    env,
+                    tokenizer,
+                    limits,
+                    seed_for,
+                    max_retries=max_retries,
+                    log=log,
+                )
+            )
+    played = [future.result() for future in futures]
+    episodes_P = [
+        [episode for episode, _usage, _seen in played[i : i + samples]]
+        for i in range(0, len(played), samples)
+    ]
+    calls = [sum(turn.tool_calls for turn in episode.turns) for episode, _u, _s in played]
+    return Evaluation(
+        samples=episode_samples(episodes_P),
+        usage=sum((usage for _episode, usage, _seen in played), TokenUsage()),
+        extra={"tool_use": float(np.mean([count > 0 for count in calls]))},
+    )
+
+
+def evaluate_policy(
+    sampler: Any,
+    problems: Sequence[Any],
+    tokenizer: Any,
+    config: Any,
+    *,
+    pool: ThreadPoolExecutor,
+    decoding: Decoding,
+    samples: int,
+    seed: int,
+    max_retries: int = 3,
+    log: Log = print,
+) -> Evaluation:
+    """`samples` completions (or episodes, with `config.env`) of every problem, graded.
+
+    `problems` are `grpo.training.rollouts.Problem`s; `config` is the run's `TrainConfig` (its
+    rewards, env, max turns and prompt settings); `seed` seeds every request.
+    """
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    if not problems:
+        raise ValueError("an evaluation needs at least one problem")
+    play = _play_episodes if config.env is not None else _sample_completions
+    return play(
+        pool,
+        sampler,
+        problems,
+        tokenizer,
+        config,
+        decoding=decoding,
+        samples=samples,
+        seed=seed,
+        max_retries=max_retries,
+        log=log,
+    )
+
+
+def evaluation_row(
+    sampler: Any,
+    problems: Sequence[Any],
+    tokenizer: Any,
+    config: Any,
+    *,
+    pool: ThreadPoolExecutor,
+    decoding: Decoding,
+    samples: int,
+    seed: int,
+    max_retries: int = 3,
+    log: Log = print,
+    prefix: str = "test/",
+) -> tuple[dict[str, float], TokenUsage]:
+    """`evaluate_policy`'s metrics as a metrics row logs them (``test/avg@n``, ``test/pass@k``,
+    ``test/cons@n``, ``test/format_rate``, ``test/truncation_rate`` ...) and its token usage."""
+    result = evaluate_policy(
+        sampler,
+        problems,
+        tokenizer,
+        config,
+        pool=pool,
+        decoding=decoding,
+        samples=samples,
+        seed=seed,
+        max_retries=max_retries,
+        log=log,
+    )
+    return result.metrics(prefix), result.usage
