@@ -441,9 +441,39 @@ def describe_error(error: BaseException) -> tuple[str, int]:
     return f"{type(error).__name__}: {error}", EXIT_FAILED
 
 
+def sft_refusal(arguments: Sequence[str]) -> str | None:
+    """Why `grpo sft` refuses a `grpo train` flag it has no use for (None: no such flag).
+
+    SFT trains on --data's rows with a cross-entropy loss: it samples nothing, so the
+    sampling, reward, loss and teacher flags of `grpo train` would do nothing.
+    """
+    if not arguments or arguments[0] != "sft":
+        return None
+    from grpo.training.config import FIELDS as TRAIN_FIELDS
+    from grpo.training.sft_config import SFT_FIELDS
+
+    for argument in arguments[1:]:
+        name = argument.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        field = name[2:].replace("-", "_").removeprefix("no_")
+        if field in TRAIN_FIELDS and field not in SFT_FIELDS:
+            return (
+                f"{name} is a `grpo train` flag that `grpo sft` has no use for (SFT trains "
+                "--epochs passes over the rows of --data with a cross-entropy loss and samples "
+                f"nothing; see `grpo sft --help`); drop {name}, or use it in a `grpo train "
+                "--init-from` run after the SFT"
+            )
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `grpo` console script: bad input exits 2 with one line naming it."""
     arguments = list(sys.argv[1:] if argv is None else argv)
+    refused = sft_refusal(arguments)
+    if refused is not None:
+        print(f"grpo sft: error: {refused}", file=sys.stderr)
+        return 2
     args = build_parser(arguments).parse_args(arguments)
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:

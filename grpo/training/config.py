@@ -501,8 +501,9 @@ class TrainConfig:
 
 
 def check_recipe(config: "TrainConfig") -> None:
-    """--recipe distill needs --teacher (no --dynamic-sampling, no --teacher-system-prompt under
-    --env); --teacher needs distill."""
+    """The combinations that cannot do what they say, refused naming both flags: --recipe
+    distill needs --teacher (no --dynamic-sampling, no --teacher-system-prompt under --env);
+    --teacher needs distill; --env takes its rewards from the environment (no --reward)."""
     if config.distill_discount > 1:
         raise ConfigError(f"--distill-discount must be in [0, 1], got {config.distill_discount}")
     if config.recipe == "distill" and config.teacher is None:
@@ -511,6 +512,12 @@ def check_recipe(config: "TrainConfig") -> None:
         raise ConfigError(
             f"--teacher {config.teacher} is for distillation; run `grpo distill` (or --recipe "
             "distill), or drop --teacher"
+        )
+    if config.env is not None and config.reward:
+        raise ConfigError(
+            f"--reward {config.reward[0]} with --env {config.env}: an episode's return is the "
+            "environment's reward, so --reward would be ignored; drop --reward, or score the "
+            "answer inside the environment's step"
         )
     if config.recipe == "distill" and config.env is not None and config.teacher_system_prompt:
         raise ConfigError(

@@ -226,7 +226,8 @@ def log_step(
 
 
 def checkpoint_check_usage(state: RunState) -> TokenUsage:
-    """The forward-only positions of the check `save_checkpoint` runs (none before any update).
+    """The forward-only positions of the check `save_checkpoint` runs: none when no update
+    came since the last checked weights (or the run's start or resume).
 
     Counted into the row of the step it checks, before the call, so a resumed run logs what
     an uninterrupted one does (a checkpoint taken on a stop signal is not counted).
@@ -269,6 +270,7 @@ def save_checkpoint(recipe: Recipe, state: RunState, name: str) -> None:
             f"update); they are not checkpointed, the last good checkpoint is step "
             f"{state.last_saved_step}; lower --learning-rate"
         )
+    state.probe_datums = None  # these weights are checked: until the next update, no check
     client = session.training_client
     result = retry(session, lambda: client.save_state(name).result(), "save_state")
     fault_point("save")

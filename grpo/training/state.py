@@ -54,7 +54,8 @@ class RunState:
     weights_dirty: bool = False
     """True from the first optimizer step of a step until its row is logged."""
     probe_datums: Any = None
-    """The last minibatch, stripped to targets: no checkpoint if its log-probs are not finite."""
+    """The last minibatch of an update no checkpoint has checked yet, stripped to targets: no
+    checkpoint if its log-probs are not finite (None once checked)."""
     sampler: Any = None
     sampler_version: int = -1
     jobs: dict[int, Any] = attrs.Factory(dict)

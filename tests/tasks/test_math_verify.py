@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +116,81 @@ def test_calls_from_other_threads_survive_one_threads_timeout() -> None:
         with pytest.raises(GradingTimeout):
             run_pooled(time.sleep, 60, timeout_s=0.5)
         assert list(graded) == [float(equivalent) for _, _, equivalent in PAIRS[:9]]
+
+
+def test_a_math_verify_run_evaluates_with_math_verify_on_latex_golds(tmp_path: Path) -> None:
+    """A run trained on --reward grpo.rewards:math_verify also evaluates with it: a gold of
+    \\frac{2n}{2} for n scores the model's boxed n, which the strict boxed match calls wrong."""
+    from pytrio.types import SamplingParams
+
+    from grpo.backends.local import LocalServiceClient
+    from grpo.core.rewards import grade
+    from grpo.tasks.data import load_run_problems
+    from grpo.training import run_files
+    from grpo.training.config import TrainConfig
+    from grpo.training.rollouts import Sampling, build_problems, tokenizer_max_len
+    from grpo.training.seeds import Purpose, sampling_seed
+    from tests.runs import quiet_train, tiny_config
+
+    data = tmp_path / "latex"
+    data.mkdir()
+    for split in ("train", "test"):
+        rows = load_run_problems(TrainConfig(), split, limit=40)
+        lines = []
+        for row in rows:
+            value = int(row["answer"].rsplit("####", 1)[1])
+            lines.append(
+                json.dumps(
+                    {"question": row["question"], "answer": f"#### \\frac{{{2 * value}}}{{2}}"}
+                )
+            )
+        (data / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    config = tiny_config(
+        tmp_path,
+        "mv",
+        dataset=str(data),
+        reward=("grpo.rewards:math_verify",),
+        steps=1,
+        eval_every=1,
+        eval_limit=40,
+    )
+    result = quiet_train(config)
+    final = run_files.read_metrics(result.run_dir)[-1]
+    assert final["test/reward"] > 0.2 and final["test/reward"] == final["test/math_verify"]
+    # The same evaluation samples (same seeds, final weights), graded by math-verify directly.
+    service = LocalServiceClient(root=str(result.run_dir / "backend"), seed=config.seed)
+    sampler = service.create_sampling_client(
+        base_model=config.base_model, model_path=run_files.eval_weights_path(result.run_dir)
+    )
+    tokenizer = sampler.get_tokenizer()
+    test_rows = load_run_problems(config, "test", limit=40)
+    problems = build_problems(
+        tokenizer,
+        test_rows,
+        fewshot=config.use_fewshot,
+        max_tokens=config.max_tokens,
+        max_len=tokenizer_max_len(tokenizer),
+        split="test",
+    )
+
+    def params(index: int) -> SamplingParams:
+        seed = sampling_seed(config.seed, 0, index, purpose=Purpose.EVAL)
+        return SamplingParams(
+            max_tokens=config.max_tokens, temperature=config.temperature, top_p=1.0, seed=seed
+        )
+
+    with ThreadPoolExecutor(4) as pool:
+        completions_P = (
+            Sampling(pool, tokenizer, 1, print)
+            .submit(sampler, problems, params, num_samples=1)
+            .result()
+        )
+    scores, strict = [], []
+    for problem, (completion,) in zip(problems, completions_P, strict=True):
+        sample = RewardInput(
+            problem.index, problem.gold, int(completion.tokens.size), 24, "stop", 0
+        )
+        scores.append(math_verify(completion.text, problem.row, sample))
+        strict.append(grade(completion.text, problem.gold))
+    assert final["test/reward"] == pytest.approx(sum(scores) / len(scores), abs=1e-12)
+    assert sum(strict) == 0  # the boxed match cannot read \frac{2n}{2} as n
