@@ -57,3 +57,34 @@ def test_evaluate_rejects_bad_arguments_before_loading_anything(tmp_path: Path):
         grpo.evaluate(split="dev")
     with pytest.raises(grpo.ConfigError, match="not both"):
         grpo.evaluate(tmp_path, checkpoint="x")
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``grpo.a.b.name`` is a module, or an attribute of the longest module prefix."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(target, name):
+                return False
+            target = getattr(target, name)
+        return True
+    return False
+
+
+def test_every_import_and_name_the_readme_shows_exists() -> None:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    names: set[str] = set()
+    for module, imported in re.findall(r"^\s*from (grpo[\w.]*) import ([\w, ]+)", readme, re.M):
+        names.update(f"{module}.{name.strip()}" for name in imported.split(",") if name.strip())
+    names.update(re.findall(r"`(grpo(?:\.[A-Za-z_]\w*)+)", readme))
+    missing = sorted(name for name in names if not _resolves(name))
+    assert not missing, f"README names what does not exist: {missing}"

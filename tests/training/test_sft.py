@@ -194,3 +194,29 @@ def test_init_from_refuses_an_unfinished_run_or_another_base_model(tmp_path: Pat
     (unfinished / "config.json").write_text(json.dumps({"base_model": "Qwen/Qwen3-8B"}))
     with pytest.raises(ConfigError, match="that run has base_model 'Qwen/Qwen3-8B'"):
         init_state_path(TrainConfig(init_from=str(unfinished)))
+
+
+def test_sft_resumes_from_the_newest_intact_checkpoint_when_the_latest_is_damaged(
+    tmp_path: Path,
+) -> None:
+    config = _config(tmp_path, "damaged", save_every=1)
+
+    def stop_at_step_3(line: str) -> None:
+        if line.startswith("step 3/"):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(RunStopped):
+        sft(config, echo=stop_at_step_3, progress=False)
+    recorded = run_files.read_checkpoint(tmp_path / "damaged")
+    assert recorded is not None and recorded.step == 3
+    weights = Path(recorded.state_path.removeprefix("local://"))
+    for path in weights.rglob("*.safetensors"):  # damaged: the adapter's bytes cut short
+        path.write_bytes(path.read_bytes()[:100])
+    notes: list[str] = []
+    sft(config, resume=True, echo=notes.append, progress=False)
+    assert any("resuming from step 2, the newest intact checkpoint" in n for n in notes), notes
+    whole = _quiet(_config(tmp_path, "whole", save_every=1))
+    assert_same_rows(
+        comparable(run_files.read_metrics(tmp_path / "damaged")),
+        comparable(run_files.read_metrics(whole.run_dir)),
+    )
