@@ -38,7 +38,7 @@ from grpo.reward_scores import RewardScores
 from grpo.rewards import RewardFn
 from grpo.tasks.code_grading import last_python_block
 from grpo.training.episodes import EpisodeLimits, play_episode, task_of
-from grpo.training.rollouts import Sampling, reward_groups, tokenizer_max_len
+from grpo.training.rollouts import Sampling, grade_rollouts, tokenizer_max_len
 from grpo.training.seeds import Purpose, episode_seed, sampling_seed
 
 Log = Callable[[str], None]
@@ -167,16 +167,7 @@ def _sample_completions(
         sampler, problems, params, num_samples=samples
     )
     completions_P = job.result()
-    scores = reward_groups(
-        problems,
-        completions_P,
-        config.reward_fns,
-        max_tokens=decoding.max_tokens,
-        overlong_buffer=config.overlong_tokens,
-        on_error=config.reward_errors,
-        workers=config.reward_workers,
-        timeout=config.reward_timeout,
-    )
+    scores = grade_rollouts(problems, completions_P, config, decoding.max_tokens).scores
     extra = {
         ("reward_errors" if key == "reward/errors" else key.removeprefix("reward/")): value
         for key, value in scores.metrics().items()

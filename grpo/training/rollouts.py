@@ -350,13 +350,15 @@ def grade_rollouts(
     problems_P: Sequence[Problem],
     completions_P: Sequence[Sequence[Completion]],
     config: Any,
+    max_tokens: int | None = None,
 ) -> StepRollouts:
-    """Step 5: every completion scored by the run's --reward callables."""
+    """Step 5: every completion scored by the run's --reward callables (sampled with at most
+    ``max_tokens``, by default the run's --max-tokens)."""
     scores = reward_groups(
         problems_P,
         completions_P,
         config.reward_fns,
-        max_tokens=config.max_tokens,
+        max_tokens=config.max_tokens if max_tokens is None else max_tokens,
         overlong_buffer=config.overlong_tokens,
         on_error=config.reward_errors,
         workers=config.reward_workers,

@@ -135,6 +135,18 @@ class RunLogger:
                 swanlab_mode, swanlab_project, run_name, run_dir, scrub_secrets(config)
             )
 
+    @classmethod
+    def of_run(cls, run_dir: Path, record: Mapping[str, Any], config: Any) -> RunLogger:
+        """The logger of a run whose config (``TrainConfig`` or ``SftConfig``) is ``config``
+        and whose config.json is ``record``."""
+        return cls(
+            run_dir,
+            config=record,
+            swanlab_mode=config.swanlab_mode,
+            swanlab_project=config.swanlab_project,
+            run_name=str(config.run_name),
+        )
+
     @staticmethod
     def _start_swanlab(
         mode: str, project: str, run_name: str, run_dir: Path, config: dict[str, Any]
