@@ -271,11 +271,7 @@ def evaluate_report(
             "max_tokens": max_tokens,
         },
     )
-    if config.env is not None and reward is not None:
-        raise ConfigError(
-            f"--reward grades single completions; under --env {config.env} the environment's "
-            "return is the grade; drop --reward, or drop --env"
-        )
+    # --reward with --env is refused by the config itself (grpo.training.config.check_recipe).
     model_path = run_files.eval_weights_path(Path(run_dir)) if run_dir else checkpoint
     weights = weights_of(run_dir, checkpoint, config.base_model)
     local_root = str(Path(run_dir) / run_files.BACKEND_DIR) if run_dir else None

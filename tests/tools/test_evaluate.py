@@ -263,7 +263,7 @@ def test_eval_of_the_calculator_env_reports_turns_and_tool_calls(
         (["--max-turns", "0"], "--max-turns must be >= 1, got 0"),
         (
             ["--env", "grpo.envs:calculator_wordproblems", "--reward", "grpo.rewards:math_verify"],
-            "drop --reward, or drop --env",
+            "--reward would be ignored; drop --reward",
         ),
         (["--gold-rule", "bogus"], "--gold-rule 'bogus' is not"),
     ],
