@@ -28,6 +28,9 @@ computes what the same calls compute in process. The modules, one job each:
 - ``registry``: sessions, training and sampling runs, checkpoints; ``models``: the served
   models and their ids;
 - ``events``: trainer events and their long polls; ``sampling``: one sample request;
+- ``openai_endpoints``: the OpenAI-compatible API (``/v1/chat/completions``,
+  ``/v1/completions``, ``/v1/models``) on any served model or sampler weights, with the
+  same API key and bounds; ``openai_wire``: its requests checked and its response bodies;
 - ``wire``: the error type, run records and wire conversions; ``faults``: fault injection;
 - ``compat``: pytrio 0.2.0-0.2.3's request bodies upgraded to 0.2.9's, and the served
   tokenizers in the hub-cache layouts those clients' ``get_tokenizer`` reads offline.

@@ -48,6 +48,10 @@ class ModelCatalogue:
         """`ModelListResponse`: the served models (and aliases) with their real limits."""
         return model_list(self._capabilities.supported_models, self.aliases, limit, offset)
 
+    def names(self) -> list[str]:
+        """The served models' names, then their aliases."""
+        return [m.model_name for m in self._capabilities.supported_models] + list(self.aliases)
+
     def limits(self, base_model: str, *, trainer: bool = True) -> dict[str, Any]:
         """The trainer (or sampler) limits of a run on `base_model`: the sequence length if
         known, and for a trainer the advertised batch limits."""
