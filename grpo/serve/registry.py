@@ -283,7 +283,11 @@ class RunRegistry:
         }
 
     def find_by_checkpoint(self, uri: str) -> dict[str, Any]:
-        """`TrainingRunFindByCheckpointURIResponse`: the LoRA config a checkpoint was saved with."""
+        """`TrainingRunFindByCheckpointURIResponse`: the LoRA config a checkpoint was saved with.
+
+        ``base_model`` is the run's ``model_id`` (pytrio 0.2.8/0.2.9's ``load_state`` checks it
+        against the run's), which the catalogue lists too (pytrio 0.2.3 looks it up there).
+        """
         metadata = self._checkpoint_metadata(uri)
         _name, model_id = self.catalogue.resolve(str(metadata["base_model"]))
         return {"base_model": model_id, **self._lora_spec(uri, metadata).to_wire()}
