@@ -13,6 +13,8 @@ set as it prints. The wire protocol is the part of PyTRIO's that the SDK's
 - Actor API under ``<base>/actor/``: ``POST v1/events`` (msgpack envelopes),
   ``GET v1/events/{id}`` (long-polled, ``Prefer: wait=N``), ``POST v1/client/heartbeat``
   and ``POST v1/sampling-runs/{id}/sample`` (JSON).
+- OpenAI-compatible API under ``<base>/v1/``: ``POST chat/completions``, ``POST completions``
+  and ``GET models`` (JSON, OpenAI's wire format), for evaluation harnesses and agents.
 
 Training and sampling run on one `LocalServiceClient`, so a run through the server
 computes what the same calls compute in process. The modules, one job each:

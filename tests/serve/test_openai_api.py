@@ -221,3 +221,27 @@ def test_a_completion_request_takes_every_prompt_form_openai_does() -> None:
         with pytest.raises(ServeError, match="prompt"):
             parse_completion({"model": "m", "prompt": prompt})
     assert parse_completion({"model": "m", "prompt": "x"}).generation.max_tokens == 16
+
+
+def test_weights_saved_again_under_the_same_path_are_the_ones_answered(served: Any) -> None:
+    """A sampler checkpoint is overwritten on each save: the server's kept sampler reloads."""
+    trainer = pytrio.ServiceClient().create_lora_training_client(TINY_MODEL_NAME, rank=4, seed=0)
+    ids = trainer.get_tokenizer().encode("12+34=46", add_special_tokens=False)
+    datum = Datum(
+        model_input=ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": np.asarray(ids[1:], dtype=np.int64)},
+    )
+    client, answered, expected = _client(served), [], []
+    for _ in range(2):
+        trainer.forward_backward([datum], loss_fn="cross_entropy").result()
+        trainer.optim_step(AdamParams(learning_rate=5e-2)).result()
+        path = trainer.save_weights_for_sampler(name="resaved").result().path
+        reply = client.completions.create(
+            model=path, prompt=ids, max_tokens=0, echo=True, logprobs=0
+        )
+        answered.append(reply.choices[0].logprobs.token_logprobs[1:])
+        sampler = trainer.create_sampling_client(path)
+        expected.append(sampler.compute_logprobs(ModelInput.from_ints(ids)).result()[1:])
+    assert answered[0] == pytest.approx(expected[0], abs=1e-5)
+    assert answered[1] == pytest.approx(expected[1], abs=1e-5)
+    assert not np.allclose(answered[0], answered[1], atol=1e-4)
