@@ -217,6 +217,10 @@ def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) 
     )
     for line in hub_cache_exports(hub):
         echo(f"  {line}")
+    echo(
+        f"OpenAI-compatible API (chat/completions, completions, models): {handle.url}/v1 "
+        "(OPENAI_BASE_URL), the same key (OPENAI_API_KEY)"
+    )
     echo("Ctrl-C stops the server.")
     # Ctrl-C and SIGTERM stop it, even when started in the background (SIGINT ignored there).
     previous = {

@@ -112,6 +112,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.timeout = self.server.request_timeout_s  # every socket read times out
         super().setup()
 
+    def handle_one_request(self) -> None:
+        """One request; a client that resets the connection while the next request line is
+        awaited (an idle keep-alive connection it drops) just ends the connection, without
+        the stdlib's traceback on stderr."""
+        try:
+            super().handle_one_request()
+        except ConnectionError:
+            self.close_connection = True
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         if self.server.log_requests:
             super().log_message(format, *args)

@@ -10,6 +10,7 @@ import attrs
 import pydantic
 
 from grpo.serve.limits import MAX_FIELD_CHARS, MAX_JSON_DEPTH, MAX_PAGE, check_name, json_depth
+from grpo.serve.openai_wire import OPENAI_PREFIX, openai_error_body
 from grpo.serve.wire import ServeError
 
 Model = TypeVar("Model", bound=pydantic.BaseModel)
@@ -98,7 +99,10 @@ class Reply:
 
 
 def error_body(code: str, message: str, path: str) -> dict[str, Any]:
-    """The body of an error reply; the Actor API (``/actor/``) nests it under ``error`` too."""
+    """The body of an error reply; the Actor API (``/actor/``) nests it under ``error`` too,
+    and the OpenAI-compatible API (``/v1/``) answers OpenAI's error object."""
+    if path.startswith(OPENAI_PREFIX):
+        return openai_error_body(code, message)
     body: dict[str, Any] = {"code": code, "message": message}
     if path.startswith("/actor/"):
         body["error"] = {"code": code, "message": message}

@@ -5,7 +5,8 @@ model, a copy written under ``<root>/tokenizers/``): pytrio's ``get_tokenizer`` 
 ``AutoTokenizer.from_pretrained(model_id, local_files_only=True)``, so this finds it
 offline; the same files go into ``<root>/hub-cache`` for older clients, which look the
 tokenizer up by name (`grpo.serve.compat`). The catalogue and ``get_supported_models``
-keep the model's name. A program may
+keep the model's name first, and list the model under its ``model_id`` too once a run has
+used it (as the service's catalogue holds every run's ``model_id``). A program may
 also name a local Hugging Face model directory, or an alias (``--model-alias``).
 """
 
@@ -45,8 +46,22 @@ class ModelCatalogue:
                 raise ValueError(f"--model-alias {alias}={name}: {name!r} is not one of {names}")
 
     def models(self, limit: int, offset: int) -> dict[str, Any]:
-        """`ModelListResponse`: the served models (and aliases) with their real limits."""
-        return model_list(self._capabilities.supported_models, self.aliases, limit, offset)
+        """`ModelListResponse`: the served models with their real limits, then each under its
+        aliases, then under its run ``model_id`` once a run has used it.
+
+        On the service a run's ``model_id`` is a catalogue ``model_id``, and pytrio 0.2.3's
+        ``create_training_client_from_state`` relies on it: it looks the checkpoint's model
+        (``find_training_run_by_checkpoint_uri``'s ``base_model``) up in the catalogue, and
+        refuses it ("Model ... is not supported by the server") when it is not listed.
+        """
+        with self._lock:
+            by_id = {model_id: name for name, model_id in self._model_ids.items()}
+        names = {**self.aliases, **{key: name for key, name in by_id.items() if key != name}}
+        return model_list(self._capabilities.supported_models, names, limit, offset)
+
+    def names(self) -> list[str]:
+        """The served models' names, then their aliases."""
+        return [m.model_name for m in self._capabilities.supported_models] + list(self.aliases)
 
     def limits(self, base_model: str, *, trainer: bool = True) -> dict[str, Any]:
         """The trainer (or sampler) limits of a run on `base_model`: the sequence length if

@@ -91,6 +91,10 @@ class RunRegistry:
         self._sampling: collections.OrderedDict[str, SamplingRun] = collections.OrderedDict()
         self._checkpoints: dict[str, CheckpointRecord] = {}
         self._memory: collections.OrderedDict[str, LocalSamplingClient] = collections.OrderedDict()
+        # The OpenAI-compatible API's samplers: (what `model` named, its version) -> sampler.
+        self._samplers: collections.OrderedDict[tuple[str, int], LocalSamplingClient] = (
+            collections.OrderedDict()
+        )
         self.actor_tokens: set[str] = set()
 
     # --- sessions ---------------------------------------------------------------------
@@ -279,7 +283,11 @@ class RunRegistry:
         }
 
     def find_by_checkpoint(self, uri: str) -> dict[str, Any]:
-        """`TrainingRunFindByCheckpointURIResponse`: the LoRA config a checkpoint was saved with."""
+        """`TrainingRunFindByCheckpointURIResponse`: the LoRA config a checkpoint was saved with.
+
+        ``base_model`` is the run's ``model_id`` (pytrio 0.2.8/0.2.9's ``load_state`` checks it
+        against the run's), which the catalogue lists too (pytrio 0.2.3 looks it up there).
+        """
         metadata = self._checkpoint_metadata(uri)
         _name, model_id = self.catalogue.resolve(str(metadata["base_model"]))
         return {"base_model": model_id, **self._lora_spec(uri, metadata).to_wire()}
@@ -362,6 +370,51 @@ class RunRegistry:
             **self._actor(),
             "created_at": created,
         }
+
+    def sampler(self, model: str) -> LocalSamplingClient:
+        """A sampler of `model` for the OpenAI-compatible API: in-memory sampler weights
+        (``memory://...``), saved ones (``local://...`` or their directory), or a served
+        model's name, alias or local directory (404 naming the choices otherwise).
+
+        Samplers are kept (the `_SAMPLING_RUNS_KEPT` most recently used); saved weights are
+        reloaded when their checkpoint was saved again since.
+        """
+        if model.startswith(MEMORY_SCHEME):
+            with self._lock:
+                if model not in self._memory:
+                    raise not_found("in-memory sampler weights", model)
+                return self._memory[model]
+        try:
+            directory: Path | None = resolve_checkpoint(model)
+        except (PyTrioError, OSError, ValueError):  # no checkpoint: a model's name or directory
+            directory = None
+        if directory is None:
+            try:
+                name, _model_id = self.catalogue.resolve(model)
+            except ServeError as error:
+                raise ServeError(
+                    404,
+                    "model_not_found",
+                    f"model {model!r:.200} is neither a served model nor sampler weights; "
+                    f"use one of {self.catalogue.names()}, a path that save_weights_for_sampler "
+                    "returned (local://...), or a local Hugging Face model directory",
+                ) from error
+            key, weights = (name, 0), None
+        else:
+            metadata = self._checkpoint_metadata(model)
+            name, _model_id = self.catalogue.resolve(str(metadata["base_model"]))
+            version = (directory / METADATA_FILE).stat().st_mtime_ns
+            key, weights = (str(directory.resolve()), version), model
+        with self._lock:
+            if key in self._samplers:
+                self._samplers.move_to_end(key)
+                return self._samplers[key]
+        client = local_call(lambda: self.local.create_sampling_client(name, weights))
+        with self._lock:
+            self._samplers[key] = client
+            while len(self._samplers) > _SAMPLING_RUNS_KEPT:
+                self._samplers.popitem(last=False)
+        return client
 
     def sampling_run(self, cuid: str) -> SamplingRun:
         """A kept sampling run, now the most recently used (404 if unknown or dropped)."""

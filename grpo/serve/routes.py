@@ -1,6 +1,9 @@
 """The route table of `grpo serve`: which endpoint answers a (method, path), who may call it,
 and the operation name fault injection knows it by.
 
+The OpenAI-compatible ``/v1/`` routes (`grpo.serve.openai_endpoints`) take the same API key
+as the Control API (``Authorization: Bearer KEY``, what the ``openai`` client sends).
+
 Auth kinds: ``control`` (the API key, when the server has one), ``actor`` (a token that a
 run's creation handed out), ``files`` (the download token in the URL), ``none`` (only
 ``/``, the reachability probe).
@@ -13,7 +16,7 @@ from collections.abc import Callable
 
 import attrs
 
-from grpo.serve import endpoints
+from grpo.serve import endpoints, openai_endpoints
 from grpo.serve.events import EVENT_OPERATIONS, event_operation
 from grpo.serve.messages import Reply, Request
 
@@ -177,6 +180,14 @@ ROUTES: tuple[Route, ...] = (
         auth="actor",
         operation="sample",
     ),
+    Route(
+        "POST",
+        "/v1/chat/completions",
+        openai_endpoints.chat_completions,
+        operation="chat_completions",
+    ),
+    Route("POST", "/v1/completions", openai_endpoints.completions, operation="completions"),
+    Route("GET", "/v1/models", openai_endpoints.list_models, operation="list_openai_models"),
     Route(
         "GET",
         r"/files/checkpoints/([^/]+)\.tar",

@@ -4,7 +4,8 @@
 `ensure_login` (pytrio before 0.2.9 reads no environment variables), then create, sample,
 forward_backward, a custom loss, optim_step, save_state, save_weights_for_sampler, a
 sampler on the saved weights, the RestClient's archive of them, load_state into a new
-client (whose forward must equal the trained one's) and close (where the client has it).
+client and create_training_client_from_state (with and without the optimizer), whose
+forwards must equal the trained one's, and close (where the client has it).
 Prints one ``STEP name json`` line per call and ``DONE`` at the end;
 tests/serve/test_client_versions.py reads them. Imports pytrio, numpy and torch only:
 never grpo.
@@ -105,9 +106,25 @@ def main(url: str, key: str, model: str, tokenizer_only: bool) -> None:
     restored.load_state(state.path).result()
     loaded = restored.forward(datums, loss_fn="importance_sampling").result().metrics
     step("load_state", {"trained": trained["loss_sum"], "loaded": loaded["loss_sum"]})
+    resumed = {
+        "weights": service.create_training_client_from_state(state.path),
+        "optimizer": service.create_training_client_from_state_with_optimizer(state.path),
+    }
+    step(
+        "from_state",
+        {
+            "trained": trained["loss_sum"],
+            **{
+                kind: client.forward(datums, loss_fn="importance_sampling")
+                .result()
+                .metrics["loss_sum"]
+                for kind, client in resumed.items()
+            },
+        },
+    )
     if hasattr(trainer, "close"):  # 0.2.0 and 0.2.1 (removed in 0.2.2)
-        trainer.close()
-        restored.close()
+        for client in (trainer, restored, *resumed.values()):
+            client.close()
         step("close")
     print("DONE", flush=True)
 

@@ -348,6 +348,14 @@ def test_fuzz_every_route_no_5xx_and_every_error_names_something(tmp_path: Path)
                     "prompt": {"chunks": [{"tokens": [1, 2], "type": "encoded_text"}]},
                     "sampling_params": {"max_tokens": 2},
                 },
+                "chat_completions": {
+                    "model": TINY_MODEL_NAME,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                    "logprobs": True,
+                    "top_logprobs": 1,
+                },
+                "completions": {"model": TINY_MODEL_NAME, "prompt": "hi", "max_tokens": 2},
             }.get(route.operation, {"status": "ENDED"})
             destructive = route.method == "DELETE" or route.path.pattern.endswith("/close")
             id_sets = [unknown] if destructive or not unknown else [unknown, ids_known]
@@ -381,7 +389,8 @@ def test_fuzz_every_route_no_5xx_and_every_error_names_something(tmp_path: Path)
 
 
 def _message(reply: bytes) -> str:
-    """The message of a JSON error body, or "" when it is none."""
+    """The message of a JSON error body (PyTRIO's, or OpenAI's ``{"error": {...}}`` on
+    ``/v1/``), or "" when it is none."""
     try:
         body = json.loads(reply)
     except ValueError:
@@ -389,6 +398,8 @@ def _message(reply: bytes) -> str:
             body = msgpack.unpackb(reply)
         except Exception:  # noqa: BLE001 - not msgpack either: no message
             return ""
+    if isinstance(body, dict) and isinstance(body.get("error"), dict) and "code" not in body:
+        body = body["error"]
     return str(body.get("message", "")) if isinstance(body, dict) else ""
 
 

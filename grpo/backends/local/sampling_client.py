@@ -90,6 +90,8 @@ class LocalSamplingClient:
         self._host = host
         self._weights = weights
         self.model_id = host.model_id
+        self.end_token_ids = host.end_token_ids  # the tokens that end a turn (and a sample)
+        self.max_positions = host.max_positions  # prompt + completion, at most
         self.sampling_run_cuid = f"sampler-{uuid.uuid4().hex[:12]}"
         self._run = functools.partial(
             sample_batch, host, weights, stopping=engine.worker.stopping, dtype=engine.sampler_dtype
@@ -142,19 +144,24 @@ class LocalSamplingClient:
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         """log p(token_t | tokens_<t) for each prompt token (None for the first)."""
+        return self.score_prompt(prompt).map(lambda response: response.prompt_logprobs)
+
+    def score_prompt(self, prompt: ModelInput, topk: int = 0) -> APIFuture[SampleResponse]:
+        """`prompt`'s log-probs and, for `topk` > 0, each position's `topk` most likely tokens
+        (the model's distribution at temperature 1, unfiltered); nothing is generated."""
         spec = validate_sample_request(
             prompt,
             num_samples=1,
             sampling_params=SamplingParams(max_tokens=1, seed=0),
             include_prompt_logprobs=True,
-            topk_prompt_logprobs=0,
+            topk_prompt_logprobs=topk,
             return_text=False,
             vocab_size=self._host.vocab_size,
             max_positions=self._host.max_positions,
             draw_seed=self._engine.draw_seed,
             generate=False,
         )
-        return self._submit(spec).map(lambda response: response.prompt_logprobs)
+        return self._submit(spec)
 
     async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
         """Async twin of `compute_logprobs` (returns the list)."""
