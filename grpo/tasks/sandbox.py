@@ -2,37 +2,54 @@
 
 What the sandbox provides everywhere (Linux; other POSIX systems lack some rlimits):
 
-- a fresh temporary working directory, removed afterwards; the program arrives on stdin,
-  so no file of the harness is left for it to read;
-- `python -I` (the running interpreter, isolated mode: no user site-packages, no
-  `PYTHON*` variables, no script directory on `sys.path`) with an empty environment, so the
-  parent's environment variables (API keys) are not passed;
+- a fresh temporary working directory, removed afterwards; the program arrives on stdin;
+- `python -I` (isolated mode: no user site-packages, no `PYTHON*` variables, no script
+  directory on `sys.path`) with an empty environment, so API keys are not passed;
 - its own session and process group, killed as a whole (SIGKILL) at the wall-clock timeout;
 - rlimits set before exec: CPU seconds, address space, processes (RLIMIT_NPROC), file size,
   open files, and no core dumps;
-- stdout and stderr read up to a cap each; past the cap the pipe is closed, so a program
-  printing without end dies of a broken pipe instead of filling memory.
+- stdout and stderr read up to a cap each; past the cap the pipe is closed.
 
-Where `unshare -r -n -p -f -m --mount-proc` works (Linux with unprivileged user namespaces,
-or root), the program also runs in its own user, network, PID and mount namespaces: no
-network at all (not even loopback: a connect to 127.0.0.1 fails), a `/proc` that shows only
-its own processes (so not the environment of others), and every process it starts dies
-with it (a child that calls `setsid` cannot outlive the run). Where only `unshare -r -n`
-works, it has the network namespace alone; where neither does, `isolation` logs one warning
-and code runs with the caller's network and PID space. RLIMIT_NPROC binds no process of
-root, so when running as root the process count is bounded by a pids cgroup instead, where
-a cgroup v1 `pids` hierarchy is writable (`/sys/fs/cgroup/pids`); `process_limit_enforced`
-says whether a fork bomb is bounded on this machine.
+`run_tests` never decides a verdict in the process that runs the solution: that process
+gets the solution, the tests' setup statements and the *holes* of each assert (the
+expressions that call the solution, `grpo/core/code_checks.py`), never an assert's
+expected side; it prints each hole's value as tagged plain data, which is decoded here
+(anything else, an object with its own `__eq__` or an `int` subclass, is refused) and
+compared here, or, for asserts of other forms, in a second sandboxed run of the tests
+that never sees the solution. Patching builtins, `compile` or `print`, rewriting the
+harness through `__main__`, reading its markers or exiting early can at most change the
+values the solution's calls claim, which is what a solution does anyway.
 
-What it does not provide: this is not a security boundary against a determined attacker.
-There is no seccomp filter, no Landlock rule and no chroot: the program can read every
-file the calling user can read, and write wherever that user can write outside the working
-directory (its relative paths land in the working directory, which is removed; absolute
-paths such as `/tmp/x` or the caller's own files are not protected, only capped in size by
-RLIMIT_FSIZE). Without the PID and mount namespaces, `/proc/<pid>/environ` of the user's
-other processes stays readable. The pass marker of `run_tests` defeats a program that exits
-early with status 0, not one that inspects the harness's frames. Run rewards of this kind
-on a machine or container you can lose.
+Where `file_system_isolated()` holds (Linux, as root or with unprivileged user namespaces,
+`unshare` installed, x86_64 or aarch64), each run also gets new mount, network and PID
+namespaces (and a user namespace when not root) and a minimal root built by
+`_BOOTSTRAP` and entered by `pivot_root`, the old root detached:
+
+- a tmpfs of `disk_bytes` (64 MiB) and `disk_files` (4096) for everything it writes
+  (`/sandbox`, the working directory, and `/tmp`);
+- read-only, nosuid binds of `/usr`, `/bin`, `/sbin`, `/lib*`, `/etc/ld.so.cache`, the
+  Python installation behind the running one (never a virtual environment, so no `grpo`
+  and no project packages), and `/dev/null`, `zero`, `full`, `random`, `urandom`;
+- a fresh `/proc` of its own PID namespace; no `/sys`, no `/etc` but the linker cache, no
+  `/home`, no `/root` (but the Python installation where it lives there), no project, run
+  or temporary directory of the caller, so no file-system UNIX socket of the host either
+  (abstract ones belong to the network namespace, also new); no network, not even loopback;
+- as root, the program runs as an unprivileged uid (one of 10**6 from 10**9, chosen
+  at random a run) with `no_new_privs`: it cannot remount, unmount, chroot, write the
+  binds or join another cgroup, and RLIMIT_NPROC binds it; without root, a second user
+  namespace locks the mounts instead.
+
+As root, where a cgroup v1 `pids` hierarchy is writable, a pids cgroup made by this
+process caps the processes too (`process_limit_enforced`); the program cannot leave it
+(no `/sys`, not root). Where `file_system_isolated()` fails, one warning says so and runs
+fall back to `unshare -r -n -p -f -m --mount-proc` (or `-r -n`, or nothing, with one more
+warning): then the program sees and may write every file the calling user can, reach its
+UNIX sockets, fill its disk a file of `file_bytes` at a time, and, as root, move itself
+out of the pids cgroup.
+
+What it never provides: no seccomp filter, no Landlock rule, no memory cgroup (memory is
+bounded by RLIMIT_AS only); kernel bugs are out of scope. Run code rewards on a machine
+or container you can lose.
 """
 
 from __future__ import annotations
