@@ -41,7 +41,7 @@ from typing import Any
 
 import datasets
 
-from grpo.core.rewards import extract_gold
+from grpo.core.rewards import GoldRuleTimeout, extract_gold
 
 SPLITS = ("train", "test")
 ARITHMETIC_SPLIT_SIZES = {"train": 2000, "test": 300}
@@ -456,7 +456,11 @@ def _validated(
             )
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
-        if not isinstance(answer, str) or not _has_gold(answer, gold_rule):
+        try:
+            has_gold = isinstance(answer, str) and _has_gold(answer, gold_rule)
+        except GoldRuleTimeout as error:
+            raise ValueError(f"{answer_column} in row {row} of {origin}: {error}") from None
+        if not has_gold:
             expected = (
                 "GSM8K-format text ending in '#### <final answer>', e.g. '3 + 4 = 7\\n#### 7' "
                 "(or choose --gold-rule whole / regex:PATTERN)"
@@ -472,6 +476,8 @@ def _validated(
 def _has_gold(answer: str, gold_rule: str) -> bool:
     try:
         extract_gold(answer, gold_rule)
+    except GoldRuleTimeout:
+        raise
     except ValueError:
         return False
     return True

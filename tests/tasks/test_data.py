@@ -397,3 +397,14 @@ def test_builtin_datasets_ignore_the_column_flags():
     config = TrainConfig(prompt_column="problem", answer_column="solution", gold_rule="whole")
     assert columns_of(config) == ("question", "answer", "####")
     assert columns_of(TrainConfig(dataset="x.jsonl", prompt_column="p")) == ("p", "answer", "####")
+
+
+def test_a_backtracking_gold_rule_is_an_error_naming_the_row_not_a_hang(tmp_path):
+    import time
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": "a" * 5000 + "!"}) + "\n")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"answer in row 0 of .*rows.jsonl: --gold-rule"):
+        load_problems(str(path), "train", gold_rule=r"regex:(a+)+$")
+    assert time.monotonic() - start < 5
