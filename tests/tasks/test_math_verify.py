@@ -113,3 +113,17 @@ def test_calls_from_other_threads_survive_one_threads_timeout() -> None:
         with pytest.raises(GradingTimeout):
             run_pooled(time.sleep, 60, timeout_s=0.5)
         assert list(graded) == [float(equivalent) for _, _, equivalent in PAIRS[:9]]
+
+
+def test_calls_queued_behind_slow_ones_are_timed_from_their_start_not_their_submission() -> None:
+    # Three times as many threads as pool workers, each call half the timeout: timed from
+    # submission, the third wave waited a whole timeout and scored 0 (GradingTimeout).
+    from grpo.tasks.math_grading import POOL_WORKERS
+
+    run_pooled(time.sleep, 0, timeout_s=30)  # the pool warm, so no call waits on a start
+    with ThreadPoolExecutor(max_workers=3 * POOL_WORKERS) as threads:
+        calls = [
+            threads.submit(run_pooled, time.sleep, 0.6, timeout_s=1.2)
+            for _ in range(3 * POOL_WORKERS)
+        ]
+        assert [call.result() for call in calls] == [None] * len(calls)
