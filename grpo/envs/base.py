@@ -24,6 +24,8 @@ import importlib.util
 import math
 import numbers
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -35,10 +37,13 @@ __all__ = [
     "Env",
     "EnvError",
     "EnvFactory",
+    "EnvTimeout",
     "StepResult",
     "Task",
     "as_step_result",
     "check_messages",
+    "env_step",
+    "initial_messages",
     "load_env_factory",
     "make_group",
 ]
@@ -49,6 +54,10 @@ Message = Mapping[str, str]
 
 class EnvError(ValueError):
     """An environment that broke the protocol: bad messages, a non-finite reward, a crash."""
+
+
+class EnvTimeout(EnvError):
+    """An environment call that did not return within --env-timeout."""
 
 
 @attrs.frozen
@@ -138,6 +147,83 @@ def as_step_result(value: object, where: str) -> StepResult:
         result,
         observation=check_messages(result.observation, where),
         reward=float(reward),
+    )
+
+
+_POLL_S = 0.1
+_EXITING = threading.Event()
+# Set when the interpreter starts to exit, before it joins non-daemon threads (such as a
+# rollout pool's, which concurrent.futures joins the same way): a wait on a stuck env call
+# ends then, so the process can exit. A private hook, hence the guard.
+# concurrent.futures registers its join on import; imported first, it runs after this
+# hook (the hooks run last registered first).
+importlib.import_module("concurrent.futures.thread")
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_EXITING.set)
+
+
+def _env_name(env: object) -> str:
+    return type(env).__qualname__
+
+
+def _bounded(fn: Callable[[], Any], where: str, about: str, timeout_s: float) -> Any:
+    """`fn()` on a daemon thread, awaited at most `timeout_s` (0: no limit).
+
+    EnvTimeout past it; EnvError for any exception of the call, SystemExit and
+    KeyboardInterrupt included (an environment may not end the run). A call that never
+    returns is left behind on its daemon thread, so it cannot keep the process alive, and
+    the wait also ends when the main thread has finished (the run is exiting).
+    """
+    outcome: list[tuple[bool, Any]] = []
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as error:  # noqa: BLE001 - reported to the run as an EnvError
+            outcome.append((False, error))
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name="grpo-env-call", daemon=True).start()
+    deadline = None if timeout_s <= 0 else time.monotonic() + timeout_s
+    while not done.wait(_POLL_S):
+        if deadline is not None and time.monotonic() > deadline:
+            raise EnvTimeout(
+                f"{where} ({about}) did not return within --env-timeout {timeout_s:g}s; make the "
+                "environment answer faster (or bound its own waits), or raise --env-timeout"
+            )
+        if _EXITING.is_set() or not threading.main_thread().is_alive():
+            raise EnvError(f"{where} ({about}) was still running when the run stopped")
+    ok, value = outcome[0]
+    if ok:
+        return value
+    if isinstance(value, EnvError):
+        raise value
+    kind = "may not end the run" if not isinstance(value, Exception) else "does not raise"
+    raise EnvError(
+        f"{where} raised {type(value).__name__}: {value} ({about}); an environment {kind}: "
+        "it answers bad actions with an observation"
+    ) from value
+
+
+def initial_messages(env: Env, timeout_s: float = 0.0) -> tuple[dict[str, str], ...]:
+    """The env's checked, non-empty opening messages, its call bounded by `timeout_s`."""
+    where, about = "initial_observation()", _env_name(env)
+    messages = check_messages(_bounded(env.initial_observation, where, about, timeout_s), where)
+    if not messages:
+        raise EnvError(
+            f"{where} of {about} returned no messages; an episode opens with at least one"
+        )
+    return messages
+
+
+def env_step(env: Env, action: str, turn: int, timeout_s: float = 0.0) -> StepResult:
+    """The env's checked answer to `action`, its call bounded by `timeout_s`."""
+    about = f"{_env_name(env)}, turn {turn}"
+    return as_step_result(
+        _bounded(lambda: env.step(action), "env.step", about, timeout_s), "env.step"
     )
 
 
