@@ -7,6 +7,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from grpo.serve.server import serve_in_thread
 from tests.serve.conftest import SERVE_API_KEY
 from tests.serve.test_serve_hostile import _request_with_retries
@@ -43,3 +45,18 @@ def test_clients_trickling_their_headers_lose_their_slots_within_the_header_time
                 connection.close()
             for thread in threads:
                 thread.join(2)
+
+
+def test_a_port_out_of_range_is_a_usage_error_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import argparse
+
+    from grpo.serve.command import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    for port in ("99999", "-1", "http"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--port", port])
+        assert "argument --port:" in capsys.readouterr().err
