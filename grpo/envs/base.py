@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
+MAX_REWARD = 1e12  # as grpo.rewards.MAX_REWARD: the largest |reward| of one turn
 Message = Mapping[str, str]
 
 
@@ -135,6 +136,11 @@ def as_step_result(value: object, where: str) -> StepResult:
         raise EnvError(f"{where} returned reward {reward!r}; return a finite float")
     if not math.isfinite(float(reward)):
         raise EnvError(f"{where} returned reward {reward!r}; rewards must be finite")
+    if abs(float(reward)) > MAX_REWARD:
+        raise EnvError(
+            f"{where} returned reward {reward!r}, beyond ±{MAX_REWARD:g} (episode returns and "
+            "their variances would overflow); scale the reward down"
+        )
     if not isinstance(result.done, bool):
         raise EnvError(f"{where} returned done = {result.done!r}; return True or False")
     calls, errors = result.tool_calls, result.tool_errors
@@ -263,7 +269,7 @@ def _load_module(spec: str, target: str) -> Any:
         sys.modules[name] = module
         try:
             loader_spec.loader.exec_module(module)
-        except Exception as error:
+        except (Exception, SystemExit, KeyboardInterrupt) as error:  # exit at import too
             del sys.modules[name]
             raise ValueError(
                 f"--env {spec!r}: importing {path} failed: {type(error).__name__}: {error}"
@@ -276,7 +282,7 @@ def _load_module(spec: str, target: str) -> Any:
             f"--env {spec!r}: no module {error.name!r}; give an importable module path or a "
             "file path ending in .py"
         ) from None
-    except Exception as error:
+    except (Exception, SystemExit, KeyboardInterrupt) as error:
         raise ValueError(
             f"--env {spec!r}: importing {target} failed: {type(error).__name__}: {error}"
         ) from error

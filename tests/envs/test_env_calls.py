@@ -114,3 +114,15 @@ def test_a_run_whose_env_hangs_stops_at_the_env_timeout_with_a_message(
     assert "env.step (Hangs, turn 0) did not return within --env-timeout 1s" in err
     assert "Traceback" not in err
     assert json.loads((run_dir / "config.json").read_text())["env_timeout"] == 1.0
+
+
+def test_an_env_reward_that_would_overflow_and_an_env_module_that_exits_are_refused(
+    tmp_path: Path,
+) -> None:
+    from grpo.envs.base import as_step_result, load_env_factory
+
+    with pytest.raises(EnvError, match=r"returned reward 1e\+308, beyond ±1e\+12"):
+        as_step_result(([], 1e308, True), "env.step")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(ValueError, match=r"exits.py failed: SystemExit: 3"):
+        load_env_factory(f"{tmp_path / 'exits.py'}:make")
