@@ -149,3 +149,10 @@ def test_grpo_distill_needs_a_teacher_and_records_its_recipe(
     saved = json.loads((run_dir / "config.json").read_text())
     assert (saved["recipe"], saved["teacher"]) == ("distill", TINY_MODEL_NAME)
     assert "distill/reverse_kl" in read_metrics(run_dir)[0]
+
+
+def test_a_run_cannot_be_its_own_teacher(tmp_path: Path) -> None:
+    first = quiet_train(tiny_config(tmp_path, "self", steps=1))
+    config = distill_config(tmp_path, "self", teacher=str(first.run_dir), steps=2)
+    with pytest.raises(ConfigError, match="is this run itself; name another run"):
+        quiet_train(config, resume=True)
