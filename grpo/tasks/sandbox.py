@@ -94,6 +94,7 @@ _cgroup_names = itertools.count()
 _SANDBOX_UID_BASE = 1_000_000_000
 _SANDBOX_UIDS = 1_000_000
 _probe_lock = threading.Lock()
+_mount_probe_lock = threading.Lock()
 _probed: dict[str, tuple[str, ...] | bool] = {}
 
 
@@ -274,14 +275,14 @@ def file_system_isolated() -> bool:
 
     When not, one warning says so: the code then sees the caller's file system.
     """
-    with _probe_lock:
+    # One probe at a time, and every caller waits for its answer: none may run unisolated
+    # while the first probe is in flight.
+    with _mount_probe_lock:
         if "mount" in _probed:
             return bool(_probed["mount"])
-        _probed["mount"] = False
-    limits = SandboxLimits(timeout_s=20.0, cpu_s=10)
-    result = _run(_MOUNT_PROBE, limits, mount=True)
-    works = result.returncode == 0 and not result.timed_out
-    with _probe_lock:
+        limits = SandboxLimits(timeout_s=20.0, cpu_s=10)
+        result = _run(_MOUNT_PROBE, limits, mount=True)
+        works = result.returncode == 0 and not result.timed_out
         _probed["mount"] = works
     if not works:
         reason = (result.stderr.strip().splitlines() or ["no output"])[-1][:200]
