@@ -19,6 +19,7 @@ model output: an environment must never execute it (the calculator tool parses i
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
@@ -26,7 +27,7 @@ import numbers
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -46,6 +47,7 @@ __all__ = [
     "initial_messages",
     "load_env_factory",
     "make_group",
+    "stop_env_calls_on",
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -157,6 +159,9 @@ def as_step_result(value: object, where: str) -> StepResult:
 
 
 _POLL_S = 0.1
+_STOP_GRACE_S = 5.0
+_stops: set[threading.Event] = set()  # the stop events of the runs in progress here
+_stops_lock = threading.Lock()
 _EXITING = threading.Event()
 # Set when the interpreter starts to exit, before it joins non-daemon threads (such as a
 # rollout pool's, which concurrent.futures joins the same way): a wait on a stuck env call
@@ -173,11 +178,30 @@ def _env_name(env: object) -> str:
     return type(env).__qualname__
 
 
+@contextlib.contextmanager
+def stop_env_calls_on(event: threading.Event) -> Iterator[None]:
+    """While inside, an env call still running `_STOP_GRACE_S` s after `event` is set ends
+    its wait with KeyboardInterrupt (a run's SIGINT/SIGTERM stops it whatever the env does)."""
+    with _stops_lock:
+        _stops.add(event)
+    try:
+        yield
+    finally:
+        with _stops_lock:
+            _stops.discard(event)
+
+
+def _stop_requested() -> bool:
+    with _stops_lock:
+        return any(event.is_set() for event in _stops)
+
+
 def _bounded(fn: Callable[[], Any], where: str, about: str, timeout_s: float) -> Any:
     """`fn()` on a daemon thread, awaited at most `timeout_s` (0: no limit).
 
     EnvTimeout past it; EnvError for any exception of the call, SystemExit and
-    KeyboardInterrupt included (an environment may not end the run). A call that never
+    KeyboardInterrupt included (an environment may not end the run); KeyboardInterrupt when
+    the run is stopping (`stop_env_calls_on`) and the call has not returned 5 s later. A call that never
     returns is left behind on its daemon thread, so it cannot keep the process alive, and
     the wait also ends when the main thread has finished (the run is exiting).
     """
@@ -194,7 +218,12 @@ def _bounded(fn: Callable[[], Any], where: str, about: str, timeout_s: float) ->
 
     threading.Thread(target=call, name="grpo-env-call", daemon=True).start()
     deadline = None if timeout_s <= 0 else time.monotonic() + timeout_s
+    stopped_at: float | None = None
     while not done.wait(_POLL_S):
+        if stopped_at is None and _stop_requested():
+            stopped_at = time.monotonic()
+        if stopped_at is not None and time.monotonic() - stopped_at > _STOP_GRACE_S:
+            raise KeyboardInterrupt
         if deadline is not None and time.monotonic() > deadline:
             raise EnvTimeout(
                 f"{where} ({about}) did not return within --env-timeout {timeout_s:g}s; make the "

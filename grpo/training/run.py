@@ -30,6 +30,7 @@ from pytrio.types import AdamParams
 
 from grpo.backends.pytrio import make_service_client
 from grpo.core.usage import Prices, TokenUsage, cost, usage_from_row
+from grpo.envs.base import stop_env_calls_on
 from grpo.reward_calls import reward_session
 from grpo.training import run_files
 from grpo.training.ahead import load_ahead
@@ -358,6 +359,7 @@ def _run_steps(run: Run, state: RunState, echo: Callable[[str], None], progress:
         try:
             with (
                 stop_on_signals() as stop_requested,
+                stop_env_calls_on(stop_requested),
                 reward_session(
                     run.config.reward_fns,
                     workers=run.config.reward_workers,

@@ -126,3 +126,52 @@ def test_an_env_reward_that_would_overflow_and_an_env_module_that_exits_are_refu
     (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
     with pytest.raises(ValueError, match=r"exits.py failed: SystemExit: 3"):
         load_env_factory(f"{tmp_path / 'exits.py'}:make")
+
+
+MARKED_HANG = """
+import pathlib, time
+
+class Hangs:
+    def __init__(self, task):
+        self.task = task
+
+    def initial_observation(self):
+        return list(self.task.messages)
+
+    def step(self, action_text):
+        pathlib.Path(__file__).with_name("stepping").touch()
+        time.sleep(3600)
+
+
+def make(task):
+    return Hangs(task)
+"""
+
+
+def test_sigterm_stops_a_run_whose_env_never_returns_within_seconds(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    (tmp_path / "hangs.py").write_text(MARKED_HANG)
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "grpo", "train", "--env", f"{tmp_path / 'hangs.py'}:make"]
+    argv += ["--env-timeout", "0", "--steps", "2", "--eval-every", "0", "--batch-size", "2"]
+    argv += ["--group-size", "2", "--max-tokens", "8", "--swanlab-mode", "disabled"]
+    argv += ["--run-dir", str(run_dir)]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "stepping").exists():
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+            time.sleep(0.1)
+        sent = time.monotonic()
+        os.kill(process.pid, signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, err
+    assert time.monotonic() - sent < 20
+    assert "stopped by signal" in err and "grpo train --resume" in err
+    assert "Traceback" not in err
