@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import builtins
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -211,7 +212,34 @@ def split_checks(sources: Sequence[str]) -> list[Check]:
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
         }
     hole_names = loaded - bound - _BUILTINS - {RECORD_FUNCTION, HOLE_FUNCTION}
-    checks = []
+    # A standard module the tests use without importing it (the solution did) is imported
+    # on both sides, so that `math.isclose(f(1), 2.0)` is decided outside the sandbox.
+    # Only a name used as `name.attribute` alone (the built-in task `chunk` is a module too).
+    as_attribute_base = {
+        id(node.value)
+        for _, module in modules
+        for node in ast.walk(module)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+    }
+    elsewhere = {
+        node.id
+        for _, module in modules
+        for node in ast.walk(module)
+        if isinstance(node, ast.Name) and id(node) not in as_attribute_base
+    }
+    modules_used = sorted((hole_names & set(sys.stdlib_module_names)) - elsewhere)
+    hole_names -= set(modules_used)
+    checks = [
+        Check(
+            source=f"import {name}",
+            is_assert=False,
+            holes=(),
+            sandbox=f"import {name}",
+            harness=f"import {name}",
+            literal=None,
+        )
+        for name in modules_used
+    ]
     next_hole = 0
     for source, module in modules:
         for statement in module.body:

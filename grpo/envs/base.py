@@ -201,9 +201,9 @@ def _bounded(fn: Callable[[], Any], where: str, about: str, timeout_s: float) ->
 
     EnvTimeout past it; EnvError for any exception of the call, SystemExit and
     KeyboardInterrupt included (an environment may not end the run); KeyboardInterrupt when
-    the run is stopping (`stop_env_calls_on`) and the call has not returned 5 s later. A call that never
-    returns is left behind on its daemon thread, so it cannot keep the process alive, and
-    the wait also ends when the main thread has finished (the run is exiting).
+    the run is stopping (`stop_env_calls_on`) and the call has not returned 5 s later. A
+    call that never returns is left behind on its daemon thread, so it cannot keep the
+    process alive, and the wait also ends when the interpreter starts to exit.
     """
     outcome: list[tuple[bool, Any]] = []
     done = threading.Event()

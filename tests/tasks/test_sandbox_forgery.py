@@ -342,3 +342,11 @@ def test_the_pids_cgroup_cannot_be_left() -> None:
     assert "MOVED" not in words and words[:1] == ["started"], result.stdout + result.stderr
     assert int(words[-1]) < LIMITS.processes
     assert os.path.exists("/proc/self")  # the host's /proc is untouched
+
+
+def test_a_standard_module_the_tests_use_unimported_is_imported_outside_too() -> None:
+    tests = ["assert math.isclose(f(1), 2.0)"]
+    honest = "import math\ndef f(x):\n    return 2.0 * x\n"
+    patched = "import math\nmath.isclose = lambda *a, **k: True\ndef f(x):\n    return 5\n"
+    assert run_tests(honest, tests, LIMITS).passed == 1
+    assert run_tests(patched, tests, LIMITS).passed == 0
