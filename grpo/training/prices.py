@@ -56,8 +56,8 @@ def _file_prices(path: str, model: str) -> tuple[dict[str, Any], str | None, str
         bad = isinstance(value, bool) or not isinstance(value, (int, float))
         if bad or not 0 <= value <= MAX_PRICE:
             raise ConfigError(
-                f'--price-file {path}: models."{model}".{kind} must be a number in '
-                f"[0, {MAX_PRICE:g}], got {value!r}"
+                f'--price-file {path}: models."{model}".{kind} must be a number >= 0 and '
+                f"<= {MAX_PRICE:g}, got {value!r}"
             )
     currency, source = raw.get("currency"), raw.get("source")
     return {kind: float(value) for kind, value in entry.items()}, currency, source
