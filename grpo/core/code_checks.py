@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 
 __all__ = [
+    "ENCODER_SOURCE",
     "HOLE_FUNCTION",
     "RECORD_FUNCTION",
     "Check",
@@ -45,6 +46,34 @@ MAX_DEPTH = 64
 MAX_NODES = 100_000
 MAX_INT_DIGITS = 4300
 _BUILTINS = frozenset(dir(builtins))
+
+ENCODER_SOURCE = f"""\
+def _grpo_plain_(value, depth, budget):
+    budget[0] -= 1
+    if budget[0] < 0 or depth > {MAX_DEPTH}:
+        return ["o", "value over the size or depth bound"]
+    kind = type(value)
+    if value is None or kind is bool or kind is str:
+        return value
+    if kind is int:
+        try:
+            return ["i", str(value)]
+        except ValueError:
+            return ["o", "int over the digit bound"]
+    if kind is float:
+        return ["f", repr(value)]
+    if kind is bytes:
+        return ["b", value.hex()]
+    tag = {{list: "l", tuple: "t", set: "s", frozenset: "fs"}}.get(kind)
+    if tag is not None:
+        return [tag, [_grpo_plain_(item, depth + 1, budget) for item in value]]
+    if kind is dict:
+        return ["d", [[_grpo_plain_(key, depth + 1, budget), _grpo_plain_(item, depth + 1, budget)]
+                      for key, item in value.items()]]
+    return ["o", kind.__name__]
+"""
+"""The encoder the sandbox runs on each hole's value, `_grpo_plain_(value, 0, [MAX_NODES])`:
+the tagged JSON `decode_plain` reads (exact types only: a subclass is `["o", name]`)."""
 _LITERAL_SINGLETONS = (None, True, False)
 
 

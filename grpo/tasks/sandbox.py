@@ -466,30 +466,7 @@ def _run(source: str, limits: SandboxLimits, mount: bool) -> SandboxResult:
 
 _SOLUTION_SIDE = """\
 import json as _json, sys as _sys
-def _grpo_plain_(value, depth, budget):
-    budget[0] -= 1
-    if budget[0] < 0 or depth > {max_depth}:
-        return ["o", "value over the size or depth bound"]
-    kind = type(value)
-    if value is None or kind is bool or kind is str:
-        return value
-    if kind is int:
-        try:
-            return ["i", str(value)]
-        except ValueError:
-            return ["o", "int over the digit bound"]
-    if kind is float:
-        return ["f", repr(value)]
-    if kind is bytes:
-        return ["b", value.hex()]
-    tag = {{list: "l", tuple: "t", set: "s", frozenset: "fs"}}.get(kind)
-    if tag is not None:
-        return [tag, [_grpo_plain_(item, depth + 1, budget) for item in value]]
-    if kind is dict:
-        return ["d", [[_grpo_plain_(key, depth + 1, budget), _grpo_plain_(item, depth + 1, budget)]
-                      for key, item in value.items()]]
-    return ["o", kind.__name__]
-def {record}(index, thunk, reraise):
+{encoder}def {record}(index, thunk, reraise):
     try:
         value = thunk()
     except BaseException as error:
@@ -585,10 +562,10 @@ def run_tests(
     marker = f"grpo-hole-{secrets.token_hex(16)}"
     solution_side = _SOLUTION_SIDE.format(
         record=code_checks.RECORD_FUNCTION,
+        encoder=code_checks.ENCODER_SOURCE,
         marker=marker,
         solution=solution,
         steps=[check.sandbox for check in checks],
-        max_depth=code_checks.MAX_DEPTH,
         max_nodes=code_checks.MAX_NODES,
     )
     result = run_python(solution_side, limits)
