@@ -119,6 +119,12 @@ class RewardFn:
         return self.fn(completion, row)
 
 
+MAX_REWARD = 1e12
+"""The largest |value| a reward may return: totals, means and variances of G such values stay
+finite (1e308 + 1e308 is inf, and so is any variance over 1e154)."""
+MAX_WEIGHT = 1e6
+
+
 def parse_reward_spec(spec: str) -> tuple[str, str, float]:
     """`target:function[=weight]` -> (target, function, weight); ValueError naming the fix."""
     example = "e.g. --reward grpo.rewards:boxed_match or --reward my_rewards.py:short=0.2"
@@ -131,8 +137,11 @@ def parse_reward_spec(spec: str) -> tuple[str, str, float]:
         raise ValueError(
             f"--reward {spec!r}: weight {raw_weight!r} is not a number; {example}"
         ) from None
-    if not math.isfinite(weight):
-        raise ValueError(f"--reward {spec!r}: weight must be finite, got {raw_weight!r}")
+    if not math.isfinite(weight) or abs(weight) > MAX_WEIGHT:
+        raise ValueError(
+            f"--reward {spec!r}: weight must be a finite number within ±{MAX_WEIGHT:g}, got "
+            f"{raw_weight!r}"
+        )
     target, colon, function = body.rpartition(":")
     if not colon or not target.strip() or not function.strip():
         raise ValueError(f"--reward {spec!r} must look like MODULE:FUNCTION[=WEIGHT]; {example}")
@@ -160,7 +169,7 @@ def _load_target(spec: str, target: str) -> Any:
         sys.modules[module_name] = module
         try:
             loader_spec.loader.exec_module(module)
-        except Exception as error:
+        except (Exception, SystemExit, KeyboardInterrupt) as error:  # exit at import too
             del sys.modules[module_name]
             raise ValueError(
                 f"--reward {spec!r}: importing {path} failed: {type(error).__name__}: {error}"
@@ -173,7 +182,7 @@ def _load_target(spec: str, target: str) -> Any:
             f"--reward {spec!r}: no module {error.name!r}; give an importable module path or "
             "a file path ending in .py"
         ) from None
-    except Exception as error:
+    except (Exception, SystemExit, KeyboardInterrupt) as error:
         raise ValueError(
             f"--reward {spec!r}: importing {target} failed: {type(error).__name__}: {error}"
         ) from error
@@ -242,6 +251,11 @@ def checked_values(reward: RewardFn, value: Any) -> dict[str, float] | str:
             return f"returned {item!r} ({type(item).__name__}) for {name}, not a number"
         if not math.isfinite(float(item)):
             return f"returned {float(item)!r} for {name}, not a finite number"
+        if abs(float(item)) > MAX_REWARD:
+            return (
+                f"returned {float(item)!r} for {name}, beyond the bound of ±{MAX_REWARD:g} (sums "
+                "and variances of such values overflow); scale the reward down"
+            )
         checked[name] = float(item)
     if not checked:
         return "returned an empty dict"

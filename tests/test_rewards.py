@@ -57,7 +57,7 @@ def test_spec_syntax(spec: str, target: str, function: str, weight: float) -> No
     "spec, message",
     [
         ("grpo.rewards:boxed_match=heavy", "weight 'heavy' is not a number"),
-        ("grpo.rewards:boxed_match=nan", "weight must be finite"),
+        ("grpo.rewards:boxed_match=nan", "weight must be a finite number"),
         ("grpo.rewards", "must look like MODULE:FUNCTION"),
         (":boxed_match", "must look like MODULE:FUNCTION"),
         ("grpo.rewards:not-a-name", "is not a Python function name"),
@@ -219,3 +219,21 @@ def test_the_readme_example_reward_loads_and_scores() -> None:
     assert reward.weight == 0.5 and reward.takes_sample
     scores = score_completions([reward], _items(["a" * 18, "b" * 21, "c" * 30]), [3])
     assert np.concatenate(scores.totals_P).tolist() == [0.5, 0.25, 0.0]
+
+
+def test_rewards_weights_and_prices_that_would_overflow_are_refused_where_they_enter(
+    tmp_path: Path,
+) -> None:
+    from grpo.rewards import RewardFn, checked_values
+    from grpo.training.config import ConfigError, TrainConfig
+
+    reward = RewardFn(spec="m:r", name="r", weight=1.0, fn=lambda c, r: 0.0, takes_sample=False)
+    assert "beyond the bound of ±1e+12" in str(checked_values(reward, 1e308))
+    assert checked_values(reward, -1e12) == {"r": -1e12}
+    with pytest.raises(ValueError, match="within ±1e"):
+        parse_reward_spec("grpo.rewards:boxed_match=1e308")
+    with pytest.raises(ConfigError, match=r"--price-prompt must be <= 1e\+09, got 1e\+308"):
+        TrainConfig(price_prompt=1e308)
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(ValueError, match=r"importing .*exits.py failed: SystemExit: 0"):
+        load_rewards([f"{tmp_path / 'exits.py'}:r"])

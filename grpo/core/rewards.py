@@ -20,6 +20,7 @@ as the normalized text.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import attrs
 import numpy as np
 import numpy.typing as npt
+import regex
 
 __all__ = [
     "GOLD_RULES",
@@ -147,11 +149,38 @@ GOLD_RULES = ("####", "whole")
 """Named gold-answer rules; any other rule is `regex:PATTERN` (group 1, else the whole match)."""
 
 
+GOLD_RULE_TIMEOUT_S = 1.0
+
+
+class GoldRuleTimeout(ValueError):
+    """A `regex:PATTERN` gold rule past `GOLD_RULE_TIMEOUT_S` on one answer."""
+
+
+def _matches(pattern: Any, text: str, timeout_s: float) -> list[Any]:
+    """The non-overlapping matches of `pattern` in `text` (as `finditer`), within `timeout_s`
+    in all (each search gets what is left); TimeoutError past it."""
+    deadline = time.monotonic() + timeout_s
+    matches: list[Any] = []
+    position = 0
+    while position <= len(text):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        match = pattern.search(text, position, timeout=left)
+        if match is None:
+            break
+        matches.append(match)
+        position = match.end() if match.end() > match.start() else match.end() + 1
+    return matches
+
+
 def extract_gold(answer_text: str, rule: str = "####") -> str:
     """The gold answer of an answer field: after the last `####`, the whole field, or a regex.
 
     `regex:PATTERN` takes the last match's group 1 (the whole match if the pattern has no
-    group); ValueError names the rule when nothing is found.
+    group); ValueError names the rule when nothing is found, when the pattern is invalid,
+    and (`GoldRuleTimeout`) when matching one answer takes over `GOLD_RULE_TIMEOUT_S`
+    (the `regex` engine's timeout: a backtracking pattern cannot hang the run).
     """
     if rule == "####":
         return gsm8k_gold(answer_text)
@@ -162,8 +191,20 @@ def extract_gold(answer_text: str, rule: str = "####") -> str:
         return gold
     if not rule.startswith("regex:"):
         raise ValueError(f"gold rule {rule!r} is not one of '####', 'whole' or 'regex:PATTERN'")
-    pattern = re.compile(rule.removeprefix("regex:"))
-    matches = list(pattern.finditer(answer_text))
+    try:
+        pattern = regex.compile(rule.removeprefix("regex:"))
+    except (regex.error, ValueError, OverflowError, RecursionError) as error:
+        raise ValueError(
+            f"--gold-rule {rule!r} is not a valid regular expression: {error}"
+        ) from None
+    try:
+        matches = _matches(pattern, answer_text, GOLD_RULE_TIMEOUT_S)
+    except TimeoutError:
+        raise GoldRuleTimeout(
+            f"--gold-rule {rule!r} did not finish within {GOLD_RULE_TIMEOUT_S:g} s on an answer "
+            f"of {len(answer_text)} characters (a pattern such as (a+)+ backtracks without "
+            "end); write it without nested repetition"
+        ) from None
     if not matches:
         raise ValueError(
             f"--gold-rule {rule!r} finds nothing in the answer (ends with {answer_text[-80:]!r})"

@@ -19,12 +19,15 @@ model output: an environment must never execute it (the calculator tool parses i
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
 import numbers
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -35,20 +38,29 @@ __all__ = [
     "Env",
     "EnvError",
     "EnvFactory",
+    "EnvTimeout",
     "StepResult",
     "Task",
     "as_step_result",
     "check_messages",
+    "env_step",
+    "initial_messages",
     "load_env_factory",
     "make_group",
+    "stop_env_calls_on",
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
+MAX_REWARD = 1e12  # as grpo.rewards.MAX_REWARD: the largest |reward| of one turn
 Message = Mapping[str, str]
 
 
 class EnvError(ValueError):
     """An environment that broke the protocol: bad messages, a non-finite reward, a crash."""
+
+
+class EnvTimeout(EnvError):
+    """An environment call that did not return within --env-timeout."""
 
 
 @attrs.frozen
@@ -126,6 +138,11 @@ def as_step_result(value: object, where: str) -> StepResult:
         raise EnvError(f"{where} returned reward {reward!r}; return a finite float")
     if not math.isfinite(float(reward)):
         raise EnvError(f"{where} returned reward {reward!r}; rewards must be finite")
+    if abs(float(reward)) > MAX_REWARD:
+        raise EnvError(
+            f"{where} returned reward {reward!r}, beyond ±{MAX_REWARD:g} (episode returns and "
+            "their variances would overflow); scale the reward down"
+        )
     if not isinstance(result.done, bool):
         raise EnvError(f"{where} returned done = {result.done!r}; return True or False")
     calls, errors = result.tool_calls, result.tool_errors
@@ -138,6 +155,110 @@ def as_step_result(value: object, where: str) -> StepResult:
         result,
         observation=check_messages(result.observation, where),
         reward=float(reward),
+    )
+
+
+_POLL_S = 0.1
+_STOP_GRACE_S = 5.0
+_stops: set[threading.Event] = set()  # the stop events of the runs in progress here
+_stops_lock = threading.Lock()
+_EXITING = threading.Event()
+# Set when the interpreter starts to exit, before it joins non-daemon threads (such as a
+# rollout pool's, which concurrent.futures joins the same way): a wait on a stuck env call
+# ends then, so the process can exit. A private hook, hence the guard.
+# concurrent.futures registers its join on import; imported first, it runs after this
+# hook (the hooks run last registered first).
+importlib.import_module("concurrent.futures.thread")
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_EXITING.set)
+
+
+def _env_name(env: object) -> str:
+    return type(env).__qualname__
+
+
+@contextlib.contextmanager
+def stop_env_calls_on(event: threading.Event) -> Iterator[None]:
+    """While inside, an env call still running `_STOP_GRACE_S` s after `event` is set ends
+    its wait with KeyboardInterrupt (a run's SIGINT/SIGTERM stops it whatever the env does)."""
+    with _stops_lock:
+        _stops.add(event)
+    try:
+        yield
+    finally:
+        with _stops_lock:
+            _stops.discard(event)
+
+
+def _stop_requested() -> bool:
+    with _stops_lock:
+        return any(event.is_set() for event in _stops)
+
+
+def _bounded(fn: Callable[[], Any], where: str, about: str, timeout_s: float) -> Any:
+    """`fn()` on a daemon thread, awaited at most `timeout_s` (0: no limit).
+
+    EnvTimeout past it; EnvError for any exception of the call, SystemExit and
+    KeyboardInterrupt included (an environment may not end the run); KeyboardInterrupt when
+    the run is stopping (`stop_env_calls_on`) and the call has not returned 5 s later. A
+    call that never returns is left behind on its daemon thread, so it cannot keep the
+    process alive, and the wait also ends when the interpreter starts to exit.
+    """
+    outcome: list[tuple[bool, Any]] = []
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as error:  # noqa: BLE001 - reported to the run as an EnvError
+            outcome.append((False, error))
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name="grpo-env-call", daemon=True).start()
+    deadline = None if timeout_s <= 0 else time.monotonic() + timeout_s
+    stopped_at: float | None = None
+    while not done.wait(_POLL_S):
+        if stopped_at is None and _stop_requested():
+            stopped_at = time.monotonic()
+        if stopped_at is not None and time.monotonic() - stopped_at > _STOP_GRACE_S:
+            raise KeyboardInterrupt
+        if deadline is not None and time.monotonic() > deadline:
+            raise EnvTimeout(
+                f"{where} ({about}) did not return within --env-timeout {timeout_s:g}s; make the "
+                "environment answer faster (or bound its own waits), or raise --env-timeout"
+            )
+        if _EXITING.is_set() or not threading.main_thread().is_alive():
+            raise EnvError(f"{where} ({about}) was still running when the run stopped")
+    ok, value = outcome[0]
+    if ok:
+        return value
+    if isinstance(value, EnvError):
+        raise value
+    kind = "may not end the run" if not isinstance(value, Exception) else "does not raise"
+    raise EnvError(
+        f"{where} raised {type(value).__name__}: {value} ({about}); an environment {kind}: "
+        "it answers bad actions with an observation"
+    ) from value
+
+
+def initial_messages(env: Env, timeout_s: float = 0.0) -> tuple[dict[str, str], ...]:
+    """The env's checked, non-empty opening messages, its call bounded by `timeout_s`."""
+    where, about = "initial_observation()", _env_name(env)
+    messages = check_messages(_bounded(env.initial_observation, where, about, timeout_s), where)
+    if not messages:
+        raise EnvError(
+            f"{where} of {about} returned no messages; an episode opens with at least one"
+        )
+    return messages
+
+
+def env_step(env: Env, action: str, turn: int, timeout_s: float = 0.0) -> StepResult:
+    """The env's checked answer to `action`, its call bounded by `timeout_s`."""
+    about = f"{_env_name(env)}, turn {turn}"
+    return as_step_result(
+        _bounded(lambda: env.step(action), "env.step", about, timeout_s), "env.step"
     )
 
 
@@ -177,7 +298,7 @@ def _load_module(spec: str, target: str) -> Any:
         sys.modules[name] = module
         try:
             loader_spec.loader.exec_module(module)
-        except Exception as error:
+        except (Exception, SystemExit, KeyboardInterrupt) as error:  # exit at import too
             del sys.modules[name]
             raise ValueError(
                 f"--env {spec!r}: importing {path} failed: {type(error).__name__}: {error}"
@@ -190,7 +311,7 @@ def _load_module(spec: str, target: str) -> Any:
             f"--env {spec!r}: no module {error.name!r}; give an importable module path or a "
             "file path ending in .py"
         ) from None
-    except Exception as error:
+    except (Exception, SystemExit, KeyboardInterrupt) as error:
         raise ValueError(
             f"--env {spec!r}: importing {target} failed: {type(error).__name__}: {error}"
         ) from error

@@ -18,7 +18,6 @@ import ast
 import json
 import math
 import operator
-import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -26,6 +25,7 @@ import attrs
 
 __all__ = [
     "CALCULATOR",
+    "MAX_CALLS",
     "MAX_EXPRESSION_CHARS",
     "Tool",
     "ToolCall",
@@ -38,7 +38,7 @@ __all__ = [
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
-_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
+MAX_CALLS = 32
 
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 256
@@ -58,7 +58,7 @@ class ToolCall:
 def _parse_one(body: str) -> ToolCall:
     try:
         value = json.loads(body)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # ValueError: also an integer over 4300 digits
         return ToolCall(error='the tool call is not JSON; write {"name": ..., "arguments": {...}}')
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return ToolCall(error='the tool call needs a "name" string and an "arguments" object')
@@ -66,7 +66,7 @@ def _parse_one(body: str) -> ToolCall:
     if isinstance(arguments, str):  # some models send the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             arguments = None
     if not isinstance(arguments, dict):
         return ToolCall(name=value["name"], error='"arguments" must be a JSON object')
@@ -74,11 +74,23 @@ def _parse_one(body: str) -> ToolCall:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every ``<tool_call>...</tool_call>`` of ``text`` in order; an unclosed one is malformed."""
-    calls = [_parse_one(match.group(1)) for match in _CALL.finditer(text)]
-    tail = text[text.rfind(CALL_CLOSE) + len(CALL_CLOSE) :] if CALL_CLOSE in text else text
-    if CALL_OPEN in tail:
-        calls.append(ToolCall(error=f"the tool call is not closed with {CALL_CLOSE}"))
+    """Every ``<tool_call>...</tool_call>`` of ``text`` in order; an unclosed one is malformed.
+
+    One left-to-right scan (linear in the text's length); past `MAX_CALLS` calls, one more
+    malformed call stands for the rest.
+    """
+    calls: list[ToolCall] = []
+    start = text.find(CALL_OPEN)
+    while start != -1:
+        end = text.find(CALL_CLOSE, start + len(CALL_OPEN))
+        if end == -1:
+            calls.append(ToolCall(error=f"the tool call is not closed with {CALL_CLOSE}"))
+            break
+        if len(calls) == MAX_CALLS:
+            calls.append(ToolCall(error=f"more than {MAX_CALLS} tool calls in one turn"))
+            break
+        calls.append(_parse_one(text[start + len(CALL_OPEN) : end]))
+        start = text.find(CALL_OPEN, end + len(CALL_CLOSE))
     return calls
 
 

@@ -22,12 +22,25 @@ from grpo.serve.server import LOOPBACK_HOSTS, ServeHandle, start_server
 DEFAULT_PORT = 8765
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0-65535 (argparse names the flag and the value otherwise)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: give 0-65535 (0 = any free one)")
+    return port
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The `grpo serve` options."""
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: loopback only)"
     )
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0 picks a free one)")
+    parser.add_argument(
+        "--port", type=_port, default=DEFAULT_PORT, help="port (0 picks a free one)"
+    )
     parser.add_argument(
         "--root", default=None, help=f"checkpoint directory (default: {default_root()})"
     )

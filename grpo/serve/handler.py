@@ -32,7 +32,13 @@ import msgpack
 from grpo.serve.access import same_secret
 from grpo.serve.endpoints import ServeState
 from grpo.serve.faults import FaultPlan
-from grpo.serve.limits import MAX_CONNECTIONS, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S, body_length
+from grpo.serve.limits import (
+    HEADER_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    MAX_REQUEST_BYTES,
+    REQUEST_TIMEOUT_S,
+    body_length,
+)
 from grpo.serve.messages import Reply, Request, error_body
 from grpo.serve.routes import ROUTES, Route
 from grpo.serve.wire import ServeError
@@ -54,8 +60,10 @@ class HTTPServer(ThreadingHTTPServer):
         max_request_bytes: int = MAX_REQUEST_BYTES,
         max_connections: int = MAX_CONNECTIONS,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
     ) -> None:
         super().__init__(address, _Handler)
+        self.header_timeout_s = header_timeout_s
         self.api_key = api_key
         self.faults = faults
         self.log_requests = log_requests
@@ -110,16 +118,44 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.timeout = self.server.request_timeout_s  # every socket read times out
+        self._watchdog: threading.Timer | None = None
         super().setup()
 
     def handle_one_request(self) -> None:
-        """One request; a client that resets the connection while the next request line is
-        awaited (an idle keep-alive connection it drops) just ends the connection, without
-        the stdlib's traceback on stderr."""
+        """One request; from its first byte, its headers must arrive within the header
+        timeout, else the connection is dropped and its slot freed (a client trickling
+        them a byte at a time would reset the per-read timeout for ever)."""
+        try:
+            if not self.rfile.peek(1):  # type: ignore[attr-defined]
+                self.close_connection = True
+                return
+        except OSError:  # the per-read timeout while idle, or a reset
+            self.close_connection = True
+            return
+        watchdog = threading.Timer(self.server.header_timeout_s, self._drop_connection)
+        watchdog.name, watchdog.daemon = "grpo-serve-header-timeout", True
+        self._watchdog = watchdog
+        watchdog.start()
         try:
             super().handle_one_request()
-        except ConnectionError:
+        except ConnectionError:  # a reset mid-request: end the connection, no stdlib traceback
             self.close_connection = True
+        finally:
+            watchdog.cancel()
+
+    def parse_request(self) -> bool:
+        """The stdlib's parse of the request line and headers; the header timeout ends here."""
+        try:
+            return super().parse_request()
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+
+    def _drop_connection(self) -> None:
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         if self.server.log_requests:

@@ -9,7 +9,9 @@
   `MAX_EVENT_TOKENS` tokens in all;
 - connections: at most ``--max-connections`` (`MAX_CONNECTIONS`) served at once, each
   thread's socket reads time out after ``--request-timeout`` (`REQUEST_TIMEOUT_S`) s; past
-  the cap a connection gets 503 with ``Retry-After`` (pytrio retries it).
+  the cap a connection gets 503 with ``Retry-After`` (pytrio retries it); from a request's
+  first byte its headers must arrive within `HEADER_TIMEOUT_S` s, else the connection is
+  dropped (a client trickling its headers cannot keep a slot).
 
 Every refusal is a 4xx (or a failed event) naming the field; none is a 5xx, which pytrio
 would retry for 15 minutes.
@@ -24,6 +26,7 @@ from grpo.serve.wire import ServeError
 MAX_REQUEST_BYTES = 64 * 2**20
 MAX_CONNECTIONS = 128
 REQUEST_TIMEOUT_S = 60.0
+HEADER_TIMEOUT_S = 10.0
 MAX_JSON_DEPTH = 32
 MAX_FIELD_CHARS = 4096
 MAX_EVENT_DATUMS = 4096

@@ -41,7 +41,8 @@ from typing import Any
 
 import datasets
 
-from grpo.core.rewards import extract_gold
+from grpo.core.rewards import GoldRuleTimeout, extract_gold
+from grpo.tasks.sft_data import text_problem
 
 SPLITS = ("train", "test")
 ARITHMETIC_SPLIT_SIZES = {"train": 2000, "test": 300}
@@ -397,8 +398,18 @@ def _local_file(given: str, split: str) -> Path:
 
 
 def _load_local_file(path: Path) -> datasets.Dataset:
-    if path.stat().st_size == 0 or (path.suffix != ".parquet" and not path.read_bytes().strip()):
+    data = b"" if path.suffix == ".parquet" else path.read_bytes()
+    if path.suffix != ".parquet":
+        problem = text_problem(path, data)
+        if problem is not None:
+            raise ValueError(problem)
+    if path.stat().st_size == 0 or (path.suffix != ".parquet" and not data.strip()):
         raise ValueError(f"data file {path} is empty; it needs rows with `question` and `answer`")
+    if path.suffix == ".csv" and len([line for line in data.splitlines() if line.strip()]) < 2:
+        raise ValueError(
+            f"data file {path} has a header but no rows; add rows under it "
+            "(e.g. a line `1 + 2?,#### 3` under `question,answer`)"
+        )
     if path.suffix in (".jsonl", ".json"):
         bad_line = _bad_json_line(path)
         if bad_line is not None:
@@ -456,7 +467,11 @@ def _validated(
             )
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
-        if not isinstance(answer, str) or not _has_gold(answer, gold_rule):
+        try:
+            has_gold = isinstance(answer, str) and _has_gold(answer, gold_rule)
+        except GoldRuleTimeout as error:
+            raise ValueError(f"{answer_column} in row {row} of {origin}: {error}") from None
+        if not has_gold:
             expected = (
                 "GSM8K-format text ending in '#### <final answer>', e.g. '3 + 4 = 7\\n#### 7' "
                 "(or choose --gold-rule whole / regex:PATTERN)"
@@ -472,6 +487,8 @@ def _validated(
 def _has_gold(answer: str, gold_rule: str) -> bool:
     try:
         extract_gold(answer, gold_rule)
+    except GoldRuleTimeout:
+        raise
     except ValueError:
         return False
     return True

@@ -24,7 +24,7 @@ import multiprocessing
 import os
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -48,6 +48,8 @@ _WARM_UP_TIMEOUT_S = 300.0
 
 _pool: ProcessPoolExecutor | None = None
 _pool_lock = threading.Lock()
+_running = threading.BoundedSemaphore(POOL_WORKERS)  # calls in the pool at once: none queued
+_ATTEMPTS = 5
 
 
 class GradingTimeout(TimeoutError):
@@ -122,23 +124,31 @@ def _recycle(pool: ProcessPoolExecutor) -> None:
 
 
 def run_pooled(fn: Callable[..., Any], *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
-    """`fn(*args)` in the grading pool; GradingTimeout (pool recycled) past `timeout_s`."""
-    for _attempt in range(3):
-        pool = _current_pool()
-        try:
-            future: Future[Any] = pool.submit(fn, *args)
-            return future.result(timeout=timeout_s)
-        except FutureTimeout:
-            _recycle(pool)
-            raise GradingTimeout(
-                f"{getattr(fn, '__name__', fn)} ran past {timeout_s} s; its pool was recycled"
-            ) from None
-        except (BrokenProcessPool, RuntimeError) as error:
-            # Another thread's timeout recycled this pool under us (RuntimeError: submit
-            # after shutdown): the call was not at fault, so it runs again on a new pool.
-            _recycle(pool)
-            last_error = error
-    raise RuntimeError(f"the grading pool broke three times in a row: {last_error}")
+    """`fn(*args)` in the grading pool; GradingTimeout (pool recycled) past `timeout_s`.
+
+    The timeout counts the call's own running time only: a call waits, untimed, for one of
+    the pool's `POOL_WORKERS` to be free (however many threads call at once), so a correct
+    answer queued behind slow ones is never scored 0 for the wait.
+    """
+    last_error: BaseException | None = None
+    for _attempt in range(_ATTEMPTS):
+        with _running:
+            pool = _current_pool()
+            try:
+                future: Future[Any] = pool.submit(fn, *args)
+                return future.result(timeout=timeout_s)
+            except FutureTimeout:
+                _recycle(pool)
+                raise GradingTimeout(
+                    f"{getattr(fn, '__name__', fn)} ran past {timeout_s} s; its pool was recycled"
+                ) from None
+            except (BrokenProcessPool, RuntimeError, CancelledError) as error:
+                # Another thread's timeout recycled this pool under us (RuntimeError: submit
+                # after shutdown; CancelledError: cancelled with it): the call was not at
+                # fault, so it runs again on a new pool.
+                _recycle(pool)
+                last_error = error
+    raise RuntimeError(f"the grading pool broke {_ATTEMPTS} times in a row: {last_error!r}")
 
 
 def verify_pooled(answer: str, gold: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> float:

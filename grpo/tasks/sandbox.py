@@ -2,44 +2,61 @@
 
 What the sandbox provides everywhere (Linux; other POSIX systems lack some rlimits):
 
-- a fresh temporary working directory, removed afterwards; the program arrives on stdin,
-  so no file of the harness is left for it to read;
-- `python -I` (the running interpreter, isolated mode: no user site-packages, no
-  `PYTHON*` variables, no script directory on `sys.path`) with an empty environment, so the
-  parent's environment variables (API keys) are not passed;
+- a fresh temporary working directory, removed afterwards; the program arrives on stdin;
+- `python -I` (isolated mode: no user site-packages, no `PYTHON*` variables, no script
+  directory on `sys.path`) with an empty environment, so API keys are not passed;
 - its own session and process group, killed as a whole (SIGKILL) at the wall-clock timeout;
 - rlimits set before exec: CPU seconds, address space, processes (RLIMIT_NPROC), file size,
   open files, and no core dumps;
-- stdout and stderr read up to a cap each; past the cap the pipe is closed, so a program
-  printing without end dies of a broken pipe instead of filling memory.
+- stdout and stderr read up to a cap each; past the cap the pipe is closed.
 
-Where `unshare -r -n -p -f -m --mount-proc` works (Linux with unprivileged user namespaces,
-or root), the program also runs in its own user, network, PID and mount namespaces: no
-network at all (not even loopback: a connect to 127.0.0.1 fails), a `/proc` that shows only
-its own processes (so not the environment of others), and every process it starts dies
-with it (a child that calls `setsid` cannot outlive the run). Where only `unshare -r -n`
-works, it has the network namespace alone; where neither does, `isolation` logs one warning
-and code runs with the caller's network and PID space. RLIMIT_NPROC binds no process of
-root, so when running as root the process count is bounded by a pids cgroup instead, where
-a cgroup v1 `pids` hierarchy is writable (`/sys/fs/cgroup/pids`); `process_limit_enforced`
-says whether a fork bomb is bounded on this machine.
+`run_tests` never decides a verdict in the process that runs the solution: that process
+gets the solution, the tests' setup statements and the *holes* of each assert (the
+expressions that call the solution, `grpo/core/code_checks.py`), never an assert's
+expected side; it prints each hole's value as tagged plain data, which is decoded here
+(anything else, an object with its own `__eq__` or an `int` subclass, is refused) and
+compared here, or, for asserts of other forms, in a second sandboxed run of the tests
+that never sees the solution. Patching builtins, `compile` or `print`, rewriting the
+harness through `__main__`, reading its markers or exiting early can at most change the
+values the solution's calls claim, which is what a solution does anyway.
 
-What it does not provide: this is not a security boundary against a determined attacker.
-There is no seccomp filter, no Landlock rule and no chroot: the program can read every
-file the calling user can read, and write wherever that user can write outside the working
-directory (its relative paths land in the working directory, which is removed; absolute
-paths such as `/tmp/x` or the caller's own files are not protected, only capped in size by
-RLIMIT_FSIZE). Without the PID and mount namespaces, `/proc/<pid>/environ` of the user's
-other processes stays readable. The pass marker of `run_tests` defeats a program that exits
-early with status 0, not one that inspects the harness's frames. Run rewards of this kind
-on a machine or container you can lose.
+Where `file_system_isolated()` holds (Linux, as root or with unprivileged user namespaces,
+`unshare` installed, x86_64 or aarch64), each run also gets new mount, network and PID
+namespaces (and a user namespace when not root) and a minimal root built by
+`_BOOTSTRAP` and entered by `pivot_root`, the old root detached:
+
+- a tmpfs of `disk_bytes` (64 MiB) and `disk_files` (4096) for everything it writes
+  (`/sandbox`, the working directory, and `/tmp`);
+- read-only, nosuid binds of `/usr`, `/bin`, `/sbin`, `/lib*`, `/etc/ld.so.cache`, the
+  Python installation behind the running one (never a virtual environment, so no `grpo`
+  and no project packages), and `/dev/null`, `zero`, `full`, `random`, `urandom`;
+- a fresh `/proc` of its own PID namespace; no `/sys`, no `/etc` but the linker cache, no
+  `/home`, no `/root` (but the Python installation where it lives there), no project, run
+  or temporary directory of the caller, so no file-system UNIX socket of the host either
+  (abstract ones belong to the network namespace, also new); no network, not even loopback;
+- as root, the program runs as an unprivileged uid (one of 10**6 from 10**9, chosen
+  at random a run) with `no_new_privs`: it cannot remount, unmount, chroot, write the
+  binds or join another cgroup, and RLIMIT_NPROC binds it; without root, a second user
+  namespace locks the mounts instead.
+
+As root, where a cgroup v1 `pids` hierarchy is writable, a pids cgroup made by this
+process caps the processes too (`process_limit_enforced`); the program cannot leave it
+(no `/sys`, not root). Where `file_system_isolated()` fails, one warning says so and runs
+fall back to `unshare -r -n -p -f -m --mount-proc` (or `-r -n`, or nothing, with one more
+warning): then the program sees and may write every file the calling user can, reach its
+UNIX sockets, fill its disk a file of `file_bytes` at a time, and, as root, move itself
+out of the pids cgroup.
+
+What it never provides: no seccomp filter, no Landlock rule, no memory cgroup (memory is
+bounded by RLIMIT_AS only); kernel bugs are out of scope. Run code rewards on a machine
+or container you can lose.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import itertools
+import json
 import logging
 import os
 import resource
@@ -57,6 +74,8 @@ from typing import IO
 
 import attrs
 
+from grpo.core import code_checks
+
 __all__ = [
     "SandboxLimits",
     "SandboxResult",
@@ -72,13 +91,20 @@ logger = logging.getLogger(__name__)
 _PIDS_CGROUP_ROOT = Path("/sys/fs/cgroup/pids")
 _READ_CHUNK = 65536
 _cgroup_names = itertools.count()
+_SANDBOX_UID_BASE = 1_000_000_000
+_SANDBOX_UIDS = 1_000_000
 _probe_lock = threading.Lock()
+_mount_probe_lock = threading.Lock()
 _probed: dict[str, tuple[str, ...] | bool] = {}
 
 
 @attrs.frozen
 class SandboxLimits:
-    """Limits of one run: wall-clock and CPU seconds, memory, processes, files, output."""
+    """Limits of one run: wall-clock and CPU seconds, memory, processes, files, output, disk.
+
+    `disk_bytes` and `disk_files` bound everything the run writes, together, where the
+    file system is isolated (`file_system_isolated`); `file_bytes` bounds each file always.
+    """
 
     timeout_s: float = 5.0
     cpu_s: int = 5
@@ -87,6 +113,8 @@ class SandboxLimits:
     file_bytes: int = 16 << 20
     open_files: int = 64
     output_bytes: int = 1 << 20
+    disk_bytes: int = 64 << 20
+    disk_files: int = 4096
 
 
 @attrs.frozen
@@ -109,6 +137,122 @@ class TestsResult:
     run: SandboxResult
 
 
+_BOOTSTRAP = r"""
+import ctypes, json, os, sys
+config = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = (ctypes.c_char_p,) * 3 + (ctypes.c_ulong, ctypes.c_char_p)
+RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+def check(status, what):
+    if status != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"sandbox setup: {what}: {os.strerror(error)}")
+def mount(source, target, kind, flags, data=None):
+    encode = lambda text: None if text is None else text.encode()
+    check(libc.mount(encode(source), encode(target), encode(kind), flags, encode(data)), target)
+root, uid = config["root"], config["uid"]
+mount(None, "/", None, REC | PRIVATE)
+mount("tmpfs", root, "tmpfs", NOSUID | NODEV, config["tmpfs"])
+for source in config["binds"]:
+    target = root + source
+    if os.path.islink(source) and os.path.dirname(source) == "/":
+        os.symlink(os.readlink(source), target)
+        continue
+    os.makedirs(target if os.path.isdir(source) else os.path.dirname(target), exist_ok=True)
+    if not os.path.isdir(source):
+        open(target, "w").close()
+    mount(source, target, None, BIND | REC)
+    device = source.startswith("/dev/")
+    mount(None, target, None, REMOUNT | BIND | RDONLY | NOSUID | (0 if device else NODEV))
+os.mkdir(root + "/proc")
+try:
+    mount("proc", root + "/proc", "proc", NOSUID | NODEV | NOEXEC)
+except OSError:
+    pass
+for directory in ("/sandbox", "/tmp"):
+    os.mkdir(root + directory, 0o700)
+    os.chown(root + directory, uid, uid)
+os.chdir(root)
+check(libc.syscall(config["pivot_root"], b".", b"."), "pivot_root")
+check(libc.umount2(b".", 2), "detach the old root")
+os.chdir("/sandbox")
+if config["drop_to_uid"]:
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+else:
+    check(libc.unshare(0x10000000), "lock the mounts in a new user namespace")
+check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")
+os.execve(config["python"], [config["python"], "-I", "-"], {})
+"""
+_PIVOT_ROOT_SYSCALL = {"x86_64": 155, "aarch64": 41, "riscv64": 41}
+_BIND_PATHS = (
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib64",
+    "/lib32",
+    "/libx32",
+    "/etc/ld.so.cache",
+    "/dev/null",
+    "/dev/zero",
+    "/dev/full",
+    "/dev/random",
+    "/dev/urandom",
+)
+
+
+def _base_python() -> str:
+    """The interpreter behind this one, outside any virtual environment (so no `grpo` in it)."""
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+def _binds() -> list[str]:
+    """What the minimal root shows, read-only: the system's programs and libraries, Python."""
+    paths = [path for path in _BIND_PATHS if os.path.lexists(path)]
+    covered = tuple(path + "/" for path in paths)
+    for prefix in (sys.base_prefix, sys.base_exec_prefix, str(Path(_base_python()).parent)):
+        prefix = os.path.realpath(prefix)
+        if not (prefix + "/").startswith(covered) and prefix not in paths and prefix != "/":
+            paths.append(prefix)
+    return paths
+
+
+def _mount_command(limits: SandboxLimits, root: str) -> list[str] | None:
+    """The bootstrap that builds the minimal root in new namespaces, then runs `python -I -`."""
+    unshare = shutil.which("unshare")
+    syscall = _PIVOT_ROOT_SYSCALL.get(os.uname().machine)
+    if unshare is None or syscall is None:
+        return None
+    is_root = os.geteuid() == 0
+    config = {
+        "root": root,
+        "uid": _SANDBOX_UID_BASE + secrets.randbelow(_SANDBOX_UIDS) if is_root else 0,
+        "drop_to_uid": is_root,
+        "tmpfs": f"size={limits.disk_bytes},nr_inodes={limits.disk_files},mode=755",
+        "binds": _binds(),
+        "pivot_root": syscall,
+        "python": _base_python(),
+    }
+    user = () if is_root else ("-r",)
+    return [
+        unshare,
+        *user,
+        "-m",
+        "-n",
+        "-p",
+        "-f",
+        "--kill-child",
+        _base_python(),
+        "-I",
+        "-S",
+        "-c",
+        _BOOTSTRAP,
+        json.dumps(config),
+    ]
+
+
 def _runs(command: Sequence[str]) -> bool:
     try:
         result = subprocess.run(
@@ -123,10 +267,39 @@ def _runs(command: Sequence[str]) -> bool:
     return result.returncode == 0
 
 
+_MOUNT_PROBE = "import os\nassert os.getcwd() == '/sandbox' and not os.path.exists('/etc/passwd')\n"
+
+
+def file_system_isolated() -> bool:
+    """Whether runs get the minimal read-only root of the module doc (probed once a process).
+
+    When not, one warning says so: the code then sees the caller's file system.
+    """
+    # One probe at a time, and every caller waits for its answer: none may run unisolated
+    # while the first probe is in flight.
+    with _mount_probe_lock:
+        if "mount" in _probed:
+            return bool(_probed["mount"])
+        limits = SandboxLimits(timeout_s=20.0, cpu_s=10)
+        result = _run(_MOUNT_PROBE, limits, mount=True)
+        works = result.returncode == 0 and not result.timed_out
+        _probed["mount"] = works
+    if not works:
+        reason = (result.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        logger.warning(
+            "sandbox: no mount namespace (%s): model code sees this machine's files, can "
+            "write where this user can, reach its UNIX sockets, and fill its disk up to "
+            "RLIMIT_FSIZE a file; run code rewards in a container you can lose",
+            reason,
+        )
+    return works
+
+
 def isolation() -> tuple[str, ...]:
     """The namespace prefix of every run: `unshare` with user, net, PID and mount, less, or none.
 
-    Probed once per process; when no namespace works, one warning is logged.
+    Probed once per process; when no namespace works, one warning is logged. Where
+    `file_system_isolated()` holds, runs use the minimal root's bootstrap instead.
     """
     with _probe_lock:
         if "prefix" not in _probed:
@@ -233,12 +406,19 @@ def _read_capped(stream: IO[bytes], cap: int, into: list[bytes]) -> None:
 
 def run_python(source: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run `source` by `python -I` in the sandbox of the module doc; its failures are results."""
+    return _run(source, limits, mount=file_system_isolated())
+
+
+def _run(source: str, limits: SandboxLimits, mount: bool) -> SandboxResult:
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
+    command = _mount_command(limits, workdir) if mount else None
+    if command is None:
+        command = [*isolation(), sys.executable, "-I", "-"]
     try:
         with _pids_cgroup(limits.processes) as cgroup:
             process = subprocess.Popen(
-                [*isolation(), sys.executable, "-I", "-"],
+                command,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -284,12 +464,42 @@ def run_python(source: str, limits: SandboxLimits = SandboxLimits()) -> SandboxR
     )
 
 
-_HARNESS = """\
-_checks = {checks!r}
-_namespace = {{"__name__": "__main__"}}
+_SOLUTION_SIDE = """\
+import json as _json, sys as _sys
+{encoder}def {record}(index, thunk, reraise):
+    try:
+        value = thunk()
+    except BaseException as error:
+        encoded = ["o", "an exception, " + type(error).__name__]
+        _sys.stdout.write("\\n" + {marker!r} + " " + _json.dumps([index, encoded]) + "\\n")
+        _sys.stdout.flush()
+        if reraise:
+            raise
+        return None
+    encoded = _json.dumps([index, _grpo_plain_(value, 0, [{max_nodes}])])
+    _sys.stdout.write("\\n" + {marker!r} + " " + encoded + "\\n")
+    _sys.stdout.flush()
+    return value
+_namespace = {{"__name__": "__main__", {record!r}: {record}}}
 exec(compile({solution!r}, "solution.py", "exec"), _namespace)
+for _index, _source in enumerate({steps!r}):
+    try:
+        exec(compile(_source, f"test_{{_index}}.py", "exec"), _namespace)
+    except Exception:
+        pass
+"""
+
+_VERDICT_SIDE = """\
+_values = {values}
+class _HoleFailed(Exception):
+    pass
+def {hole}(index):
+    if index in _values:
+        return _values[index]
+    raise _HoleFailed(index)
+_namespace = {{"__name__": "__main__", {hole!r}: {hole}}}
 _passed = 0
-for _index, (_source, _is_assert) in enumerate(_checks):
+for _index, (_source, _is_assert) in enumerate({steps!r}):
     try:
         exec(compile(_source, f"test_{{_index}}.py", "exec"), _namespace)
     except Exception:
@@ -300,46 +510,78 @@ print({marker!r}, _passed, flush=True)
 """
 
 
-def _checks(tests: str | Sequence[str]) -> list[tuple[str, bool]]:
-    """Each top-level statement of the tests with whether it is an `assert`; ValueError if none."""
-    sources = [tests] if isinstance(tests, str) else list(tests)
-    checks = []
-    for source in sources:
-        if not isinstance(source, str):
-            raise ValueError(
-                f"a test is {source!r} ({type(source).__name__}); expected Python text"
-            )
+def _hole_values(stdout: str, marker: str) -> dict[int, object]:
+    """The plain value of each hole the solution's side printed (the first line of each)."""
+    values: dict[int, object] = {}
+    refused: set[int] = set()
+    prefix = marker + " "
+    for line in stdout.splitlines():
+        if not line.startswith(prefix):
+            continue
         try:
-            module = ast.parse(source)
-        except SyntaxError as error:
-            raise ValueError(f"test {source[:80]!r} is not valid Python: {error}") from None
-        for statement in module.body:
-            segment = ast.get_source_segment(source, statement)
-            assert segment is not None
-            checks.append((segment, isinstance(statement, ast.Assert)))
-    if not any(is_assert for _, is_assert in checks):
-        raise ValueError(f"tests {sources!r} hold no assert statement")
-    return checks
+            index, encoded = json.loads(line[len(prefix) :])
+        except (ValueError, TypeError, RecursionError):
+            continue
+        if not isinstance(index, int) or index in values or index in refused:
+            continue
+        try:
+            values[index] = code_checks.decode_plain(encoded)
+        except code_checks.NotPlain:
+            refused.add(index)
+    return values
+
+
+def _marked_count(result: SandboxResult, marker: str) -> int | None:
+    """The count printed after `marker` on the last such line of a clean exit, else None."""
+    if result.returncode != 0 or result.timed_out:
+        return None
+    for line in reversed(result.stdout.splitlines()):
+        head, _, count = line.rpartition(" ")
+        if head == marker and count.isdigit():
+            return int(count)
+    return None
 
 
 def run_tests(
     solution: str, tests: str | Sequence[str], limits: SandboxLimits = SandboxLimits()
 ) -> TestsResult:
-    """`solution`, then each top-level statement of `tests` in its namespace, in the sandbox.
+    """`solution` against `tests`, with the verdict out of the solution's reach.
 
+    The tests split as `grpo.core.code_checks.split_checks` says: one sandboxed run holds
+    the solution, the tests' setup statements and each assert's holes (never an assert's
+    expected side), and prints each hole's value as plain data; the asserts are then
+    decided on those values here (`HOLE == literal` and the like) or, for any other
+    assert, by a second sandboxed run of the tests that never sees the solution.
     Statements run in order; one that raises does not stop the next. `passed` counts the
-    assert statements that did not raise, and only when the run printed the random pass
-    marker after the last one and exited 0 (a solution that exits early passes nothing).
+    assert statements that hold; a hole whose call raised, that the run never reached
+    (an early exit), or whose value is not plain data fails its statement.
     """
-    checks = _checks(tests)
-    total = sum(is_assert for _, is_assert in checks)
-    marker = f"grpo-tests-done-{secrets.token_hex(16)}"
-    result = run_python(_HARNESS.format(checks=checks, solution=solution, marker=marker), limits)
-    passed = 0
-    if result.returncode == 0 and not result.timed_out:
-        for line in reversed(result.stdout.splitlines()):
-            head, _, count = line.rpartition(" ")
-            if head == marker and count.isdigit():
-                passed = min(int(count), total)
-                break
+    sources = [tests] if isinstance(tests, str) else list(tests)
+    checks = code_checks.split_checks(sources)
+    total = sum(check.is_assert for check in checks)
+    marker = f"grpo-hole-{secrets.token_hex(16)}"
+    solution_side = _SOLUTION_SIDE.format(
+        record=code_checks.RECORD_FUNCTION,
+        encoder=code_checks.ENCODER_SOURCE,
+        marker=marker,
+        solution=solution,
+        steps=[check.sandbox for check in checks],
+        max_nodes=code_checks.MAX_NODES,
+    )
+    result = run_python(solution_side, limits)
+    values = _hole_values(result.stdout, marker)
+    asserts = [check for check in checks if check.is_assert]
+    if all(check.literal is not None for check in asserts):
+        passed = sum(code_checks.literal_verdict(check, values) for check in asserts)
+        return TestsResult(passed=passed, total=total, run=result)
+    verdict_marker = f"grpo-tests-done-{secrets.token_hex(16)}"
+    table = ", ".join(f"{k}: {code_checks.plain_source(v)}" for k, v in values.items())
+    verdict_side = _VERDICT_SIDE.format(
+        values="{" + table + "}",
+        hole=code_checks.HOLE_FUNCTION,
+        steps=[(check.harness, check.is_assert) for check in checks],
+        marker=verdict_marker,
+    )
+    verdict = run_python(verdict_side, limits)
+    passed = min(_marked_count(verdict, verdict_marker) or 0, total)
     return TestsResult(passed=passed, total=total, run=result)

@@ -40,15 +40,50 @@ class SftDataError(ValueError):
     """A data file or row that cannot be trained on; the message names the file, row and fix."""
 
 
+_COMPRESSED = {
+    b"\x1f\x8b": ("gzip", "gunzip"),
+    b"PK": ("zip", "unzip"),
+    b"BZh": ("bzip2", "bunzip2"),
+}
+_COMPRESSED[b"\x28\xb5\x2f\xfd"] = ("zstd", "unzstd")
+
+
+def text_problem(file: Path, data: bytes) -> str | None:
+    """Why the bytes of a text data file (.jsonl, .json, .csv) are not UTF-8 text, else None:
+    compressed (naming the tool to decompress it) or the first undecodable byte's place."""
+    for magic, (kind, tool) in _COMPRESSED.items():
+        if data.startswith(magic):
+            return f"data file {file} is {kind}-compressed; decompress it first ({tool} {file})"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        return (
+            f"data file {file} is not UTF-8 text: byte 0x{data[error.start]:02x} at line "
+            f"{line}, column {column}; save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        )
+    return None
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a .jsonl, .parquet or .csv file, as dicts (SftDataError naming the line)."""
     file = Path(path)
+    if file.is_dir():
+        raise SftDataError(
+            f"data {file} is a directory; give a .jsonl, .parquet or .csv file to --data / "
+            "--eval-data"
+        )
     if not file.is_file():
         raise SftDataError(f"data file {file} not found; check --data / --eval-data")
     if file.suffix not in SUFFIXES:
         raise SftDataError(
             f"data file {file} has suffix {file.suffix!r}; supported: {', '.join(SUFFIXES)}"
         )
+    if file.suffix != ".parquet":
+        problem = text_problem(file, file.read_bytes())
+        if problem is not None:
+            raise SftDataError(problem)
     if file.suffix == ".jsonl":
         rows = list(_jsonl_rows(file))
     else:

@@ -339,6 +339,11 @@ def _delete(args: argparse.Namespace) -> int:
 
 def _cleanup(args: argparse.Namespace) -> int:
     listed = list_checkpoints(_stores(args), args.run_id)
+    if not listed:
+        raise ConfigError(
+            f"no checkpoint of a run {args.run_id!r} was found, so nothing was deleted; "
+            "check the id with `grpo checkpoints list`"
+        )
     if not args.root:  # found by discovery: a backup copy must not be cleaned along
         listed = one_store(listed, args.run_id)
     chosen = temporary_samplers(listed, all_samplers=args.all_samplers)

@@ -7,13 +7,16 @@ writes them to ``ahead/step-NNNNNN.json`` before the checkpoint record points at
 weights; ``load_ahead`` gives them back as finished jobs with the same staleness, and the
 resumed run continues exactly as an uninterrupted one (docs/RELIABILITY.md).
 
-A file is used only by the checkpoint it was written with (its state path is recorded) and
-only while it matches the run (the same problems at each step, staleness within K); else
+A file is used only by the checkpoint it was written with (its state path is recorded), only
+while its SHA-256 checksum matches (a file edited by hand is not trusted), and only while it
+matches the run (the same problems at each step, staleness within K); else
 the resumed run samples those steps again from the checkpoint's weights, and says so.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -93,7 +96,7 @@ def save_ahead(
             "state_path": run_files.stored_state_path(run_dir, state_path),
             "jobs": records,
         }
-        run_files.write_json_atomic(path, payload)
+        run_files.write_json_atomic(path, {**payload, "checksum": _checksum(payload)})
 
 
 def prune_ahead(run_dir: Path, step: int) -> None:
@@ -142,6 +145,13 @@ def load_ahead(
     if payload.get("format") != _FORMAT or payload.get("state_path") != saved_with:
         note(f"{path} belongs to another checkpoint of step {step}; {resample}")
         return {}
+    checksum = payload.pop("checksum", None)
+    if checksum != _checksum(payload):
+        note(
+            f"{path} does not match its checksum (edited or damaged since the checkpoint of "
+            f"step {step} wrote it); {resample}"
+        )
+        return {}
     jobs: dict[int, ReadyJob] = {}
     try:
         for record in payload["jobs"]:
@@ -161,6 +171,13 @@ def load_ahead(
 
 
 # --- records -------------------------------------------------------------------------------
+
+
+def _checksum(payload: Mapping[str, Any]) -> str:
+    """SHA-256 of the payload's canonical JSON; the payload names its checkpoint's state
+    path, so the checksum ties the rollouts to that checkpoint."""
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _plain(value: Any) -> Any:

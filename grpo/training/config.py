@@ -196,6 +196,12 @@ class TrainConfig:
         NOT_EMPTY,
     )
     max_turns: int = flag(4, "most sampled turns of an --env episode", AtLeast(1))
+    env_timeout: float = flag(
+        60.0,
+        "seconds an --env's initial_observation() or step() may take; past it the run stops "
+        "with a checkpoint naming the env and the turn (0 = no limit)",
+        AtLeast(0),
+    )
     # Advantages and loss
     advantage: str = flag("center", "group advantage estimator", OneOf(ADVANTAGE_NAMES))
     loss_fn: str = flag(

@@ -35,7 +35,7 @@ from grpo.core.episodes import (
     Turn,
 )
 from grpo.core.usage import TokenUsage, sample_usage
-from grpo.envs.base import Env, EnvError, Task, as_step_result, check_messages, make_group
+from grpo.envs.base import Env, EnvError, Task, env_step, initial_messages, make_group
 from grpo.tasks.prompts import build_messages
 from grpo.training.rollouts import Problem, tokenizer_max_len
 from grpo.training.run_log import clip_text
@@ -57,6 +57,7 @@ class EpisodeLimits:
     max_len: int | None
     temperature: float
     top_p: float = 1.0
+    env_timeout_s: float = 0.0
 
 
 def render(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
@@ -114,7 +115,7 @@ def play_episode(
     """One episode: sample a turn, let the env answer, append its rendering; until done or a
     limit. Returns the episode, the sampler usage, and the decoded observation of each turn."""
     special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-    messages = list(check_messages(env.initial_observation(), "initial_observation()"))
+    messages = list(initial_messages(env, limits.env_timeout_s))
     shown = render(tokenizer, messages)
     observation = _encode(tokenizer, shown)
     context: list[int] = []
@@ -156,15 +157,7 @@ def play_episode(
         ended = sequence.stop_reason == "stop" and bool(tokens) and tokens[-1] in special_ids
         action = tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
         end = tokenizer.decode(tokens[-1:], skip_special_tokens=False) if ended else ""
-        try:
-            result = as_step_result(env.step(action), "env.step")
-        except EnvError:
-            raise
-        except Exception as error:
-            raise EnvError(
-                f"env.step raised {type(error).__name__}: {error} (turn {index}); an "
-                "environment answers bad actions with an observation, it does not raise"
-            ) from error
+        result = env_step(env, action, index, limits.env_timeout_s)
         stop = "stop" if sequence.stop_reason == "stop" else "length"
         if stop == "length" and budget < limits.max_tokens:
             stop = "context"
@@ -306,6 +299,7 @@ def submit_groups(
         max_len=run_max_len(run),
         temperature=temperature,
         top_p=config.top_p if purpose == Purpose.ENV_TRAIN else 1.0,
+        env_timeout_s=config.env_timeout,
     )
     futures = []
     for index, problem in enumerate(problems):

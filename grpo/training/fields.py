@@ -107,6 +107,20 @@ class AtLeast:
 
 
 @attrs.frozen(repr=False)
+class AtMost:
+    """Value <= `high` (None passes): a bound past which sums of it overflow."""
+
+    high: float
+
+    def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+        if value is not None and value > self.high:
+            raise ConfigError(f"{flag_name(attribute.name)} must be <= {self.high:g}, got {value}")
+
+    def __repr__(self) -> str:
+        return f"AtMost({self.high!r})"
+
+
+@attrs.frozen(repr=False)
 class Above:
     """Value > `low`."""
 
@@ -223,7 +237,8 @@ class GoldRule:
 NOT_EMPTY = NotEmpty()
 PLAIN_NAME = PlainName()
 GOLD_RULE = GoldRule()
-PRICE = AtLeast(0, " (a price per million tokens)")
+MAX_PRICE = 1e9  # per million tokens: costs of any run stay finite
+PRICE = attrs.validators.and_(AtLeast(0, " (a price per million tokens)"), AtMost(MAX_PRICE))
 
 
 # --- types -------------------------------------------------------------------------------

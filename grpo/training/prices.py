@@ -23,6 +23,7 @@ from typing import Any
 
 from grpo.core.usage import Prices
 from grpo.training.config import ConfigError, TrainConfig
+from grpo.training.fields import MAX_PRICE
 from grpo.training.flags import read_toml
 
 KINDS = ("prompt", "completion", "train", "forward")
@@ -52,9 +53,11 @@ def _file_prices(path: str, model: str) -> tuple[dict[str, Any], str | None, str
             f"(numbers per million tokens), got {entry!r}"
         )
     for kind, value in entry.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        bad = isinstance(value, bool) or not isinstance(value, (int, float))
+        if bad or not 0 <= value <= MAX_PRICE:
             raise ConfigError(
-                f'--price-file {path}: models."{model}".{kind} must be a number >= 0, got {value!r}'
+                f'--price-file {path}: models."{model}".{kind} must be a number >= 0 and '
+                f"<= {MAX_PRICE:g}, got {value!r}"
             )
     currency, source = raw.get("currency"), raw.get("source")
     return {kind: float(value) for kind, value in entry.items()}, currency, source

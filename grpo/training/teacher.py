@@ -107,6 +107,8 @@ def teacher_sampler(service: Any, config: TrainConfig) -> tuple[Any, str | None]
     source = str(config.teacher)
     path = Path(source).expanduser()
     if _is_run_dir(path):
+        if config.run_dir is not None and path.resolve() == Path(config.run_dir).resolve():
+            raise ConfigError(f"--teacher {source} is this run itself; name another run")
         saved = run_files.read_config(path)
         try:
             weights = run_files.eval_weights_path(path)

@@ -690,3 +690,16 @@ def test_a_learning_rate_blowup_is_never_saved_and_stops_the_next_step(service):
         client.forward_backward(datums, "ppo").result()
     assert error.value.code == "validation.non_finite_logprobs"
     assert gradients(client) == [None] * len(client._parameters)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", ""])
+def test_a_damaged_grpo_local_json_is_an_error_naming_the_file_and_the_fix(
+    tmp_path: Path, text: str
+) -> None:
+    from pytrio.errors.base import ValidationError
+
+    from grpo.backends.local.checkpoint import METADATA_FILE, read_metadata
+
+    (tmp_path / METADATA_FILE).write_text(text)
+    with pytest.raises(ValidationError, match=f"{METADATA_FILE} (is damaged|holds list).*backup"):
+        read_metadata(tmp_path)

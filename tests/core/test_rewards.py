@@ -209,3 +209,18 @@ def test_weighted_total_is_the_weighted_sum_and_a_lone_unit_weight_is_exact():
     assert total.tolist() == [0.0, -0.5, 1.0]
     lone = np.array([0.1, 0.7])
     assert core_rewards.weighted_total({"a": lone}, {"a": 1.0}).tobytes() == lone.tobytes()
+
+
+def test_a_backtracking_gold_rule_stops_within_its_time_bound_naming_the_rule():
+    import time
+
+    from grpo.core.rewards import GOLD_RULE_TIMEOUT_S, GoldRuleTimeout, extract_gold
+
+    for answer, rule in (("a" * 40 + "!", r"regex:(a|aa)+$"), ("a" * 5000 + "!", r"regex:(a+)+$")):
+        start = time.monotonic()
+        with pytest.raises(GoldRuleTimeout, match=r"did not finish within 1 s.*nested repetition"):
+            extract_gold(answer, rule)
+        assert time.monotonic() - start < 4 * GOLD_RULE_TIMEOUT_S
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        extract_gold("x", "regex:(")
+    assert extract_gold("x = 5, y = 7", r"regex:= (\d)") == "7"

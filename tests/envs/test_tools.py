@@ -159,3 +159,26 @@ def test_a_tool_that_raises_a_bad_call_error_is_answered_with_it():
     assert "error: wrong type" in message["content"]
     with pytest.raises(ValueError, match="distinct"):
         ToolRegistry.of(CALCULATOR, CALCULATOR)
+
+
+def test_parsing_sixteen_thousand_unclosed_calls_is_linear() -> None:
+    import time
+
+    start = time.monotonic()
+    calls = parse_tool_calls("<tool_call>" * 16000)
+    assert time.monotonic() - start < 0.5  # the lazy regex took 13 s
+    assert [call.error for call in calls] == ["the tool call is not closed with </tool_call>"]
+    many = parse_tool_calls(format_tool_call("calculator", {"expression": "1"}) * 1000)
+    assert len(many) == 33 and many[-1].error == "more than 32 tool calls in one turn"
+
+
+def test_a_five_thousand_digit_integer_is_a_tool_error_not_a_crash() -> None:
+    registry = ToolRegistry.of(CALCULATOR)
+    huge = "9" * 5000
+    for body in (
+        f'{{"name": "calculator", "arguments": {{"expression": {huge}}}}}',
+        f'{{"name": "calculator", "arguments": "{{\\"expression\\": {huge}}}"}}',
+    ):
+        messages, calls, errors = registry.respond(f"<tool_call>{body}</tool_call>")
+        assert (calls, errors) == (1, 1)
+        assert "error:" in messages[0]["content"]

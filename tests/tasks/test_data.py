@@ -1,5 +1,6 @@
 """Problem datasets: the built-in arithmetic generator, GSM8K from the hub, local files."""
 
+import gzip
 import json
 import re
 
@@ -397,3 +398,44 @@ def test_builtin_datasets_ignore_the_column_flags():
     config = TrainConfig(prompt_column="problem", answer_column="solution", gold_rule="whole")
     assert columns_of(config) == ("question", "answer", "####")
     assert columns_of(TrainConfig(dataset="x.jsonl", prompt_column="p")) == ("p", "answer", "####")
+
+
+def test_a_backtracking_gold_rule_is_an_error_naming_the_row_not_a_hang(tmp_path):
+    import time
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": "a" * 5000 + "!"}) + "\n")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"answer in row 0 of .*rows.jsonl: --gold-rule"):
+        load_problems(str(path), "train", gold_rule=r"regex:(a+)+$")
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "message"),
+    [
+        (
+            "latin1.jsonl",
+            b'{"question": "caf\xe9", "answer": "#### 1"}\n',
+            "not UTF-8 text: byte 0xe9 at line 1, column 18; save it as UTF-8",
+        ),
+        (
+            "latin1.csv",
+            b"question,answer\ncaf\xe9,#### 1\n",
+            "not UTF-8 text: byte 0xe9 at line 2, column 4",
+        ),
+        (
+            "packed.jsonl",
+            gzip.compress(b'{"question": "q", "answer": "#### 1"}\n'),
+            r"gzip-compressed; decompress it first \(gunzip ",
+        ),
+        ("header.csv", b"question,answer\n", "has a header but no rows"),
+    ],
+)
+def test_undecodable_compressed_or_header_only_files_are_errors_naming_the_file(
+    tmp_path, name, data, message
+):
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=f"data file {re.escape(str(path))} .*{message}"):
+        load_problems(str(path), "train")

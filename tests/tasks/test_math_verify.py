@@ -194,3 +194,17 @@ def test_a_math_verify_run_evaluates_with_math_verify_on_latex_golds(tmp_path: P
         strict.append(grade(completion.text, problem.gold))
     assert final["test/reward"] == pytest.approx(sum(scores) / len(scores), abs=1e-12)
     assert sum(strict) == 0  # the boxed match cannot read \frac{2n}{2} as n
+
+
+def test_calls_queued_behind_slow_ones_are_timed_from_their_start_not_their_submission() -> None:
+    # Three times as many threads as pool workers, each call half the timeout: timed from
+    # submission, the third wave waited a whole timeout and scored 0 (GradingTimeout).
+    from grpo.tasks.math_grading import POOL_WORKERS
+
+    run_pooled(time.sleep, 0, timeout_s=30)  # the pool warm, so no call waits on a start
+    with ThreadPoolExecutor(max_workers=3 * POOL_WORKERS) as threads:
+        calls = [
+            threads.submit(run_pooled, time.sleep, 0.6, timeout_s=1.2)
+            for _ in range(3 * POOL_WORKERS)
+        ]
+        assert [call.result() for call in calls] == [None] * len(calls)

@@ -184,3 +184,12 @@ def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
     with pytest.raises(SftDataError, match="row 4: assistant turn 0: the rendering of the whole"):
         encode_row(Rewriting(), "f.jsonl", {"messages": chat}, 4)
     assert np.any(chat_example(tokenizer(), chat, [1, 3]).mask_T)
+
+
+def test_a_directory_or_undecodable_bytes_are_errors_naming_the_path(tmp_path: Path) -> None:
+    with pytest.raises(SftDataError, match=f"data {tmp_path} is a directory; give a .jsonl"):
+        read_rows(tmp_path)
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"text": "caf\xe9"}\n')
+    with pytest.raises(SftDataError, match="latin1.jsonl is not UTF-8 text: byte 0xe9 at line 1"):
+        read_rows(path)

@@ -95,6 +95,8 @@ def test_download_delete_and_cleanup_on_the_local_store(
     assert kept not in _cli(capsys, "checkpoints", "list", "--root", str(root))
     assert main(["checkpoints", "delete", kept, "--root", str(root)]) == 2
     assert "no match(es)" in capsys.readouterr().err
+    assert main(["checkpoints", "cleanup", "no-such-run", "--root", str(root)]) == 2
+    assert "no checkpoint of a run 'no-such-run' was found" in capsys.readouterr().err
     service.close()
 
 

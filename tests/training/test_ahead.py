@@ -178,8 +178,11 @@ def test_a_moved_run_directory_still_matches(tmp_path: Path):
     ("damage", "message"),
     [
         (lambda text: text[: len(text) // 2], "is not valid JSON"),
-        (lambda text: text.replace('"tokens"', '"tokenz"'), "cannot be used"),
-        (lambda text: text.replace('"stop_reason": "stop"', '"stop_reason": 3'), "cannot be used"),
+        (lambda text: text.replace('"tokens"', '"tokenz"'), "does not match its checksum"),
+        (
+            lambda text: text.replace('"stop_reason": "stop"', '"stop_reason": 3'),
+            "does not match its checksum",
+        ),
     ],
 )
 def test_a_damaged_file_is_named_and_the_steps_resample(tmp_path: Path, damage: Any, message: str):
@@ -212,3 +215,25 @@ def test_prune_keeps_only_the_current_checkpoints_file(tmp_path: Path):
     prune_ahead(tmp_path, 3)
     assert [path.name for path in (tmp_path / "ahead").iterdir()] == ["step-000003.json"]
     assert json.loads(ahead_path(tmp_path, 3).read_text())["step"] == 3
+
+
+def test_rollouts_edited_by_hand_are_not_trusted(tmp_path: Path):
+    import json
+
+    _save(tmp_path, {3: _Job(3, 5, _completions(0))})
+    path = ahead_path(tmp_path, 3)
+    original = json.loads(path.read_text())
+    for edit in ("text", "logprobs"):
+        payload = json.loads(json.dumps(original))
+        completion = payload["jobs"][0]["completions"][0][0]
+        completion[edit] = "\\boxed{42}" if edit == "text" else [0.0] * 4
+        path.write_text(json.dumps(payload))
+        notes: list[str] = []
+        assert _load(tmp_path, notes) == {}
+        assert "does not match its checksum (edited or damaged" in notes[0], notes
+    payload = dict(original)
+    del payload["checksum"]
+    path.write_text(json.dumps(payload))
+    assert _load(tmp_path, []) == {}
+    path.write_text(json.dumps(original))
+    assert sorted(_load(tmp_path, [])) == [3]

@@ -187,3 +187,10 @@ def test_distill_on_an_env_falls_towards_a_trained_teacher(tmp_path: Path) -> No
 def test_a_teacher_system_prompt_under_env_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--teacher-system-prompt with --env"):
         distill_config(tmp_path, "x", env=ENV, teacher_system_prompt="you know the answer")
+
+
+def test_a_run_cannot_be_its_own_teacher(tmp_path: Path) -> None:
+    first = quiet_train(tiny_config(tmp_path, "self", steps=1))
+    config = distill_config(tmp_path, "self", teacher=str(first.run_dir), steps=2)
+    with pytest.raises(ConfigError, match="is this run itself; name another run"):
+        quiet_train(config, resume=True)

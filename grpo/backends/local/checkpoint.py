@@ -150,7 +150,21 @@ def metadata_for(
 
 def read_metadata(directory: Path) -> dict[str, object]:
     """The checkpoint's `grpo_local.json`."""
-    metadata = json.loads((directory / METADATA_FILE).read_text())
+    path = directory / METADATA_FILE
+    try:
+        metadata = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise ValidationError(
+            f"{path} is damaged ({type(error).__name__}: {error}); restore it from a backup, "
+            "or delete the checkpoint",
+            code="validation.checkpoint_metadata",
+        ) from None
+    if not isinstance(metadata, dict):
+        raise ValidationError(
+            f"{path} holds {type(metadata).__name__}, not the checkpoint's record; restore it "
+            "from a backup, or delete the checkpoint",
+            code="validation.checkpoint_metadata",
+        )
     if metadata.get("format") != FORMAT_VERSION:
         raise ValidationError(
             f"checkpoint {to_uri(directory)} has format {metadata.get('format')!r}; this version "

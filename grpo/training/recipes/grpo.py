@@ -19,6 +19,7 @@ from typing import Any
 
 from grpo.core.alignment import mask_sequences
 from grpo.core.metrics import batch_metrics
+from grpo.envs.base import stop_env_calls_on
 from grpo.reward_calls import reward_session
 from grpo.training.ahead import prune_ahead, save_ahead
 from grpo.training.faults import fault_point
@@ -156,15 +157,21 @@ class GrpoRecipe:
             prune_ahead(self.run.run_dir, state.completed)
 
     def calls(self, stop: threading.Event) -> contextlib.AbstractContextManager[Any]:
-        """The reward workers (--reward-workers), for the whole run."""
+        """The reward workers (--reward-workers) for the whole run, and env calls that give
+        up once the run is stopping (so a hung env cannot keep a stop from ending)."""
         config = self.run.config
-        return reward_session(
-            config.reward_fns,
-            workers=config.reward_workers,
-            timeout=config.reward_timeout,
-            stop=stop,
-            note=self.run.note,
+        calls = contextlib.ExitStack()
+        calls.enter_context(stop_env_calls_on(stop))
+        calls.enter_context(
+            reward_session(
+                config.reward_fns,
+                workers=config.reward_workers,
+                timeout=config.reward_timeout,
+                stop=stop,
+                note=self.run.note,
+            )
         )
+        return calls
 
     def summary(self, state: RunState) -> dict[str, Any]:
         """summary.json's final test reward."""

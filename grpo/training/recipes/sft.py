@@ -135,7 +135,7 @@ def preflight_sft(config: SftConfig, make_service: Callable[[], Any]) -> SftPlan
     """Prices, the data (read, encoded, split, batched), all before the first training call."""
     prices = prices_for(config)  # type: ignore[arg-type]  # reads base_model and price_*
     for path in (config.data, config.eval_data):
-        if path is not None and not Path(path).is_file():
+        if path is not None and not Path(path).exists():
             raise ConfigError(f"data file {path} not found; check --data / --eval-data")
     service = make_service()
     tokenizer = service.create_sampling_client(base_model=config.base_model).get_tokenizer()
