@@ -56,7 +56,7 @@ __all__ = [
     "truncated_episodes",
 ]
 
-STOP_REASONS = ("stop", "length", "context")
+STOP_REASONS = ("stop", "length", "context", "env_error")
 """How a turn ended: an end-of-turn token, --max-tokens, or the model's context limit."""
 
 
@@ -185,7 +185,7 @@ class Episode:
     @property
     def is_truncated(self) -> bool:
         """True when the last turn stopped at --max-tokens or at the context limit."""
-        return self.turns[-1].stop_reason != "stop"
+        return self.turns[-1].stop_reason in ("length", "context")
 
 
 def _to_episodes(value: object) -> tuple[Episode, ...]:
@@ -285,7 +285,8 @@ def truncated_episodes(groups: Sequence[EpisodeGroup]) -> npt.NDArray[np.bool_]:
 
 def episode_metrics(groups: Sequence[EpisodeGroup]) -> dict[str, float]:
     """Mean return, frac_degenerate, sampled tokens per episode, turns, tool calls and errors,
-    the share of episodes that call a tool, mean per-turn reward and frac_truncated."""
+    the share of episodes that call a tool, mean per-turn reward, frac_truncated, and the
+    share of episodes ended by an environment error (``env/errors``, --env-errors zero)."""
     if not groups:
         raise ValueError("episode_metrics needs at least one group; got none")
     episodes = [episode for group in groups for episode in group.episodes]
@@ -305,4 +306,5 @@ def episode_metrics(groups: Sequence[EpisodeGroup]) -> dict[str, float]:
         "env/tool_use": float(np.mean([any(t.tool_calls for t in e.turns) for e in episodes])),
         "env/turn_reward": float(np.mean([turn.reward for turn in turns])),
         "env/final_reward": float(np.mean([episode.final_reward for episode in episodes])),
+        "env/errors": float(np.mean([e.turns[-1].stop_reason == "env_error" for e in episodes])),
     }

@@ -198,9 +198,15 @@ class TrainConfig:
     max_turns: int = flag(4, "most sampled turns of an --env episode", AtLeast(1))
     env_timeout: float = flag(
         60.0,
-        "seconds an --env's initial_observation() or step() may take; past it the run stops "
-        "with a checkpoint naming the env and the turn (0 = no limit)",
+        "seconds an --env's initial_observation() or step() may take; past it the call is an "
+        "env error, handled by --env-errors (0 = no limit)",
         AtLeast(0),
+    )
+    env_errors: str = flag(
+        "stop",
+        "an --env step() that raises or passes --env-timeout: stop the run (with a checkpoint) "
+        "or end that episode with reward 0 and count it in env/errors",
+        OneOf(("stop", "zero")),
     )
     # Advantages and loss
     advantage: str = flag("center", "group advantage estimator", OneOf(ADVANTAGE_NAMES))

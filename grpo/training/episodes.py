@@ -58,6 +58,8 @@ class EpisodeLimits:
     temperature: float
     top_p: float = 1.0
     env_timeout_s: float = 0.0
+    env_errors: str = "stop"
+    """--env-errors: "zero" ends an episode whose step raised or timed out with reward 0."""
 
 
 def render(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
@@ -157,7 +159,23 @@ def play_episode(
         ended = sequence.stop_reason == "stop" and bool(tokens) and tokens[-1] in special_ids
         action = tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
         end = tokenizer.decode(tokens[-1:], skip_special_tokens=False) if ended else ""
-        result = env_step(env, action, index, limits.env_timeout_s)
+        try:
+            result = env_step(env, action, index, limits.env_timeout_s)
+        except EnvError as error:
+            if limits.env_errors != "zero":
+                raise
+            log(f"{error}; the episode ends with reward 0 (--env-errors zero)")
+            turns.append(
+                Turn(
+                    observation_tokens=observation,
+                    action_tokens=tokens,
+                    action_logprobs=list(sequence.logprobs),
+                    reward=0.0,
+                    action_text=action,
+                    stop_reason="env_error",
+                )
+            )
+            break
         stop = "stop" if sequence.stop_reason == "stop" else "length"
         if stop == "length" and budget < limits.max_tokens:
             stop = "context"
@@ -300,6 +318,7 @@ def submit_groups(
         temperature=temperature,
         top_p=config.top_p if purpose == Purpose.ENV_TRAIN else 1.0,
         env_timeout_s=config.env_timeout,
+        env_errors=config.env_errors,
     )
     futures = []
     for index, problem in enumerate(problems):

@@ -198,6 +198,8 @@ def _play_episodes(
         max_len=tokenizer_max_len(tokenizer),
         temperature=decoding.temperature,
         top_p=decoding.top_p,
+        env_timeout_s=config.env_timeout,
+        env_errors=config.env_errors,
     )
     futures = []
     for index, problem in enumerate(problems):

@@ -9,6 +9,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 
 from grpo.cli import main
@@ -175,3 +176,56 @@ def test_sigterm_stops_a_run_whose_env_never_returns_within_seconds(tmp_path: Pa
     assert time.monotonic() - sent < 20
     assert "stopped by signal" in err and "grpo train --resume" in err
     assert "Traceback" not in err
+
+
+FLAKY_ENV = """
+import time
+
+
+class Flaky:
+    \"\"\"Even rows hang in step(); odd ones answer with their action's length parity.\"\"\"
+
+    def __init__(self, task):
+        self.task = task
+
+    def initial_observation(self):
+        return list(self.task.messages)
+
+    def step(self, action_text):
+        if self.task.index % 2 == 0:
+            time.sleep(3600)
+        return [], float(len(action_text) % 2), True
+
+
+def make(task):
+    return Flaky(task)
+"""
+
+
+def test_env_errors_zero_ends_a_timed_out_episode_with_reward_0_and_counts_it(
+    tmp_path: Path,
+) -> None:
+    from grpo.training.run_files import read_metrics
+    from tests.runs import quiet_train, tiny_config
+
+    (tmp_path / "flaky.py").write_text(FLAKY_ENV)
+    config = tiny_config(
+        tmp_path,
+        "zero",
+        env=f"{tmp_path / 'flaky.py'}:make",
+        env_timeout=0.5,
+        env_errors="zero",
+        steps=2,
+        batch_size=4,
+        group_size=2,
+        max_tokens=8,
+    )
+    rows = read_metrics(quiet_train(config).run_dir)
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:  # some tasks of each step hung: their episodes ended, scored 0, counted
+        assert 0 < row["env/errors"] < 1, row
+        assert row["rollout/frac_truncated"] < 1
+    from grpo.training.run import RunStopped
+
+    with pytest.raises(RunStopped, match="EnvTimeout"):  # the default stops the run instead
+        quiet_train(attrs.evolve(config, run_dir=str(tmp_path / "stop"), env_errors="stop"))
