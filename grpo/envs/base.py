@@ -30,6 +30,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from grpo.core.messages import ROLES
+from grpo.core.messages import check_messages as core_check_messages
+
 __all__ = [
     "ROLES",
     "Env",
@@ -43,7 +46,6 @@ __all__ = [
     "make_group",
 ]
 
-ROLES = ("system", "user", "assistant", "tool")
 Message = Mapping[str, str]
 
 
@@ -95,19 +97,7 @@ def check_messages(messages: object, where: str) -> tuple[dict[str, str], ...]:
     """Messages as a tuple of {"role", "content"} dicts; EnvError naming ``where`` otherwise."""
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
         raise EnvError(f"{where} returned {type(messages).__name__}, not a list of messages")
-    checked = []
-    for index, message in enumerate(messages):
-        if (
-            not isinstance(message, Mapping)
-            or message.get("role") not in ROLES
-            or not isinstance(message.get("content"), str)
-        ):
-            raise EnvError(
-                f"{where} message {index} is {message!r}; each message is "
-                f'{{"role": one of {list(ROLES)}, "content": text}}'
-            )
-        checked.append({"role": str(message["role"]), "content": str(message["content"])})
-    return tuple(checked)
+    return core_check_messages(messages, where, EnvError)
 
 
 def as_step_result(value: object, where: str) -> StepResult:
