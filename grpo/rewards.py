@@ -30,14 +30,10 @@ Results are collected in completion order, so they equal the serial ones.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import sys
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -49,6 +45,7 @@ from grpo.core.rewards import (
     extract_boxed,
     overlong_penalty,
 )
+from grpo.plugins import load_callable
 from grpo.tasks.code_grading import pass_fraction
 from grpo.tasks.math_grading import math_gold, verify_pooled
 
@@ -150,44 +147,6 @@ def parse_reward_spec(spec: str) -> tuple[str, str, float]:
     return target.strip(), function.strip(), weight
 
 
-def _load_target(spec: str, target: str) -> Any:
-    """The module named by `target`: a `.py` file path or an importable module path."""
-    if target.endswith(".py"):
-        path = Path(target).expanduser()
-        if not path.is_file():
-            raise ValueError(
-                f"--reward {spec!r}: file {str(path)!r} not found (relative paths start at "
-                f"{Path.cwd()})"
-            )
-        module_name = f"grpo_user_reward_{abs(hash(str(path.resolve())))}"
-        if module_name in sys.modules:
-            return sys.modules[module_name]
-        loader_spec = importlib.util.spec_from_file_location(module_name, path)
-        if loader_spec is None or loader_spec.loader is None:
-            raise ValueError(f"--reward {spec!r}: cannot load {path} as a Python file")
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[module_name] = module
-        try:
-            loader_spec.loader.exec_module(module)
-        except (Exception, SystemExit, KeyboardInterrupt) as error:  # exit at import too
-            del sys.modules[module_name]
-            raise ValueError(
-                f"--reward {spec!r}: importing {path} failed: {type(error).__name__}: {error}"
-            ) from error
-        return module
-    try:
-        return importlib.import_module(target)
-    except ModuleNotFoundError as error:
-        raise ValueError(
-            f"--reward {spec!r}: no module {error.name!r}; give an importable module path or "
-            "a file path ending in .py"
-        ) from None
-    except (Exception, SystemExit, KeyboardInterrupt) as error:
-        raise ValueError(
-            f"--reward {spec!r}: importing {target} failed: {type(error).__name__}: {error}"
-        ) from error
-
-
 def _takes_sample(spec: str, fn: Callable[..., Any]) -> bool:
     """Whether `fn` is called as fn(completion, row, sample) (else fn(completion, row))."""
     try:
@@ -211,22 +170,7 @@ def load_rewards(specs: Sequence[str]) -> tuple[RewardFn, ...]:
     loaded = []
     for spec in specs or (DEFAULT_REWARD,):
         target, function, weight = parse_reward_spec(spec)
-        module = _load_target(spec, target)
-        if not hasattr(module, function):
-            public = sorted(
-                name
-                for name, value in vars(module).items()
-                if callable(value) and not name.startswith("_")
-            )
-            raise ValueError(
-                f"--reward {spec!r}: {target} has no {function!r}; its callables: "
-                f"{', '.join(public) or 'none'}"
-            )
-        fn = getattr(module, function)
-        if not callable(fn):
-            raise ValueError(
-                f"--reward {spec!r}: {target}:{function} is a {type(fn).__name__}, not callable"
-            )
+        fn = load_callable("--reward", spec, target, function, namespace="reward")
         loaded.append(
             RewardFn(
                 spec=spec, name=function, weight=weight, fn=fn, takes_sample=_takes_sample(spec, fn)

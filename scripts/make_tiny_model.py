@@ -8,7 +8,7 @@
     python scripts/make_tiny_model.py --tools         # the tool-use model (tiny_model_tools/)
     python scripts/make_tiny_model.py --tools --check # retrain it and compare with shipped
 
-Training is single-threaded and deterministic (see grpo/training/warm_start.py), so the same
+Training is single-threaded and deterministic (see grpo/tools/warm_start.py), so the same
 torch and transformers versions reproduce the shipped tokenizer and `model.safetensors` byte
 for byte. The tokenizer is trained first, on the warm start's own conversations (both
 prompt styles).
@@ -50,7 +50,7 @@ from grpo.tasks.data import (
     warm_start_word_problems,
 )
 from grpo.tasks.prompts import FEWSHOT_PREFIX
-from grpo.training import warm_start
+from grpo.tools import warm_start
 
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -327,7 +327,7 @@ def write_manifest(out: Path, *, command: str, steps: int, seed: int, results: d
     lines = [
         "# Built-in tiny model (warm start)",
         "",
-        "Produced by `grpo/training/warm_start.py` through `scripts/make_tiny_model.py`; `--check`",
+        "Produced by `grpo/tools/warm_start.py` through `scripts/make_tiny_model.py`; `--check`",
         "retrains and compares the bytes with this directory. Byte equality holds for the torch,",
         "transformers and tokenizers versions below on CPU; other versions, or CPUs whose",
         "kernels pick different vector instructions, may round differently.",

@@ -37,12 +37,8 @@ from pytrio.model.limits import TrainingLimits
 from pytrio.types import AdamParams, Datum, ModelInput
 
 from grpo.backends.datums import IGNORE_INDEX
-from grpo.core.normalization_probe import (
-    DEFAULT_TOLERANCE,
-    BatchTotals,
-    ProbeVerdict,
-    decide_convention,
-)
+from grpo.core.normalization import BatchTotals
+from grpo.core.normalization_probe import DEFAULT_TOLERANCE, ProbeVerdict, decide_convention
 
 PROBE_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
 """Built-in policy losses the probe may run (each has gradient −A per token at ratio 1)."""

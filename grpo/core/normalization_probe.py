@@ -19,44 +19,17 @@ from collections.abc import Mapping
 
 import attrs
 
-CONVENTIONS = ("sum", "active_tokens", "advantage_tokens", "samples")
-"""The conventions the probe tells apart; the same names as ``--service-normalization``."""
+from grpo.core.normalization import NORMALIZATIONS, BatchTotals
 
 DEFAULT_TOLERANCE = math.log(1.25)
 """Largest |log(measured / expected)| the probe accepts: within a factor 1.25."""
-
-
-@attrs.frozen
-class BatchTotals:
-    """A logical batch's totals as pytrio's planner counts them: samples S, active tokens T,
-    active tokens with a non-zero advantage T_A."""
-
-    samples: int
-    active_tokens: int
-    advantage_tokens: int
-
-    def denominator(self, convention: str) -> float:
-        """The D that `convention` divides this batch's summed loss by (1 for ``sum`` and for a
-        total of 0, as the local backend does)."""
-        if convention not in CONVENTIONS:
-            raise ValueError(
-                f"unknown normalization convention {convention!r}; one of {', '.join(CONVENTIONS)}"
-            )
-        if convention == "sum":
-            return 1.0
-        total = {
-            "active_tokens": self.active_tokens,
-            "advantage_tokens": self.advantage_tokens,
-            "samples": self.samples,
-        }[convention]
-        return float(total) if total > 0 else 1.0
 
 
 def expected_scale_ratios(first: BatchTotals, second: BatchTotals) -> dict[str, float]:
     """D_first / D_second for every convention: the predicted scale ratio of the two batches."""
     return {
         convention: first.denominator(convention) / second.denominator(convention)
-        for convention in CONVENTIONS
+        for convention in NORMALIZATIONS
     }
 
 
@@ -113,7 +86,7 @@ def decide_convention(
         )
     distance = {name: abs(math.log(measured / value)) for name, value in expected.items()}
     matches = sorted(
-        (name for name in CONVENTIONS if distance[name] <= tolerance), key=distance.get
+        (name for name in NORMALIZATIONS if distance[name] <= tolerance), key=distance.get
     )
     if not matches:
         return ProbeVerdict(None, measured, expected, "no convention matches within tolerance")

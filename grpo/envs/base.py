@@ -24,14 +24,16 @@ import importlib
 import importlib.util
 import math
 import numbers
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
+
+from grpo.core.messages import ROLES
+from grpo.core.messages import check_messages as core_check_messages
+from grpo.plugins import load_callable
 
 __all__ = [
     "ROLES",
@@ -50,7 +52,6 @@ __all__ = [
     "stop_env_calls_on",
 ]
 
-ROLES = ("system", "user", "assistant", "tool")
 MAX_REWARD = 1e12  # as grpo.rewards.MAX_REWARD: the largest |reward| of one turn
 Message = Mapping[str, str]
 
@@ -107,19 +108,7 @@ def check_messages(messages: object, where: str) -> tuple[dict[str, str], ...]:
     """Messages as a tuple of {"role", "content"} dicts; EnvError naming ``where`` otherwise."""
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
         raise EnvError(f"{where} returned {type(messages).__name__}, not a list of messages")
-    checked = []
-    for index, message in enumerate(messages):
-        if (
-            not isinstance(message, Mapping)
-            or message.get("role") not in ROLES
-            or not isinstance(message.get("content"), str)
-        ):
-            raise EnvError(
-                f"{where} message {index} is {message!r}; each message is "
-                f'{{"role": one of {list(ROLES)}, "content": text}}'
-            )
-        checked.append({"role": str(message["role"]), "content": str(message["content"])})
-    return tuple(checked)
+    return core_check_messages(messages, where, EnvError)
 
 
 def as_step_result(value: object, where: str) -> StepResult:
@@ -279,60 +268,10 @@ def make_group(factory: EnvFactory, task: Task, group_size: int) -> list[Env]:
     return envs
 
 
-def _load_module(spec: str, target: str) -> Any:
-    """The module named by ``target``: a ``.py`` file path or an importable module path."""
-    if target.endswith(".py"):
-        path = Path(target).expanduser()
-        if not path.is_file():
-            raise ValueError(
-                f"--env {spec!r}: file {str(path)!r} not found (relative paths start at "
-                f"{Path.cwd()})"
-            )
-        name = f"grpo_user_env_{abs(hash(str(path.resolve())))}"
-        if name in sys.modules:
-            return sys.modules[name]
-        loader_spec = importlib.util.spec_from_file_location(name, path)
-        if loader_spec is None or loader_spec.loader is None:
-            raise ValueError(f"--env {spec!r}: cannot load {path} as a Python file")
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[name] = module
-        try:
-            loader_spec.loader.exec_module(module)
-        except (Exception, SystemExit, KeyboardInterrupt) as error:  # exit at import too
-            del sys.modules[name]
-            raise ValueError(
-                f"--env {spec!r}: importing {path} failed: {type(error).__name__}: {error}"
-            ) from error
-        return module
-    try:
-        return importlib.import_module(target)
-    except ModuleNotFoundError as error:
-        raise ValueError(
-            f"--env {spec!r}: no module {error.name!r}; give an importable module path or a "
-            "file path ending in .py"
-        ) from None
-    except (Exception, SystemExit, KeyboardInterrupt) as error:
-        raise ValueError(
-            f"--env {spec!r}: importing {target} failed: {type(error).__name__}: {error}"
-        ) from error
-
-
 def load_env_factory(spec: str) -> EnvFactory:
     """The factory `--env MODULE:FACTORY` / `FILE.py:FACTORY` names; ValueError naming the fix."""
     example = "e.g. --env grpo.envs:calculator_wordproblems or --env my_env.py:make_env"
     target, colon, name = spec.rpartition(":")
     if not colon or not target.strip() or not name.strip().isidentifier():
         raise ValueError(f"--env {spec!r} must look like MODULE:FACTORY; {example}")
-    module = _load_module(spec, target.strip())
-    factory = getattr(module, name.strip(), None)
-    if factory is None:
-        public = sorted(
-            key for key, value in vars(module).items() if callable(value) and key[:1] != "_"
-        )
-        raise ValueError(
-            f"--env {spec!r}: {target} has no {name!r}; "
-            f"its callables: {', '.join(public) or 'none'}"
-        )
-    if not callable(factory):
-        raise ValueError(f"--env {spec!r}: {target}:{name} is a {type(factory).__name__}")
-    return factory
+    return load_callable("--env", spec, target.strip(), name.strip(), namespace="env")

@@ -12,7 +12,8 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from grpo.backends.local import NORMALIZATIONS, default_root
+from grpo.backends.local import default_root
+from grpo.core.normalization import NORMALIZATIONS
 from grpo.serve.compat import HUB_CACHE_DIRECTORY, hub_cache_exports
 from grpo.serve.faults import FaultPlan, parse_fault
 from grpo.serve.limits import MAX_CONNECTIONS, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S

@@ -30,7 +30,8 @@ from pytrio.protocol.actor.events.trainer.optimize_step import TrainerOptimizeSt
 from pytrio.protocol.actor.events.trainer.save import TrainerSavePayload
 from pytrio.types import AdamParams
 
-from grpo.backends.local import GradientTotals, LocalTrainingClient
+from grpo.backends.local import LocalTrainingClient
+from grpo.core.normalization import BatchTotals
 from grpo.serve.compat import upgrade_forward_payload
 from grpo.serve.limits import check_event_size
 from grpo.serve.registry import MEMORY_SCHEME, RunRegistry
@@ -186,7 +187,7 @@ class TrainerEvents:
                 spec = payload.gradient_accumulation
                 future = client.forward_backward(
                     *args,
-                    gradient_accumulation=GradientTotals(
+                    gradient_accumulation=BatchTotals(
                         samples=spec.total_samples,
                         active_tokens=spec.total_active_tokens,
                         advantage_tokens=spec.total_advantage_tokens,

@@ -15,6 +15,8 @@ from typing import Any
 
 import attrs
 
+from grpo.core.messages import check_messages
+
 QUESTION_SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}."
 
 # One worked example that shows the answer format: reason briefly, end with the boxed number.
@@ -32,9 +34,6 @@ FEWSHOT_PREFIX: tuple[dict[str, str], ...] = (
         ),
     },
 )
-
-
-_ROLES = ("system", "user", "assistant")
 
 
 @attrs.frozen
@@ -75,19 +74,8 @@ def read_fewshot_file(path: Path) -> tuple[tuple[str, str], ...]:
         ) from None
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"--fewshot-file {path} must hold a non-empty list, e.g. {example}")
-    pairs = []
-    for index, message in enumerate(messages):
-        if (
-            not isinstance(message, dict)
-            or message.get("role") not in _ROLES
-            or not isinstance(message.get("content"), str)
-        ):
-            raise ValueError(
-                f"--fewshot-file {path} message {index} is {message!r}; each message is "
-                f'{{"role": one of {list(_ROLES)}, "content": text}}'
-            )
-        pairs.append((message["role"], message["content"]))
-    return tuple(pairs)
+    checked = check_messages(messages, f"--fewshot-file {path}")
+    return tuple((message["role"], message["content"]) for message in checked)
 
 
 DEFAULT_TEMPLATE = PromptTemplate()

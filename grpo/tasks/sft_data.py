@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from grpo.core.messages import check_messages
 from grpo.core.sft import SftExample, extension_mask
 
 SUFFIXES = (".jsonl", ".parquet", ".csv")
@@ -33,7 +34,6 @@ ROW_KINDS = {
     "prompt_completion": ("prompt", "completion"),
     "text": ("text",),
 }
-ROLES = ("system", "user", "assistant", "tool")
 
 
 class SftDataError(ValueError):
@@ -147,19 +147,7 @@ def _messages(value: Any, where: str, *, default_role: str) -> list[dict[str, st
         value = [value]
     if not isinstance(value, Sequence) or not value:
         raise SftDataError(f"{where}: expected a non-empty list of {{role, content}} messages")
-    messages = []
-    for index, message in enumerate(value):
-        if (
-            not isinstance(message, Mapping)
-            or message.get("role") not in ROLES
-            or not isinstance(message.get("content"), str)
-        ):
-            raise SftDataError(
-                f"{where}, message {index}: expected {{'role': one of {', '.join(ROLES)}, "
-                f"'content': text}}, got {str(message)[:80]!r}"
-            )
-        messages.append({"role": str(message["role"]), "content": str(message["content"])})
-    return messages
+    return list(check_messages(value, where, SftDataError))
 
 
 def row_messages(

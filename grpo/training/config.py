@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from grpo.backends.names import BUILTIN_MODEL_NAMES, SERVICE_NORMALIZATIONS, TINY_MODEL_NAME
+from grpo.backends.names import BUILTIN_MODEL_NAMES, TINY_MODEL_NAME
+from grpo.core.normalization import NORMALIZATIONS
 from grpo.tasks.prompts import QUESTION_SUFFIX
 from grpo.training.fields import (
     ADVANTAGE_NAMES,
@@ -254,7 +255,7 @@ class TrainConfig:
         "sum",
         "local backend: the trainer's gradient scale, the loss (sum) or divided by the "
         "batch's active tokens, advantage tokens or samples (docs/FORMULAS.md)",
-        OneOf(SERVICE_NORMALIZATIONS),
+        OneOf(NORMALIZATIONS),
     )
     kl_coef: float = flag(
         0.0, "KL-to-base-model penalty folded into token advantages (0 = off)", AtLeast(0)

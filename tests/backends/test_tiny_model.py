@@ -25,7 +25,7 @@ from grpo.backends.local.tiny import (
 )
 from grpo.tasks.data import load_problems
 from grpo.tasks.prompts import FEWSHOT_PREFIX, QUESTION_SUFFIX, build_prompt_tokens
-from grpo.training import warm_start
+from grpo.tools import warm_start
 
 WEIGHTS = TINY_MODEL_DIR / "model.safetensors"
 BACKENDS = Path(warm_start.__file__).parents[1] / "backends"
@@ -204,7 +204,7 @@ def test_backends_import_neither_prompts_nor_data():
         assert not imported & {
             "grpo.tasks.prompts",
             "grpo.tasks.data",
-            "grpo.training.warm_start",
+            "grpo.tools.warm_start",
         }, path.name
 
 

@@ -1,4 +1,5 @@
-"""The normalization probe's decision (grpo/core/normalization_probe.py; docs/FORMULAS.md,
+"""The normalization probe's decision (grpo/core/normalization_probe.py) and the totals it
+reads (grpo/core/normalization.py; docs/FORMULAS.md,
 "Service normalization", the probe)."""
 
 from __future__ import annotations
@@ -9,11 +10,9 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from grpo.backends.names import SERVICE_NORMALIZATIONS
+from grpo.core.normalization import NORMALIZATIONS, BatchTotals
 from grpo.core.normalization_probe import (
-    CONVENTIONS,
     DEFAULT_TOLERANCE,
-    BatchTotals,
     decide_convention,
     expected_scale_ratios,
 )
@@ -26,14 +25,10 @@ totals = st.builds(
 )
 
 
-def test_the_probe_tells_apart_every_service_normalization():
-    assert CONVENTIONS == SERVICE_NORMALIZATIONS
-
-
 @given(
     first=totals,
     second=totals,
-    convention=st.sampled_from(CONVENTIONS),
+    convention=st.sampled_from(NORMALIZATIONS),
     multiplier=st.sampled_from([-2.0, -1.0, 0.5, 3.0]),
     first_response=st.floats(1e-6, 1e6),
     noise=st.floats(-0.9, 0.9),
@@ -42,7 +37,7 @@ def test_responses_scaled_as_a_convention_predicts_name_it(
     first, second, convention, multiplier, first_response, noise
 ):
     expected = expected_scale_ratios(first, second)
-    others = [name for name in CONVENTIONS if name != convention]
+    others = [name for name in NORMALIZATIONS if name != convention]
     # Only designs where the other conventions predict something clearly different decide.
     assume(
         all(
@@ -108,7 +103,8 @@ def test_responses_that_measure_nothing_are_unknown(first_response, second_respo
 
 def test_the_denominators_follow_the_local_backend():
     totals_ = BatchTotals(samples=3, active_tokens=0, advantage_tokens=7)
-    assert [totals_.denominator(name) for name in CONVENTIONS] == [1.0, 1.0, 7.0, 3.0]
+    assert [totals_.denominator(name) for name in NORMALIZATIONS] == [1.0, 1.0, 7.0, 3.0]
+    assert [totals_.gradient_scale(name) for name in NORMALIZATIONS] == [1.0, 1.0, 1 / 7, 1 / 3]
     with pytest.raises(ValueError, match="active_tokens"):
         totals_.denominator("mean")
     with pytest.raises(ValueError, match="gradient_multiplier"):

@@ -17,7 +17,7 @@ from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.core.rewards import grade, gsm8k_gold
 from grpo.tasks.data import load_problems
 from grpo.tasks.prompts import FEWSHOT_PREFIX, QUESTION_SUFFIX
-from grpo.training.warm_start import EMPTY_THINK
+from grpo.tools.warm_start import EMPTY_THINK
 
 GROUP_SIZE = 8
 QUESTIONS = 6

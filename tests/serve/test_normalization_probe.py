@@ -14,7 +14,7 @@ import pytest
 import pytrio
 from pytrio.types import APIFuture, TensorData
 
-from grpo.backends.local import NORMALIZATIONS, LocalServiceClient
+from grpo.backends.local import LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.backends.normalization_probe import (
     MAX_CALLS,
@@ -23,7 +23,8 @@ from grpo.backends.normalization_probe import (
     probe_batches,
     probe_normalization,
 )
-from grpo.core.normalization_probe import BatchTotals, expected_scale_ratios
+from grpo.core.normalization import NORMALIZATIONS, BatchTotals
+from grpo.core.normalization_probe import expected_scale_ratios
 from grpo.serve.client import configured_pytrio
 from grpo.serve.server import serve_in_thread
 from grpo.training.config import TrainConfig

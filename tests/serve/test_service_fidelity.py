@@ -13,8 +13,9 @@ from pytrio.client.training_batch import plan_training_batch
 from pytrio.errors.base import PyTrioError
 from pytrio.model.limits import TrainingLimits
 
-from grpo.backends.local import NORMALIZATIONS, GradientTotals, LocalServiceClient
+from grpo.backends.local import LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_NAME
+from grpo.core.normalization import NORMALIZATIONS, BatchTotals
 from grpo.serve.client import configured_pytrio
 from grpo.serve.server import serve_in_thread
 from grpo.tools.evaluate import sampling_client
@@ -47,7 +48,7 @@ def policy_datums(count: int, prompt: int = 9) -> list[Datum]:
     return datums
 
 
-def pytrio_totals(datums: list[Datum]) -> GradientTotals:
+def pytrio_totals(datums: list[Datum]) -> BatchTotals:
     """pytrio 0.2.9's own planner's totals of `datums` (importance_sampling)."""
     plan = plan_training_batch(
         datums,
@@ -57,7 +58,7 @@ def pytrio_totals(datums: list[Datum]) -> GradientTotals:
         tokenizer_vocab_size=10_000,
     )
     totals = plan.totals
-    return GradientTotals(
+    return BatchTotals(
         totals.total_samples, totals.total_active_tokens, totals.total_advantage_tokens
     )
 
@@ -69,7 +70,7 @@ def pytrio_totals(datums: list[Datum]) -> GradientTotals:
     normalization=st.sampled_from(NORMALIZATIONS),
 )
 def test_gradient_scale_is_one_over_the_chosen_total(samples, active, advantage, normalization):
-    totals = GradientTotals(samples, active, advantage)
+    totals = BatchTotals(samples, active, advantage)
     total = {"sum": 1, "active_tokens": active, "advantage_tokens": advantage, "samples": samples}
     expected = 1.0 / total[normalization] if total[normalization] else 1.0
     assert totals.gradient_scale(normalization) == expected

@@ -81,7 +81,7 @@ def test_a_template_that_renders_nothing_is_rejected():
 
 # --- templates and columns ------------------------------------------------------------------
 
-from grpo.tasks.prompts import DEFAULT_TEMPLATE, PromptTemplate  # noqa: E402
+from grpo.tasks.prompts import DEFAULT_TEMPLATE, PromptTemplate, read_fewshot_file  # noqa: E402
 from grpo.training.config import ConfigError, TrainConfig, check_user_inputs  # noqa: E402
 from grpo.training.rollouts import build_problems  # noqa: E402
 
@@ -153,6 +153,12 @@ def test_bad_fewshot_files_are_config_errors_of_the_user_inputs_check(tmp_path, 
     config = TrainConfig(fewshot_file=str(path))  # building one reads no file
     with pytest.raises(ConfigError, match=f"--fewshot-file .*{message}"):
         check_user_inputs(config)
+
+
+def test_a_fewshot_file_may_hold_a_tool_message(tmp_path):
+    path = tmp_path / "shots.json"
+    path.write_text('[{"role": "user", "content": "2+2?"}, {"role": "tool", "content": "4"}]')
+    assert read_fewshot_file(path) == (("user", "2+2?"), ("tool", "4"))
 
 
 def test_prompt_and_answer_columns_and_gold_rule_pick_the_fields(tokenizer):

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from grpo.backends.names import SERVICE_NORMALIZATIONS
 from grpo.cli import build_parser
 from grpo.core.advantages import ADVANTAGES
 from grpo.core.losses import KL_ESTIMATORS, LOSSES, REDUCTIONS
 from grpo.core.mismatch import MISMATCH_CORRECTIONS
+from grpo.core.normalization import NORMALIZATIONS
 from grpo.training.config import (
     BACKENDS,
     FIELDS,
@@ -75,7 +75,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "mismatch_mask_high": _floats(1.0, 10.0),
     "sampler_dtype": st.sampled_from(SAMPLER_DTYPES),
     "threads": st.integers(0, 4),
-    "service_normalization": st.sampled_from(SERVICE_NORMALIZATIONS),
+    "service_normalization": st.sampled_from(NORMALIZATIONS),
     "kl_coef": _floats(0.0, 1.0),
     "kl_estimator": st.sampled_from(sorted(KL_ESTIMATORS)),
     "num_substeps": st.integers(1, 64),

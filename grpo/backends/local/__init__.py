@@ -6,24 +6,21 @@ returns for ``--backend local``), the training and sampling clients it creates, 
 ``grpo serve`` needs (``resolve_checkpoint``, ``read_checkpoint_metadata``,
 ``checkpoint_lora_spec``), and the LoRA fields' one definition: ``LoraSpec`` (with its
 ``to_wire``/``from_wire`` under PyTRIO's names, which checkpoint metadata uses too) and
-``lora_wire_fields`` (a request's LoRA fields, unvalidated), and ``GradientTotals`` /
-``NORMALIZATIONS`` (a logical batch's totals as pytrio sends them; the gradient scales a
-trainer applies to them). Everything else in this package
-is internal (see ``docs/DESIGN.md``).
+``lora_wire_fields`` (a request's LoRA fields, unvalidated). A logical batch's totals
+(``gradient_accumulation``) and the gradient scales a trainer applies to them are
+``grpo.core.normalization``'s ``BatchTotals`` and ``NORMALIZATIONS``. Everything else in
+this package is internal (see ``docs/DESIGN.md``).
 """
 
 from grpo.backends.local.checkpoint import read_metadata as read_checkpoint_metadata
 from grpo.backends.local.checkpoint import resolve as resolve_checkpoint
 from grpo.backends.local.checkpoint import spec_from as checkpoint_lora_spec
-from grpo.backends.local.loss_execution import NORMALIZATIONS, GradientTotals
 from grpo.backends.local.model import LoraSpec, lora_wire_fields
 from grpo.backends.local.sampling_client import LocalSamplingClient
 from grpo.backends.local.service import LocalServiceClient, default_root
 from grpo.backends.local.training import LocalTrainingClient
 
 __all__ = [
-    "NORMALIZATIONS",
-    "GradientTotals",
     "LocalSamplingClient",
     "LocalServiceClient",
     "LocalTrainingClient",

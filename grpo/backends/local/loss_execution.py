@@ -25,38 +25,10 @@ from torch import Tensor
 
 from grpo.backends.datums import IGNORE_INDEX, DatumArrays, datum_array, read_datums
 from grpo.backends.local.model import ModelHost
-from grpo.backends.names import SERVICE_NORMALIZATIONS
 from grpo.core.loss_spec import LossSpec
+from grpo.core.normalization import BatchTotals
 
 CustomLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
-
-NORMALIZATIONS = SERVICE_NORMALIZATIONS  # docs/FORMULAS.md, "Service normalization"
-
-
-@attrs.frozen
-class GradientTotals:
-    """A logical batch's totals, as pytrio 0.2.9 sends them with every micro-batch
-    (``gradient_accumulation``): samples, active tokens, active tokens with an advantage."""
-
-    samples: int
-    active_tokens: int
-    advantage_tokens: int
-
-    def gradient_scale(self, normalization: str) -> float:
-        """1 / the `normalization`'s total (1 for ``sum``, and for an empty total)."""
-        if normalization not in NORMALIZATIONS:
-            raise ValueError(
-                f"service normalization must be one of {', '.join(NORMALIZATIONS)}, "
-                f"got {normalization!r}"
-            )
-        if normalization == "sum":
-            return 1.0
-        total = {
-            "active_tokens": self.active_tokens,
-            "advantage_tokens": self.advantage_tokens,
-            "samples": self.samples,
-        }[normalization]
-        return 1.0 / total if total > 0 else 1.0
 
 
 @attrs.frozen
@@ -67,7 +39,7 @@ class LossBatch:
     auto_shift: bool
     inputs: list[list[int]]
     arrays: DatumArrays
-    totals: GradientTotals  # of these datums, by pytrio's planner (the reported token_count)
+    totals: BatchTotals  # of these datums, by pytrio's planner (the reported token_count)
 
 
 def prepare_loss_batch(
@@ -114,7 +86,7 @@ def prepare_loss_batch(
         auto_shift=auto_shift,
         inputs=[datum.model_input.to_ints() for datum in data],
         arrays=arrays,
-        totals=GradientTotals(
+        totals=BatchTotals(
             samples=plan.totals.total_samples,
             active_tokens=plan.totals.total_active_tokens,
             advantage_tokens=plan.totals.total_advantage_tokens,
@@ -147,7 +119,7 @@ def run_loss(
     backward: bool,
     with_kernel_metrics: bool,
     normalization: str = "sum",
-    totals: GradientTotals | None = None,
+    totals: BatchTotals | None = None,
 ) -> ForwardBackwardOutput:
     """The kernel on the model's log-probs (worker thread); backward accumulates the gradient
     of loss x `totals.gradient_scale(normalization)` (`totals`: the logical batch's, sent with
@@ -243,7 +215,7 @@ def run_custom_loss(
                     "applied: check loss_fn where it is not differentiable (sqrt or log at 0)",
                     code="validation.non_finite_custom_loss_gradient",
                 )
-        surrogate = GradientTotals(
+        surrogate = BatchTotals(
             samples=len(data),
             active_tokens=int(sum(int((gradient != 0).sum()) for gradient in gradients)),
             advantage_tokens=0,

@@ -69,12 +69,12 @@ from pytrio.types.server_capabilities import (
 
 from grpo.backends.local import checkpoint as checkpoints
 from grpo.backends.local.engine import Engine
-from grpo.backends.local.loss_execution import GradientTotals
 from grpo.backends.local.model import LoraSpec
 from grpo.backends.local.rest import LocalRestClient
 from grpo.backends.local.sampling_client import LocalSamplingClient, read_sampler_weights
 from grpo.backends.local.training import LocalTrainingClient
 from grpo.backends.names import BUILTIN_MODEL_NAMES
+from grpo.core.normalization import BatchTotals
 
 SAMPLER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -101,7 +101,7 @@ class LocalServiceClient:
             the built-in one, every core for large ones, and whatever the user set through
             ``OMP_NUM_THREADS`` or ``torch.set_num_threads`` left alone; see ``threads.py``).
         service_normalization: the gradient scale of built-in and custom losses, one of
-            ``loss_execution.NORMALIZATIONS``: ``"sum"`` (default, unscaled) or the loss
+            ``grpo.core.normalization.NORMALIZATIONS``: ``"sum"`` (default, unscaled) or the loss
             divided by the logical batch's active tokens, advantage tokens or samples
             (docs/FORMULAS.md, "Service normalization").
     """
@@ -118,7 +118,7 @@ class LocalServiceClient:
         service_normalization: str = "sum",
     ) -> None:
         del api_key
-        GradientTotals(1, 0, 0).gradient_scale(service_normalization)  # ValueError if unknown
+        BatchTotals(1, 0, 0).gradient_scale(service_normalization)  # ValueError if unknown
         self._normalization = service_normalization
         if sampler_dtype not in SAMPLER_DTYPES:
             raise ValueError(

@@ -35,7 +35,6 @@ from grpo.backends.local import checkpoint as checkpoints
 from grpo.backends.local.engine import Engine
 from grpo.backends.local.loss_execution import (
     CustomLossFn,
-    GradientTotals,
     LossBatch,
     prepare_custom_batch,
     prepare_loss_batch,
@@ -46,6 +45,7 @@ from grpo.backends.local.loss_execution import (
 from grpo.backends.local.model import AdapterWeights, LoraSpec, ModelHost
 from grpo.backends.local.sampling_client import LocalSamplingClient, read_sampler_weights
 from grpo.backends.local.worker import Worker
+from grpo.core.normalization import BatchTotals
 
 
 class LocalTrainingClient:
@@ -55,7 +55,7 @@ class LocalTrainingClient:
         self, engine: Engine, host: ModelHost, spec: LoraSpec, normalization: str = "sum"
     ) -> None:
         self._engine = engine
-        self._normalization = normalization  # the gradient scale: loss_execution.NORMALIZATIONS
+        self._normalization = normalization  # the gradient scale: one of core NORMALIZATIONS
         self._host = host
         self.lora = spec
         self.model_id = host.model_id
@@ -113,7 +113,7 @@ class LocalTrainingClient:
         loss_fn_config: dict[str, object] | None = None,
         auto_shift: bool = False,
         *,
-        gradient_accumulation: GradientTotals | None = None,
+        gradient_accumulation: BatchTotals | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         """Loss of `data` and its gradient, added to the gradients since the last optim_step;
         the gradient scaled by the service normalization of `gradient_accumulation` (the
@@ -191,7 +191,7 @@ class LocalTrainingClient:
         )
 
     def _run_loss(
-        self, batch: LossBatch, *, backward: bool, totals: GradientTotals | None = None
+        self, batch: LossBatch, *, backward: bool, totals: BatchTotals | None = None
     ) -> ForwardBackwardOutput:
         return run_loss(
             self._host,

@@ -1,8 +1,9 @@
 """The supervised warm start of the built-in tiny model, and the sampler that measures it.
 
-``scripts/make_tiny_model.py`` is the command line over this module. It lives outside
-``grpo/backends/`` because it composes prompts (``grpo.tasks.prompts``) and problems
-(``grpo.tasks.data``); the backend's ``tiny.py`` only receives the tokenizer corpus it trains on.
+``scripts/make_tiny_model.py`` is the command line over this module (a developer tool, not a
+run's). It lives outside ``grpo/backends/`` because it composes prompts (``grpo.tasks.prompts``)
+and problems (``grpo.tasks.data``); the backend's ``tiny.py`` only receives the tokenizer corpus
+it trains on.
 
 The recipe: teacher-forced cross-entropy on reference completions (``a+b=c. \\boxed{c}``,
 one equation per step for word problems) of the built-in arithmetic and word-problem
