@@ -137,6 +137,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "reward_workers": st.integers(0, 8),
     "reward_timeout": st.floats(0, 600, allow_nan=False),
     "env_timeout": st.floats(0, 600, allow_nan=False),
+    "env_errors": st.sampled_from(["stop", "zero"]),
     "overlong_buffer": st.none() | st.integers(1, 64),
     "mask_truncated": st.booleans(),
     "env": st.none(),
