@@ -78,7 +78,7 @@ class DpoConfig:
     backend: str = shared("backend")
     base_model: str = shared("base_model")
     lora_rank: int = shared("lora_rank")
-    learning_rate: float = shared("learning_rate", 1e-4)
+    learning_rate: float = shared("learning_rate", 5e-4)
     beta1: float = shared("beta1")
     beta2: float = shared("beta2")
     eps: float = shared("eps")
