@@ -1,4 +1,4 @@
-"""The `grpo` command: train | sft | dpo | distill | eval | compare | sweep | plot | show | plot-losses.
+"""The `grpo` command: train | sft | dpo | distill | eval | compare | sweep | plot | show | ...
 
 `grpo train` flags come from `grpo.training.config.TrainConfig` through `grpo.training.flags`,
 so `--help` shows every flag with its default and TOML files (`--config`) use the same

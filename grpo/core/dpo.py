@@ -101,8 +101,8 @@ def pair_loss(h_P: Tensor, delta_P: Tensor, settings: DpoSettings) -> Tensor:
     """ℓ_p of `settings.loss` from h = β·Δ (sigmoid, hinge) or Δ (ipo)."""
     if settings.loss == "sigmoid":
         eps = settings.label_smoothing
-        # −log σ(h) = softplus(−h): finite for any finite h.
-        return (1 - eps) * F.softplus(-h_P) + eps * F.softplus(h_P)
+        # logsigmoid is exact for any finite h (softplus turns linear above 20: 1e-9 off).
+        return -(1 - eps) * F.logsigmoid(h_P) - eps * F.logsigmoid(-h_P)
     if settings.loss == "ipo":
         return (delta_P - 1 / (2 * settings.beta)) ** 2
     return torch.relu(1 - h_P)

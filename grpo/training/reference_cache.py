@@ -47,8 +47,7 @@ def masked_sum(logprobs_T: Sequence[float | None], example: SftExample) -> float
     """Σ_t m_t · lp_t of a sampler's prompt log-probs (entry 0, predicted by nothing, is None)."""
     if len(logprobs_T) != example.tokens_T.size:
         raise ValueError(
-            f"the reference returned {len(logprobs_T)} log-probs for {example.tokens_T.size} "
-            "tokens"
+            f"the reference returned {len(logprobs_T)} log-probs for {example.tokens_T.size} tokens"
         )
     values = np.array([lp for lp, m in zip(logprobs_T, example.mask_T) if m], dtype=np.float64)
     if not np.isfinite(values).all():
@@ -78,8 +77,9 @@ def reference_logprobs(
     def one(index: int) -> float:
         example = examples[index]
         values = call_with_retries(
-            lambda: sampler.compute_logprobs(ModelInput.from_ints(example.tokens_T.tolist()))
-            .result(),
+            lambda: sampler.compute_logprobs(
+                ModelInput.from_ints(example.tokens_T.tolist())
+            ).result(),
             what="reference compute_logprobs",
             max_retries=max_retries,
             on_retry=note,

@@ -162,7 +162,9 @@ def preflight_dpo(config: DpoConfig, make_service: Callable[[], Any]) -> DpoPlan
     steps = config.steps or steps_of_one_pass(len(train), config.batch_size)
     batches = pair_batches(len(train), batch_size=config.batch_size, steps=steps, seed=config.seed)
     reference, ref_sampler = resolve_reference(config, service)
-    return DpoPlan(config, service, train, held, batches, reference, ref_sampler, init_state, prices)
+    return DpoPlan(
+        config, service, train, held, batches, reference, ref_sampler, init_state, prices
+    )
 
 
 def planned_usage(plan: DpoPlan, start_step: int = 0, cached: int = 0) -> TokenUsage:
@@ -331,6 +333,7 @@ class DpoRecipe:
         optim = retry(self.session, lambda: client.optim_step(adam).result(), "optim_step")
         state.probe_datums = datums  # a checkpoint checks these are finite
         positions = sum(pair.num_positions for pair in pairs)
+        trained = sum(pair.chosen.num_trained + pair.rejected.num_trained for pair in pairs)
         state.usage += TokenUsage(  # PyTRIO's SDK runs a custom loss as forward + backward
             trained_tokens=positions,
             forward_tokens=positions if config.backend == "pytrio" else 0,
@@ -339,7 +342,7 @@ class DpoRecipe:
             **metrics,
             "learning_rate": rate,
             "pairs": float(len(pairs)),
-            "train_tokens": float(sum(p.chosen.num_trained + p.rejected.num_trained for p in pairs)),
+            "train_tokens": float(trained),
             "positions": float(positions),
             "grad_norm": float(optim.metrics.get("grad_norm", float("nan"))),
         }
