@@ -10,6 +10,10 @@ gradient. The sampler's log-probs and the advantages never reach the trainer: th
 reads them from the full datums once, when it is built (``grpo.backends.datums.read_datums``, the
 same reader and mask rule as the local backend's built-in losses), so the datums sent may
 be stripped to ``target_tokens`` (as the seed article does).
+
+`DpoLoss` (`as_dpo_loss`) is `grpo dpo`'s: the per-datum log-probs of each pair's chosen and
+rejected completion summed over their masks into sequence log-probs, then the core DPO
+kernel against the reference's (`grpo.core.dpo`).
 """
 
 from __future__ import annotations

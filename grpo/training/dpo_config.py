@@ -73,8 +73,15 @@ class DpoConfig:
         "(0 = never)",
         AtLeast(0),
     )
-    concurrency: int = shared("concurrency")
-    init_from: str | None = shared("init_from")
+    concurrency: int = flag(
+        32, "reference compute_logprobs requests in flight at once (once per run)", AtLeast(1)
+    )
+    init_from: str | None = flag(
+        None,
+        "start from the final weights of a finished run directory (same backend, base model "
+        "and LoRA rank); they are the reference too unless --ref",
+        NOT_EMPTY,
+    )
     backend: str = shared("backend")
     base_model: str = shared("base_model")
     lora_rank: int = shared("lora_rank")

@@ -143,7 +143,9 @@ def _write(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
-def test_bad_pairs_are_refused_naming_the_row_before_any_work(tmp_path: Path) -> None:
+def test_bad_pairs_are_refused_naming_the_row_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     good = {"prompt": "1+1?", "chosen": "2", "rejected": "3"}
     cases = [
         ({"prompt": "1+1?", "chosen": "2"}, r"bad.jsonl row 2: no 'rejected' column"),
@@ -163,6 +165,13 @@ def test_bad_pairs_are_refused_naming_the_row_before_any_work(tmp_path: Path) ->
         with pytest.raises(ConfigError, match=message):
             dry_run_dpo(_config(tmp_path, "bad", data=str(data)))
     assert not (tmp_path / "bad").exists()
+    # On the command line: exit 2, one line naming the row, no traceback (transformers may
+    # warn of the long sequence on its own line before it).
+    assert main(["dpo", "--data", str(data), "--run-dir", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith("grpo dpo: error: ") and "row 2: the prompt" in err
+    assert not (tmp_path / "bad").exists()
     with pytest.raises(ConfigError, match="--data is required"):
         DpoConfig()
     with pytest.raises(ConfigError, match="label smoothing applies to the sigmoid loss only"):
@@ -178,6 +187,11 @@ def test_dry_run_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["dpo", "--data", str(data), "--run-dir", str(run_dir), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "every check passed" in out and "43 train / 5 held-out pairs" in out
+    held = _write(tmp_path / "held.jsonl", [{"prompt": "1+1?", "chosen": "2", "rejected": "3"}])
+    argv = ["dpo", "--data", str(data), "--eval-data", str(held), "--run-dir", str(run_dir)]
+    assert main([*argv, "--dry-run", "--steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "48 train / 1 held-out pairs" in out and "steps 0..4 of 16 pairs" in out
     assert not run_dir.exists()
 
 
