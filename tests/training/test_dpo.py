@@ -172,6 +172,8 @@ def test_bad_pairs_are_refused_naming_the_row_before_any_work(
     assert "Traceback" not in err, err
     assert err.splitlines()[-1].startswith("grpo dpo: error: ") and "row 2: the prompt" in err
     assert not (tmp_path / "bad").exists()
+    with pytest.raises(ConfigError, match="--ref .*nope: .* is neither sampler weights nor"):
+        dry_run_dpo(_config(tmp_path, "bad", ref=str(tmp_path / "nope")))
     with pytest.raises(ConfigError, match="--data is required"):
         DpoConfig()
     with pytest.raises(ConfigError, match="label smoothing applies to the sigmoid loss only"):
