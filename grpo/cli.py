@@ -1,4 +1,4 @@
-"""The `grpo` command: train | distill | eval | compare | sweep | plot | show | plot-losses.
+"""The `grpo` command: train | sft | dpo | distill | eval | compare | sweep | plot | show | ...
 
 `grpo train` flags come from `grpo.training.config.TrainConfig` through `grpo.training.flags`,
 so `--help` shows every flag with its default and TOML files (`--config`) use the same
@@ -114,6 +114,46 @@ def run_sft(args: argparse.Namespace) -> int:
         return 0
     try:
         sft(config, resume=args.resume is not None)
+    except RunStopped as stopped:
+        print(f"[grpo] {stopped}", file=sys.stderr)
+        return stopped.exit_code
+    return 0
+
+
+def add_dpo_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every DpoConfig flag (its own and those shared with `grpo train`), --resume, --dry-run."""
+    from grpo.training.dpo_config import DPO_FIELDS
+
+    flags.add_train_arguments(parser, fields=DPO_FIELDS)
+    parser.add_argument(
+        "--resume", default=None, metavar="RUN_DIR", help="continue a DPO run directory"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="read and check the pairs and the reference, print the plan (tokens, steps, cost) "
+        "and exit; nothing is written",
+    )
+
+
+def run_dpo(args: argparse.Namespace) -> int:
+    """`grpo dpo`: preference optimization; exit 0 when finished, 130 on a signal, 1 on failure."""
+    from grpo.training.dpo_config import DPO_FIELDS, dpo_config_from_dict
+    from grpo.training.recipes.dpo import dpo, dry_run_dpo
+    from grpo.training.run import RunStopped
+
+    values = flags.explicit_flags(args, fields=DPO_FIELDS)
+    if args.resume is not None:
+        saved = run_files.read_config(Path(args.resume))
+        saved.pop("recipe", None)
+        values = {**saved, **values, "run_dir": str(args.resume)}
+    config = dpo_config_from_dict(values, where="grpo dpo")
+    if args.dry_run:
+        for line in dry_run_dpo(config, resume=args.resume is not None):
+            print(line)
+        return 0
+    try:
+        dpo(config, resume=args.resume is not None)
     except RunStopped as stopped:
         print(f"[grpo] {stopped}", file=sys.stderr)
         return stopped.exit_code
@@ -303,6 +343,12 @@ COMMANDS: tuple[tuple[str, str, str, str], ...] = (
         "grpo.cli:run_sft",
     ),
     (
+        "dpo",
+        "preference optimization (DPO, IPO, hinge) on prompt/chosen/rejected pairs",
+        "grpo.cli:add_dpo_arguments",
+        "grpo.cli:run_dpo",
+    ),
+    (
         "distill",
         "on-policy distillation: `grpo train` with --teacher's log-probs as the reward",
         "grpo.cli:add_train_arguments",
@@ -441,28 +487,40 @@ def describe_error(error: BaseException) -> tuple[str, int]:
     return f"{type(error).__name__}: {error}", EXIT_FAILED
 
 
-def sft_refusal(arguments: Sequence[str]) -> str | None:
-    """Why `grpo sft` refuses a `grpo train` flag it has no use for (None: no such flag).
+RECIPE_PURPOSE = {
+    "sft": "SFT trains --epochs passes over the rows of --data with a cross-entropy loss",
+    "dpo": "DPO trains on the preference pairs of --data with the DPO loss",
+}
 
-    SFT trains on --data's rows with a cross-entropy loss: it samples nothing, so the
-    sampling, reward, loss and teacher flags of `grpo train` would do nothing.
+
+def sft_refusal(arguments: Sequence[str]) -> str | None:
+    """Why `grpo sft` or `grpo dpo` refuses a `grpo train` flag it has no use for (None: no
+    such flag).
+
+    Both train on --data's rows and sample nothing, so the sampling, reward, loss and teacher
+    flags of `grpo train` would do nothing.
     """
-    if not arguments or arguments[0] != "sft":
+    if not arguments or arguments[0] not in RECIPE_PURPOSE:
         return None
     from grpo.training.config import FIELDS as TRAIN_FIELDS
-    from grpo.training.sft_config import SFT_FIELDS
+
+    command = arguments[0]
+    if command == "sft":
+        from grpo.training.sft_config import SFT_FIELDS as own
+    else:
+        from grpo.training.dpo_config import DPO_FIELDS as own
 
     for argument in arguments[1:]:
         name = argument.split("=", 1)[0]
         if not name.startswith("--"):
             continue
         field = name[2:].replace("-", "_").removeprefix("no_")
-        if field in TRAIN_FIELDS and field not in SFT_FIELDS:
+        if field in TRAIN_FIELDS and field not in own:
             return (
-                f"{name} is a `grpo train` flag that `grpo sft` has no use for (SFT trains "
-                "--epochs passes over the rows of --data with a cross-entropy loss and samples "
-                f"nothing; see `grpo sft --help`); drop {name}, or use it in a `grpo train "
-                "--init-from` run after the SFT"
+                f"{name} is a `grpo train` flag that `grpo {command}` has no use for "
+                f"({RECIPE_PURPOSE[command]} and samples nothing; see `grpo {command} "
+                f"--help`); drop {name}, or use it in a `grpo train --init-from` run after "
+                f"the {command.upper()}"
             )
     return None
 
@@ -472,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     refused = sft_refusal(arguments)
     if refused is not None:
-        print(f"grpo sft: error: {refused}", file=sys.stderr)
+        print(f"grpo {arguments[0]}: error: {refused}", file=sys.stderr)
         return 2
     args = build_parser(arguments).parse_args(arguments)
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")

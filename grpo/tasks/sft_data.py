@@ -162,18 +162,26 @@ def row_messages(
         messages = _messages(row["messages"], f"{where}, column 'messages'", default_role="")
         trained = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
     else:
-        prompt = _messages(row["prompt"], f"{where}, column 'prompt'", default_role="user")
-        completion = _messages(
-            row["completion"], f"{where}, column 'completion'", default_role="assistant"
-        )
-        if [message["role"] for message in completion] != ["assistant"]:
-            raise SftDataError(f"{where}, column 'completion': expected one assistant message")
-        messages, trained = [*prompt, *completion], [len(prompt)]
+        messages, trained = prompt_completion_messages(file, row, number, "completion")
     if not trained:
         raise SftDataError(f"{where}, column 'messages': no assistant message to train on")
     if trained[0] == 0:
         raise SftDataError(f"{where}: the chat starts with an assistant message (no prompt)")
     return messages, trained
+
+
+def prompt_completion_messages(
+    file: str | Path, row: Mapping[str, Any], number: int, column: str
+) -> tuple[list[dict[str, str]], list[int]]:
+    """(the prompt's messages + the completion in ``column``, [index of the completion]):
+    the prompt a string (one user message) or messages, the completion a string or one
+    assistant message (SftDataError naming the file, row and column otherwise)."""
+    where = f"{file} row {number}"
+    prompt = _messages(row["prompt"], f"{where}, column 'prompt'", default_role="user")
+    completion = _messages(row[column], f"{where}, column '{column}'", default_role="assistant")
+    if [message["role"] for message in completion] != ["assistant"]:
+        raise SftDataError(f"{where}, column '{column}': expected one assistant message")
+    return [*prompt, *completion], [len(prompt)]
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], *, generation: bool) -> list[int]:

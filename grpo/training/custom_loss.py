@@ -10,6 +10,10 @@ gradient. The sampler's log-probs and the advantages never reach the trainer: th
 reads them from the full datums once, when it is built (``grpo.backends.datums.read_datums``, the
 same reader and mask rule as the local backend's built-in losses), so the datums sent may
 be stripped to ``target_tokens`` (as the seed article does).
+
+`DpoLoss` (`as_dpo_loss`) is `grpo dpo`'s: the per-datum log-probs of each pair's chosen and
+rejected completion summed over their masks into sequence log-probs, then the core DPO
+kernel against the reference's (`grpo.core.dpo`).
 """
 
 from __future__ import annotations
@@ -17,15 +21,45 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import torch
 from pytrio.types import Datum
 from torch import Tensor
 
 from grpo.backends.datums import at_datum, read_datums
+from grpo.core.dpo import DpoSettings, dpo_loss, sequence_logprobs
 from grpo.core.loss_spec import LossSpec
 from grpo.core.losses import LossKernel
 
-__all__ = ["CustomLoss", "as_custom_loss"]
+__all__ = ["CustomLoss", "DpoLoss", "as_custom_loss", "as_dpo_loss"]
+
+
+def checked_logprobs(
+    data: Sequence[Datum], logprobs_list: Sequence[Tensor], seq_lens: Sequence[int]
+) -> Tensor:
+    """The per-datum log-probs concatenated, after checking they are the datums the loss was
+    built for (count, and each length against ``seq_lens`` and its target_tokens)."""
+    num_datums = len(seq_lens)
+    if len(logprobs_list) != num_datums or len(data) != num_datums:
+        raise ValueError(
+            f"got {len(data)} datums and {len(logprobs_list)} logprob tensors but this loss "
+            f"was built for {num_datums} datums; build the loss from the datums you train on"
+        )
+    for index, (datum, logprobs, length) in enumerate(
+        zip(data, logprobs_list, seq_lens, strict=True)
+    ):
+        if logprobs.numel() != length:
+            raise ValueError(
+                f"logprobs has {logprobs.numel()} entries but target_tokens has {length}"
+                f"{at_datum(index)}"
+            )
+        targets = datum.loss_fn_inputs.get("target_tokens")
+        if targets is not None and len(targets.data) != length:
+            raise ValueError(
+                f"target_tokens has {len(targets.data)} entries but the loss was built for "
+                f"{length}{at_datum(index)}; build the loss from the datums you train on"
+            )
+    return torch.cat([tensor.reshape(-1) for tensor in logprobs_list])
 
 
 @attrs.frozen
@@ -47,27 +81,7 @@ class CustomLoss:
         self, data: Sequence[Datum], logprobs_list: Sequence[Tensor]
     ) -> tuple[Tensor, dict[str, float]]:
         """The kernel's loss and prefixed metrics on the concatenated per-datum log-probs."""
-        num_datums = len(self.seq_lens)
-        if len(logprobs_list) != num_datums or len(data) != num_datums:
-            raise ValueError(
-                f"got {len(data)} datums and {len(logprobs_list)} logprob tensors but this loss "
-                f"was built for {num_datums} datums; build as_custom_loss from the datums you "
-                "train on"
-            )
-        checked = zip(data, logprobs_list, self.seq_lens, strict=True)
-        for index, (datum, logprobs, length) in enumerate(checked):
-            if logprobs.numel() != length:
-                raise ValueError(
-                    f"logprobs has {logprobs.numel()} entries but target_tokens has {length}"
-                    f"{at_datum(index)}"
-                )
-            targets = datum.loss_fn_inputs.get("target_tokens")
-            if targets is not None and len(targets.data) != length:
-                raise ValueError(
-                    f"target_tokens has {len(targets.data)} entries but the loss was built for "
-                    f"{length}{at_datum(index)}; build as_custom_loss from the datums you train on"
-                )
-        logprobs = torch.cat([tensor.reshape(-1) for tensor in logprobs_list])
+        logprobs = checked_logprobs(data, logprobs_list, self.seq_lens)
         loss, metrics = self.spec(
             logprobs, self.sampling_logprobs, self.weights, mask=self.mask, seq_lens=self.seq_lens
         )
@@ -111,4 +125,64 @@ def as_custom_loss(
         weights=torch.from_numpy(arrays.weights_N),
         mask=torch.from_numpy(arrays.mask_N),
         seq_lens=tuple(int(length) for length in arrays.seq_lens_B),
+    )
+
+
+@attrs.frozen
+class DpoLoss:
+    """``loss_fn(datums, logprobs_list) -> (loss, metrics)`` of `grpo dpo` over P pairs.
+
+    The datums are each pair's chosen then rejected completion, pair after pair; the loss
+    sums each datum's target log-probs over its completion mask into log π(y|x), and runs
+    the core kernel (`grpo.core.dpo.dpo_loss`) against the reference's sequence log-probs,
+    held here as constants. Metric keys are prefixed ``dpo/``.
+    """
+
+    settings: DpoSettings
+    mask: Tensor = attrs.field(repr=False)
+    seq_lens: tuple[int, ...] = attrs.field(repr=False)
+    ref_chosen: Tensor = attrs.field(repr=False)
+    ref_rejected: Tensor = attrs.field(repr=False)
+    chosen_tokens: Tensor = attrs.field(repr=False)
+
+    def __call__(
+        self, data: Sequence[Datum], logprobs_list: Sequence[Tensor]
+    ) -> tuple[Tensor, dict[str, float]]:
+        """The DPO loss and ``dpo/`` metrics on the concatenated per-datum log-probs."""
+        return self.of(checked_logprobs(data, logprobs_list, self.seq_lens))
+
+    def of(self, logprobs_N: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """The loss and metrics of the packed target log-probs of the 2P datums (float64)."""
+        sequences = sequence_logprobs(logprobs_N.to(torch.float64), self.mask, self.seq_lens)
+        loss, metrics = dpo_loss(
+            sequences[0::2],
+            sequences[1::2],
+            self.ref_chosen,
+            self.ref_rejected,
+            self.settings,
+            chosen_tokens_P=self.chosen_tokens,
+        )
+        return loss, {f"dpo/{key}": value for key, value in metrics.items()}
+
+
+def as_dpo_loss(
+    settings: DpoSettings,
+    masks_D: Sequence[np.ndarray],
+    ref_chosen_P: np.ndarray,
+    ref_rejected_P: np.ndarray,
+) -> DpoLoss:
+    """The DPO loss_fn of datums with target masks ``masks_D`` (chosen, rejected, pair after
+    pair) and the pairs' reference sequence log-probs."""
+    if len(masks_D) != 2 * len(ref_chosen_P) or len(ref_chosen_P) != len(ref_rejected_P):
+        raise ValueError(
+            f"{len(masks_D)} datums for {len(ref_chosen_P)} pairs: expected two datums a pair"
+        )
+    mask = np.concatenate([np.asarray(m, dtype=bool) for m in masks_D])
+    return DpoLoss(
+        settings=settings,
+        mask=torch.from_numpy(mask),
+        seq_lens=tuple(int(np.size(m)) for m in masks_D),
+        ref_chosen=torch.as_tensor(ref_chosen_P, dtype=torch.float64),
+        ref_rejected=torch.as_tensor(ref_rejected_P, dtype=torch.float64),
+        chosen_tokens=torch.tensor([int(np.sum(m)) for m in masks_D[0::2]], dtype=torch.float64),
     )

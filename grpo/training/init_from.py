@@ -1,4 +1,5 @@
-"""`grpo train --init-from RUN_DIR`: start from a finished SFT or GRPO run's final weights.
+"""`grpo train --init-from RUN_DIR`: start from a finished SFT, DPO or GRPO run's final
+weights.
 
 The source run must have finished (summary.json) on the same backend, base model and LoRA
 rank; its final training state (checkpoint.json, saved at the end of every run) gives the
@@ -26,7 +27,8 @@ def init_state_path(config: TrainConfig) -> str:
     if run_files.run_status(source) != run_files.FINISHED:
         raise ConfigError(
             f"{where}: the run has not finished (no {run_files.SUMMARY_FILE}); finish it with "
-            f"`grpo {'sft' if saved.get('recipe') == 'sft' else 'train'} --resume {source}`, "
+            f"`grpo {saved.get('recipe') if saved.get('recipe') in ('sft', 'dpo') else 'train'} "
+            f"--resume {source}`, "
             "or start from another run"
         )
     for key in ("backend", "base_model", "lora_rank"):

@@ -129,12 +129,18 @@ def sft_to_dict(config: SftConfig) -> dict[str, Any]:
 
 def resolve_sft_run(config: SftConfig) -> SftConfig:
     """Run name (--run-name, else the run directory's name, else sft-seed<k>-<time>) and dir."""
+    return resolve_recipe_run(config, "sft")
+
+
+def resolve_recipe_run(config: Any, prefix: str) -> Any:
+    """A recipe config (SFT, DPO) with its run name (--run-name, else the run directory's
+    name, else <prefix>-seed<k>-<time>) and run directory (default runs/<run name>)."""
     directory_name = Path(config.run_dir).name if config.run_dir else ""
     if directory_name in (".", ".."):
         directory_name = ""
     run_name = (
         config.run_name
         or directory_name
-        or f"sft-seed{config.seed}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        or f"{prefix}-seed{config.seed}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     )
     return attrs.evolve(config, run_name=run_name, run_dir=config.run_dir or f"runs/{run_name}")

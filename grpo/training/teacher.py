@@ -70,7 +70,8 @@ class Teacher:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _is_run_dir(path: Path) -> bool:
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` is a run directory (a summary, checkpoint or metrics file in it)."""
     return path.is_dir() and any(
         (path / name).is_file()
         for name in (run_files.SUMMARY_FILE, run_files.CHECKPOINT_FILE, run_files.METRICS_FILE)
@@ -83,8 +84,11 @@ def _is_model_dir(path: Path) -> bool:
     )
 
 
-def _weights_sampler(service: Any, base_model: str, path: str, source: str) -> Any:
-    """A sampler on sampler weights at ``path``, else on a training state's weights."""
+def weights_sampler(
+    service: Any, base_model: str, path: str, source: str, flag: str = "--teacher"
+) -> Any:
+    """A sampler on sampler weights at ``path``, else on a training state's weights (ConfigError
+    naming ``flag`` and ``source`` when it is neither)."""
     try:
         return service.create_sampling_client(base_model=base_model, model_path=path)
     except Exception:  # noqa: BLE001 - not sampler weights: try it as a training state
@@ -96,7 +100,7 @@ def _weights_sampler(service: Any, base_model: str, path: str, source: str) -> A
     except Exception as error:  # noqa: BLE001 - the message below says what the path must be
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(
-            f"--teacher {source}: {path} is neither sampler weights nor a training state on "
+            f"{flag} {source}: {path} is neither sampler weights nor a training state on "
             f"{base_model} ({reason}); give a finished run directory, the sampler_path of its "
             f"{run_files.SUMMARY_FILE}, or a model name"
         ) from None
@@ -106,7 +110,7 @@ def teacher_sampler(service: Any, config: TrainConfig) -> tuple[Any, str | None]
     """The sampler --teacher names and the weights path it resolved to (None: a base model)."""
     source = str(config.teacher)
     path = Path(source).expanduser()
-    if _is_run_dir(path):
+    if is_run_dir(path):
         if config.run_dir is not None and path.resolve() == Path(config.run_dir).resolve():
             raise ConfigError(f"--teacher {source} is this run itself; name another run")
         saved = run_files.read_config(path)
@@ -115,9 +119,9 @@ def teacher_sampler(service: Any, config: TrainConfig) -> tuple[Any, str | None]
         except run_files.RunDirError as error:
             raise ConfigError(f"--teacher {source}: {error}") from None
         base_model = str(saved.get("base_model", config.base_model))
-        return _weights_sampler(service, base_model, weights, source), weights
+        return weights_sampler(service, base_model, weights, source), weights
     if "://" in source or (path.exists() and not _is_model_dir(path)):
-        return _weights_sampler(service, config.base_model, source, source), source
+        return weights_sampler(service, config.base_model, source, source), source
     try:
         return service.create_sampling_client(base_model=source), None
     except Exception as error:  # noqa: BLE001 - every backend has its own not-found error

@@ -5,7 +5,7 @@ completions and on an environment's episodes, each with one of --dynamic-samplin
 --max-steps-off-policy, --mismatch-correction, --custom-loss, --kl-coef, --reward,
 --init-from and --resume. A combination that runs must leave the metric that proves the
 flag took effect; a refused one must be refused before any work, naming both flags. SFT
-refuses every `grpo train` flag it has no use for.
+and DPO refuse every `grpo train` flag they have no use for.
 """
 
 from __future__ import annotations
@@ -190,14 +190,17 @@ def test_each_recipe_and_flag_runs_as_it_says_or_is_refused(
         "--teacher",
     ],
 )
-def test_sft_refuses_the_train_flags_naming_them(
-    tmp_path: Path, flag: str, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_sft_and_dpo_refuse_the_train_flags_naming_them(
+    tmp_path: Path, flag: str, command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    if command == "dpo" and flag == "--init-from":
+        return  # DPO starts from a run's weights (tests/training/test_dpo.py)
     data = tmp_path / "rows.jsonl"
-    data.write_text('{"prompt": "1+1?", "completion": "2"}\n')
+    data.write_text('{"prompt": "1+1?", "completion": "2", "chosen": "2", "rejected": "3"}\n')
     value = [] if flag in ("--dynamic-sampling", "--custom-loss") else ["1"]
-    argv = ["sft", "--data", str(data), "--run-dir", str(tmp_path / "sft"), flag, *value]
+    argv = [command, "--data", str(data), "--run-dir", str(tmp_path / "run"), flag, *value]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert f"{flag} is a `grpo train` flag" in err and "grpo sft" in err, err
-    assert not (tmp_path / "sft").exists()
+    assert f"{flag} is a `grpo train` flag" in err and f"grpo {command}" in err, err
+    assert not (tmp_path / "run").exists()

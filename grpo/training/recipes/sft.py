@@ -104,13 +104,14 @@ def batch_datums(examples: list[SftExample]) -> list[Datum]:
     return [example_datum(example, weights) for example, weights in zip(examples, weights_B)]
 
 
-def _make_service(config: SftConfig, run_dir: Path) -> Any:
+def recipe_service(config: Any, run_dir: Path) -> Any:
+    """The service client of a recipe run (SFT, DPO) from its shared flags."""
     return make_service_client(
         config.backend,
         local_root=str(run_dir / run_files.BACKEND_DIR),
         seed=config.seed,
         connect_timeout_s=config.connect_timeout,
-        concurrency=TRAIN_FIELDS["concurrency"].default,
+        concurrency=getattr(config, "concurrency", TRAIN_FIELDS["concurrency"].default),
         threads=config.threads,
         service_normalization=config.service_normalization,
     )
@@ -163,14 +164,14 @@ def preflight_sft(config: SftConfig, make_service: Callable[[], Any]) -> SftPlan
     return SftPlan(config, service, tokenizer, train, held, batches, epochs, prices)
 
 
-def evaluates(config: SftConfig, done: int, steps: int, has_eval: bool) -> bool:
+def evaluates(config: Any, done: int, steps: int, has_eval: bool) -> bool:
     """Whether the eval loss is measured after ``done`` steps (0: before training)."""
     if not has_eval or config.eval_every == 0:
         return False
     return done % config.eval_every == 0 or done == steps
 
 
-def saves(config: SftConfig, done: int, steps: int) -> bool:
+def saves(config: Any, done: int, steps: int) -> bool:
     """Whether a checkpoint follows step ``done`` (every --save-every, and the last)."""
     return done == steps or (config.save_every > 0 and done % config.save_every == 0)
 
@@ -198,7 +199,7 @@ def dry_run_sft(
     if checkpoint is False:
         return [f"{run_dir} already finished; nothing to plan"]
     start = checkpoint.step if checkpoint is not None else 0
-    plan = preflight_sft(config, lambda: service_client or _make_service(config, run_dir))
+    plan = preflight_sft(config, lambda: service_client or recipe_service(config, run_dir))
     usage = planned_usage(plan, start)
     sizes = [batch.size for batch in plan.batches]
     lines = [
@@ -221,9 +222,11 @@ def dry_run_sft(
     return lines
 
 
-def check_run_dir(run_dir: Path, resume: bool) -> run_files.Checkpoint | None | bool:
+def check_run_dir(
+    run_dir: Path, resume: bool, command: str = "sft"
+) -> run_files.Checkpoint | None | bool:
     """The checkpoint to resume (None: a fresh run), or False when the run already finished."""
-    status = check_run_status(run_dir, resume, "sft")
+    status = check_run_status(run_dir, resume, command)
     if status is None:
         return None
     if status == run_files.FINISHED:
@@ -246,7 +249,7 @@ def sft(
         checkpoint = check_run_dir(run_dir, resume)
         if checkpoint is False:
             return finished_result(run_dir, echo, "")
-        plan = preflight_sft(config, lambda: service_client or _make_service(config, run_dir))
+        plan = preflight_sft(config, lambda: service_client or recipe_service(config, run_dir))
 
         def note(message: str) -> None:
             echo(f"[grpo] {message}")

@@ -1,0 +1,414 @@
+"""`grpo dpo`: preference optimization (DPO, IPO, hinge; RPO's SFT term) of a LoRA on pairs.
+
+The recipe: the pairs of --data (`grpo.tasks.preference_data`: prompt, chosen, rejected,
+encoded as `grpo sft` encodes a prompt/completion row), a held-out split (--eval-data, else
+--eval-fraction of --data); the reference's sequence log-probs of every completion, computed
+once (one ``compute_logprobs`` per sequence) and cached in the run directory
+(`grpo.training.reference_cache`); every step, --batch-size pairs as two datums each in one
+``forward_backward_custom`` whose loss is the core kernel (`grpo.training.custom_loss.
+DpoLoss`, `grpo.core.dpo`; docs/FORMULAS.md, "Preference optimization"), then one
+``optim_step`` at the step's learning rate (SFT's schedule); ``dpo/*`` from the log-probs the
+call returned, ``eval/dpo/*`` from a forward of the held-out pairs every --eval-every steps.
+
+The run around it is the lifecycle every recipe shares (`grpo.training.lifecycle`), as
+`grpo sft`'s: run directory and lock, resume, Ctrl-C, checkpoints, usage and cost, SwanLab,
+summary.json (what `grpo train --init-from` reads), and a dry run that writes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+from pytrio.types import AdamParams, Datum, ModelInput, TensorData
+
+from grpo.backends.datums import output_logprobs
+from grpo.core.dpo import PreferencePair, pair_batches, steps_of_one_pass
+from grpo.core.sft import SftExample, heldout_split, lr_multiplier
+from grpo.core.usage import Prices, TokenUsage, cost
+from grpo.tasks.preference_data import load_pairs
+from grpo.tasks.sft_data import SftDataError
+from grpo.training import run_files
+from grpo.training.custom_loss import DpoLoss, as_dpo_loss
+from grpo.training.dpo_config import DpoConfig, dpo_to_dict, resolve_dpo_run
+from grpo.training.fields import ConfigError
+from grpo.training.init_from import init_state_path, init_training_client
+from grpo.training.lifecycle import (
+    NonFiniteUpdate,
+    RunResult,
+    finished_result,
+    load_checkpoint,
+    open_run,
+    retry,
+    run_steps,
+    start_state,
+)
+from grpo.training.prices import prices_for
+from grpo.training.recipe import Session
+from grpo.training.recipes.sft import check_run_dir, evaluates, recipe_service, saves
+from grpo.training.reference_cache import reference_logprobs
+from grpo.training.rollouts import tokenizer_max_len
+from grpo.training.run_log import RunLogger, scrub_secrets
+from grpo.training.state import RunState
+from grpo.training.teacher import is_run_dir, weights_sampler
+
+__all__ = ["DpoPlan", "dpo", "dry_run_dpo", "pair_datums"]
+
+
+@attrs.frozen
+class DpoPlan:
+    """What the pre-flight built: the encoded pairs, every step's pairs, the reference."""
+
+    config: DpoConfig
+    service: Any
+    train: list[PreferencePair]
+    eval: list[PreferencePair]
+    batches: list[np.ndarray]
+    """Pair indices into ``train`` of every step."""
+    reference: str
+    """What the reference is: a weights path, or ``base:<model>``."""
+    ref_sampler: Any
+    init_state: str | None
+    """The --init-from run's final training state (None: a fresh LoRA)."""
+    prices: Prices | None
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps of the whole run."""
+        return len(self.batches)
+
+
+def example_datum(example: SftExample) -> Datum:
+    """tokens[:-1] predicting tokens[1:]; the loss reads the mask, so targets are all it needs."""
+    tokens = example.tokens_T
+    return Datum(
+        model_input=ModelInput.from_ints(tokens[:-1].tolist()),
+        loss_fn_inputs={"target_tokens": TensorData.from_numpy(tokens[1:])},
+    )
+
+
+def pair_datums(pairs: list[PreferencePair]) -> list[Datum]:
+    """Two datums a pair, chosen then rejected, pair after pair."""
+    return [example_datum(e) for pair in pairs for e in (pair.chosen, pair.rejected)]
+
+
+def pair_loss(config: DpoConfig, pairs: list[PreferencePair], ref_P2: np.ndarray) -> DpoLoss:
+    """The loss_fn of ``pairs`` with their reference log-probs ``ref_P2`` (chosen, rejected)."""
+    masks = [e.mask_T[1:] for pair in pairs for e in (pair.chosen, pair.rejected)]
+    return as_dpo_loss(config.settings, masks, ref_P2[:, 0], ref_P2[:, 1])
+
+
+def _encoded(tokenizer: Any, path: str, max_len: int | None) -> list[PreferencePair]:
+    try:
+        pairs = load_pairs(tokenizer, path)
+    except SftDataError as error:
+        raise ConfigError(str(error)) from None
+    for number, pair in enumerate(pairs, start=1):
+        for column, example in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+            if max_len is not None and example.tokens_T.size > max_len:
+                raise ConfigError(
+                    f"{path} row {number}: the prompt with its {column!r} completion has "
+                    f"{example.tokens_T.size} tokens, more than the model's context of "
+                    f"{max_len}; shorten it or drop the row"
+                )
+    return pairs
+
+
+def resolve_reference(config: DpoConfig, service: Any) -> tuple[str, Any]:
+    """(what the reference is, its sampler): --ref, else the --init-from run, else the base."""
+    source = config.ref or config.init_from
+    if source is None:
+        sampler = service.create_sampling_client(base_model=config.base_model)
+        return f"base:{config.base_model}", sampler
+    flag = "--ref" if config.ref else "--init-from"
+    path = Path(source).expanduser()
+    weights = source
+    if is_run_dir(path):
+        if path.resolve() == Path(str(config.run_dir)).resolve():
+            raise ConfigError(f"{flag} {source} is this run itself; name another run")
+        try:
+            weights = run_files.eval_weights_path(path)
+        except run_files.RunDirError as error:
+            raise ConfigError(f"{flag} {source}: {error}") from None
+    return weights, weights_sampler(service, config.base_model, weights, source, flag)
+
+
+def preflight_dpo(config: DpoConfig, make_service: Callable[[], Any]) -> DpoPlan:
+    """Prices, --init-from, the pairs (read, encoded, split, batched), the reference's sampler:
+    all before the first training call."""
+    prices = prices_for(config)  # type: ignore[arg-type]  # reads base_model and price_*
+    for path in (config.data, config.eval_data):
+        if path is not None and not Path(path).exists():
+            raise ConfigError(f"data file {path} not found; check --data / --eval-data")
+    init_state = init_state_path(config) if config.init_from else None  # type: ignore[arg-type]
+    service = make_service()
+    tokenizer = service.create_sampling_client(base_model=config.base_model).get_tokenizer()
+    max_len = tokenizer_max_len(tokenizer)
+    pairs = _encoded(tokenizer, str(config.data), max_len)
+    if config.eval_data is not None:
+        train, held = pairs, _encoded(tokenizer, config.eval_data, max_len)
+    else:
+        try:
+            train_rows, eval_rows = heldout_split(len(pairs), config.eval_fraction, config.seed)
+        except ValueError as error:
+            raise ConfigError(f"--eval-fraction: {error}") from None
+        train, held = [pairs[i] for i in train_rows], [pairs[i] for i in eval_rows]
+    steps = config.steps or steps_of_one_pass(len(train), config.batch_size)
+    batches = pair_batches(len(train), batch_size=config.batch_size, steps=steps, seed=config.seed)
+    reference, ref_sampler = resolve_reference(config, service)
+    return DpoPlan(
+        config, service, train, held, batches, reference, ref_sampler, init_state, prices
+    )
+
+
+def planned_usage(plan: DpoPlan, start_step: int = 0, cached: int = 0) -> TokenUsage:
+    """The run's exact usage from ``start_step``: trained positions (PyTRIO's SDK forwards them
+    once more), the reference's tokens (less ``cached``), evaluations, checkpoint checks."""
+    positions = [pair.num_positions for pair in plan.train]
+    per_step = [sum(positions[i] for i in batch) for batch in plan.batches]
+    trained = sum(per_step[start_step:])
+    evals = sum(
+        evaluates(plan.config, done, plan.steps, bool(plan.eval))
+        for done in range(start_step, plan.steps + 1)
+        if done > start_step or done == 0
+    )
+    checks = sum(
+        per_step[done - 1]
+        for done in range(start_step + 1, plan.steps + 1)
+        if saves(plan.config, done, plan.steps)
+    )
+    sdk_forward = trained if plan.config.backend == "pytrio" else 0
+    reference = sum(pair.num_tokens for pair in [*plan.train, *plan.eval]) - cached
+    per_eval = sum(pair.num_positions for pair in plan.eval)
+    return TokenUsage(
+        prompt_tokens=reference if start_step == 0 else 0,
+        trained_tokens=trained,
+        forward_tokens=sdk_forward + evals * per_eval + checks,
+    )
+
+
+def dry_run_dpo(
+    config: DpoConfig, *, resume: bool = False, service_client: Any = None
+) -> list[str]:
+    """`grpo dpo --dry-run`: every check of a run, then its plan; nothing is written."""
+    config = resolve_dpo_run(config)
+    run_dir = Path(str(config.run_dir))
+    checkpoint = check_run_dir(run_dir, resume, "dpo")
+    if checkpoint is False:
+        return [f"{run_dir} already finished; nothing to plan"]
+    start = checkpoint.step if checkpoint is not None else 0
+    plan = preflight_dpo(config, lambda: service_client or recipe_service(config, run_dir))
+    usage = planned_usage(plan, start)
+    s = config.settings
+    lines = [
+        f"dry run of {run_dir}: every check passed; no training run was created",
+        f"  backend {config.backend}, model {config.base_model}, reference {plan.reference}",
+        f"  data: {len(plan.train)} train / {len(plan.eval)} held-out pairs",
+        f"  plan: steps {start}..{plan.steps} of {plan.batches[0].size} pairs, loss "
+        f"{s.loss} (beta {s.beta:g}, label smoothing {s.label_smoothing:g}, sft weight "
+        f"{s.sft_weight:g}), lr {config.learning_rate:g} {config.lr_schedule} after "
+        f"{config.warmup_steps} warm-up",
+        f"  reference tokens (prompt)  {usage.prompt_tokens:>12,}  exact, paid once (cached)",
+        f"  trained tokens (positions) {usage.trained_tokens:>12,}  exact",
+        f"  forward-only tokens        {usage.forward_tokens:>12,}  exact",
+    ]
+    if plan.prices is None:
+        lines.append("  cost: no prices given (--price-file or --price-* flags)")
+    else:
+        lines.append(f"  cost {cost(usage, plan.prices):.4f} {plan.prices.currency}")
+    if service_client is None and hasattr(plan.service, "close"):
+        plan.service.close()
+    return lines
+
+
+def dpo(
+    config: DpoConfig,
+    *,
+    resume: bool = False,
+    service_client: Any = None,
+    echo: Callable[[str], None] = print,
+    progress: bool = True,
+) -> RunResult:
+    """Preference optimization for --steps steps over --data's pairs (or continue it)."""
+    config = resolve_dpo_run(config)
+    run_dir = Path(str(config.run_dir))
+    with run_files.owned(run_dir):
+        checkpoint = check_run_dir(run_dir, resume, "dpo")
+        if checkpoint is False:
+            return finished_result(run_dir, echo, "")
+        plan = preflight_dpo(config, lambda: service_client or recipe_service(config, run_dir))
+
+        def note(message: str) -> None:
+            echo(f"[grpo] {message}")
+
+        service = plan.service
+        if checkpoint is not None:
+            client, checkpoint = load_checkpoint(service, run_dir, checkpoint, note)
+        elif plan.init_state is not None:
+            client = init_training_client(service, config, plan.init_state)  # type: ignore[arg-type]
+        else:
+            client = service.create_lora_training_client(
+                base_model=config.base_model, rank=config.lora_rank, seed=config.seed
+            )
+        start = open_run(run_dir, checkpoint, scrub_secrets(dpo_to_dict(config)), note)
+        ref_N, sent = reference_logprobs(  # once per sequence; a resume reads the cache
+            run_dir,
+            plan.reference,
+            plan.ref_sampler,
+            [e for pair in [*plan.train, *plan.eval] for e in (pair.chosen, pair.rejected)],
+            concurrency=config.concurrency,
+            max_retries=config.max_retries,
+            note=note,
+        )
+        ref_P2 = ref_N.reshape(-1, 2)
+        session = Session(
+            run_dir=run_dir,
+            run_name=str(config.run_name or run_dir.name),
+            steps=plan.steps,
+            training_client=client,
+            logger=RunLogger.of_run(run_dir, dpo_to_dict(config), config),
+            note=note,
+            prices=plan.prices,
+            max_retries=config.max_retries,
+        )
+        state = start_state(run_dir, start)
+        state.usage += TokenUsage(prompt_tokens=sent)
+        recipe = DpoRecipe(plan, session, ref_P2[: len(plan.train)], ref_P2[len(plan.train) :])
+        return run_steps(recipe, state, echo, progress)
+
+
+class DpoRecipe:
+    """Preference optimization as the lifecycle drives it: --batch-size pairs a step."""
+
+    command = "dpo"
+    progress_label = "dpo"
+    steps_word = "DPO steps"
+
+    def __init__(
+        self, plan: DpoPlan, session: Session, ref_train_P2: np.ndarray, ref_eval_P2: np.ndarray
+    ) -> None:
+        self.plan, self.config, self.session = plan, plan.config, session
+        self.ref_train_P2, self.ref_eval_P2 = ref_train_P2, ref_eval_P2
+
+    def step(self, state: RunState, step: int) -> dict[str, float]:
+        """One batch of pairs: forward_backward_custom (the DPO loss), then optim_step."""
+        config, plan, client = self.config, self.plan, self.session.training_client
+        rows = plan.batches[step]
+        pairs = [plan.train[i] for i in rows]
+        datums = pair_datums(pairs)  # 1. chosen and rejected of each pair: two datums
+        loss_fn = pair_loss(config, pairs, self.ref_train_P2[rows])  # 2. the kernel, as loss_fn
+        result = retry(  # 3. forward_backward_custom: the policy's log-probs, the gradient
+            self.session,
+            lambda: client.forward_backward_custom(datums, loss_fn).result(),
+            "forward_backward_custom",
+        )
+        state.weights_dirty = True  # the gradient is in: these weights are past the logged step
+        with torch.no_grad():  # 4. dpo/* from the log-probs the call returned (every backend)
+            _, metrics = loss_fn.of(torch.from_numpy(output_logprobs(result.loss_fn_outputs)))
+        if not np.isfinite(metrics["dpo/loss"]):
+            raise NonFiniteUpdate(
+                f"the DPO loss of step {step + 1} is {metrics['dpo/loss']}: the trainer's "
+                "log-probs are not finite (diverged weights?); lower --learning-rate"
+            )
+        rate = config.learning_rate * lr_multiplier(  # 5. optim_step at the step's rate
+            step,
+            total_steps=plan.steps,
+            warmup_steps=config.warmup_steps,
+            schedule=config.lr_schedule,
+        )
+        adam = AdamParams(
+            learning_rate=rate,
+            beta1=config.beta1,
+            beta2=config.beta2,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            grad_clip_norm=config.grad_clip_norm,
+        )
+        optim = retry(self.session, lambda: client.optim_step(adam).result(), "optim_step")
+        state.probe_datums = datums  # a checkpoint checks these are finite
+        positions = sum(pair.num_positions for pair in pairs)
+        trained = sum(pair.chosen.num_trained + pair.rejected.num_trained for pair in pairs)
+        state.usage += TokenUsage(  # PyTRIO's SDK runs a custom loss as forward + backward
+            trained_tokens=positions,
+            forward_tokens=positions if config.backend == "pytrio" else 0,
+        )
+        return {  # 6. the step's metrics
+            **metrics,
+            "learning_rate": rate,
+            "pairs": float(len(pairs)),
+            "train_tokens": float(trained),
+            "positions": float(positions),
+            "grad_norm": float(optim.metrics.get("grad_norm", float("nan"))),
+        }
+
+    def evaluates_after(self, done: int) -> bool:
+        """Before training, every --eval-every steps and at the end, when pairs are held out."""
+        return evaluates(self.config, done, self.plan.steps, bool(self.plan.eval))
+
+    def evaluate(self, state: RunState) -> dict[str, float]:
+        """eval/dpo/*: the kernel's loss and metrics over every held-out pair (forward only)."""
+        client, held, size = self.session.training_client, self.plan.eval, self.config.batch_size
+        logprobs = []
+        for start in range(0, len(held), size):
+            datums = pair_datums(held[start : start + size])
+            result = retry(
+                self.session,
+                lambda datums=datums: client.forward(datums, loss_fn="cross_entropy").result(),
+                "forward (eval)",
+            )
+            logprobs.append(output_logprobs(result.loss_fn_outputs))
+            state.usage += TokenUsage(forward_tokens=sum(len(d.model_input) for d in datums))
+        with torch.no_grad():
+            _, metrics = pair_loss(self.config, held, self.ref_eval_P2).of(
+                torch.from_numpy(np.concatenate(logprobs))
+            )
+        return {f"eval/{key}": value for key, value in metrics.items()}
+
+    def baseline(self, state: RunState) -> dict[str, float]:
+        """The held-out metrics before training."""
+        return self.evaluate(state)
+
+    def saves_after(self, done: int) -> bool:
+        """Every --save-every steps before the last."""
+        return saves(self.config, done, self.plan.steps) and done < self.plan.steps
+
+    def console_line(self, step: int, metrics: dict[str, float]) -> str:
+        """Step, loss, accuracy and margin (train and held-out), learning rate and cost."""
+        parts = [f"step {step}/{self.plan.steps}"]
+        for key in ("dpo/loss", "dpo/accuracy", "dpo/margin"):
+            for shown in (key, f"eval/{key}"):
+                if shown in metrics:
+                    parts.append(f"{shown}={metrics[shown]:.4f}")
+        if "learning_rate" in metrics:
+            parts.append(f"learning_rate={metrics['learning_rate']:.2e}")
+        if "cost/cum" in metrics:
+            parts.append(f"cost={metrics['cost/cum']:.4f}")
+        return " | ".join(parts)
+
+    def save_beside(self, state: RunState, state_path: str) -> None:
+        """The reference cache is written once, before the first step: nothing per checkpoint."""
+
+    def saved(self, state: RunState) -> None:
+        """Nothing to prune."""
+
+    def calls(self, stop: threading.Event) -> contextlib.AbstractContextManager[Any]:
+        """No reward workers."""
+        return contextlib.nullcontext()
+
+    def summary(self, state: RunState) -> dict[str, Any]:
+        """The recipe, its reference and its final held-out accuracy and margin."""
+        last = state.last_metrics
+        return {
+            "recipe": "dpo",
+            "reference": self.plan.reference,
+            **{key: last.get(key) for key in ("eval/dpo/accuracy", "eval/dpo/margin")},
+        }
+
+    def close(self, state: RunState) -> None:
+        """Nothing in flight."""
