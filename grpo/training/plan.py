@@ -23,6 +23,7 @@ from grpo.core.usage import Prices, TokenUsage, cost, planned_episode_tokens, pl
 from grpo.tasks.data import columns_of, load_run_problems
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig, check_user_inputs
+from grpo.training.judge import check_judge, resolve_judge
 from grpo.training.prices import prices_for
 from grpo.training.rollouts import Problem, build_problems, tokenizer_max_len
 from grpo.training.schedule import evaluates_after, evaluates_at_start, saves_after
@@ -45,11 +46,16 @@ class Preflight:
     prices: Prices | None
     teacher: Any = None
     """`grpo distill`'s teacher, resolved and its tokenizer checked (None otherwise)."""
+    judge: Any = None
+    """The judge of the judge rewards (`grpo.training.judge.Judge`), resolved (else None)."""
 
 
-def preflight(config: TrainConfig, make_service: Callable[[], Any]) -> Preflight:
+def preflight(
+    config: TrainConfig, make_service: Callable[[], Any], log: Callable[[str], None] = print
+) -> Preflight:
     """Check rewards, few-shot file, prices and data (before any service call), then prompts."""
     check_user_inputs(config)
+    check_judge(config)
     prices = prices_for(config)
     train_rows = load_run_problems(config, "train")
     test_rows = (
@@ -87,8 +93,12 @@ def preflight(config: TrainConfig, make_service: Callable[[], Any]) -> Preflight
         from grpo.training.teacher import resolve_teacher
 
         teacher = resolve_teacher(service, config, tokenizer)
+    judge = resolve_judge(
+        service, config, run_dir=Path(config.run_dir) if config.run_dir else None, log=log
+    )
     return Preflight(
         teacher=teacher,
+        judge=judge,
         config=config,
         steps=steps,
         service=service,
