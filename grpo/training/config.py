@@ -460,6 +460,15 @@ class TrainConfig:
         if self.env is None:
             raise ConfigError("no --env given; this run samples single completions")
         try:
+            if self.env.startswith("openenv:"):
+                from grpo.envs.openenv import openenv_factory
+
+                return openenv_factory(
+                    self.env,
+                    self.env_arg,
+                    timeout_s=self.env_timeout,
+                    max_retries=self.max_retries,
+                )
             return load_env_factory(self.env)
         except ValueError as error:
             raise ConfigError(str(error)) from None
@@ -573,6 +582,11 @@ def check_recipe(config: "TrainConfig") -> None:
             f"--reward {config.reward[0]} with --env {config.env}: an episode's return is the "
             "environment's reward, so --reward would be ignored; drop --reward, or score the "
             "answer inside the environment's step"
+        )
+    if config.env_arg and (config.env is None or not config.env.startswith("openenv:")):
+        raise ConfigError(
+            f"--env-arg {config.env_arg[0]} is read by --env openenv:MODULE:CLIENT only (an "
+            "in-process --env factory takes its settings in its own code); drop --env-arg"
         )
     if config.recipe == "distill" and config.env is not None and config.teacher_system_prompt:
         raise ConfigError(
