@@ -94,7 +94,7 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve(timeout_s: float = 20.0) -> Iterator[str]:
-    """The sums server on 127.0.0.1 (a free port) in a thread; yields its base URL, stops on exit."""
+    """The sums server on 127.0.0.1 (a free port) in a thread; yields its URL, stops on exit."""
     app = create_fastapi_app(SumsEnvironment, SumsAction, SumsObservation, max_concurrent_envs=64)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
