@@ -360,6 +360,8 @@ class Judge:
         def one(group: JudgeGroup) -> list[float | Exception]:
             question, reference = self._values(group)
             size = len(group.completions)
+            if size < 2:  # nothing to rank against: the all-tied value, no call
+                return [0.5] * size
             prompt = render_rubric(
                 rubric,
                 {

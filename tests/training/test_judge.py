@@ -31,6 +31,7 @@ from grpo.training.judge import (
     JudgeReply,
     check_judge,
 )
+from grpo.training.run import dry_run
 from tests.runs import quiet_train, tiny_config
 
 PROMPT_TOKENS, COMPLETION_TOKENS, SCORE = 11, 3, 7
@@ -251,9 +252,13 @@ def test_the_built_in_model_as_judge_runs_and_logs_its_parse_errors(tmp_path: Pa
         max_tokens=8,
         reward_errors="zero",
     )
+    plan = dry_run(config)
+    (line,) = [line for line in plan if "judge reply tokens" in line]
     quiet_train(config)
     rows = [row for row in _rows(tmp_path / "run") if row.get("step", 0) > 0]
     assert len(rows) == 2
+    assert rows[-1]["usage/cum_judge_completion_tokens"] <= int(line.split()[3].replace(",", ""))
+    assert any("<= 20 requests" in line for line in plan)
     for row in rows:
         assert row["judge/calls"] + row["judge/cache_hits"] == 10
         assert row["usage/judge_prompt_tokens"] > 0 and row["usage/judge_completion_tokens"] > 0
