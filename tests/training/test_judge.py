@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,6 +28,7 @@ from grpo.reward_scores import score_completions
 from grpo.rewards import RewardError, load_rewards
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig
+from grpo.training.faults import FAULT_ENV
 from grpo.training.judge import (
     CACHE_FILE,
     EndpointJudge,
@@ -122,11 +127,13 @@ def test_judge_rewards_through_an_endpoint_score_rank_and_count_usage(tmp_path: 
     for row in rows:
         assert row["reward/judge"] == pytest.approx(SCORE / 10)
         assert row["reward/judge_rank"] == pytest.approx(0.5)  # Σ r = G/2 per group
-        calls = 2 * 4 + 2  # B·G score calls, B rank calls
-        assert row["judge/calls"] == calls and row["judge/parse_errors"] == 0
-        assert row["usage/judge_prompt_tokens"] == calls * PROMPT_TOKENS
-        assert row["usage/judge_completion_tokens"] == calls * COMPLETION_TOKENS
-    assert endpoint.requests == 2 * 10
+        assert row["frac_degenerate"] == 0.0  # the stub's strict rankings differ in a group
+        # B·G score calls and B rank calls, each sent or (an equal completion) cached
+        assert row["judge/calls"] + row["judge/cache_hits"] == 2 * 4 + 2
+        assert row["judge/parse_errors"] == 0 and row["judge/errors"] == 0
+        assert row["usage/judge_prompt_tokens"] == row["judge/calls"] * PROMPT_TOKENS
+        assert row["usage/judge_completion_tokens"] == row["judge/calls"] * COMPLETION_TOKENS
+    assert endpoint.requests == sum(row["judge/calls"] for row in rows)
     assert (tmp_path / "run" / CACHE_FILE).is_file()
 
 
@@ -263,3 +270,32 @@ def test_the_built_in_model_as_judge_runs_and_logs_its_parse_errors(tmp_path: Pa
         assert row["judge/calls"] + row["judge/cache_hits"] == 10
         assert row["usage/judge_prompt_tokens"] > 0 and row["usage/judge_completion_tokens"] > 0
         assert row["reward/errors"] >= row["judge/parse_errors"] > 0
+
+
+def test_a_run_killed_mid_step_and_resumed_asks_the_judge_nothing_twice(tmp_path: Path) -> None:
+    """kill -9 in step 2's update (its judge replies already cached); the resumed run samples
+    step 2 again (same seeds, same completions) and reads every reply from the cache."""
+    run_dir = tmp_path / "run"
+    with stub_endpoint() as endpoint:
+        flags = [
+            *("--reward", "grpo.rewards:judge", "--reward", "grpo.rewards:judge_rank"),
+            *("--judge-url", endpoint.url, "--judge-model", "stub"),
+            *("--steps", "2", "--batch-size", "2", "--group-size", "4", "--max-tokens", "8"),
+            *("--eval-every", "0", "--save-every", "1", "--num-substeps", "1"),
+            *("--swanlab-mode", "disabled"),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", FAULT_ENV: "optim:2:SIGKILL"}
+        command = [sys.executable, "-m", "grpo", "train", *flags, "--run-dir", str(run_dir)]
+        killed = subprocess.run(command, env=env, capture_output=True, timeout=180, check=False)
+        assert killed.returncode == -signal.SIGKILL
+        asked = endpoint.requests  # steps 1 and 2 judged (equal completions share a reply)
+        assert asked > 10
+        env.pop(FAULT_ENV)
+        resume = [sys.executable, "-m", "grpo", "train", "--resume", str(run_dir), *flags[:6]]
+        resumed = subprocess.run(resume, env=env, capture_output=True, timeout=180, check=False)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert endpoint.requests == asked  # nothing asked twice
+    (last,) = [row for row in _rows(run_dir) if row.get("step") == 2]
+    assert last["judge/cache_hits"] == 10 and last["judge/calls"] == 0
+    assert last["usage/judge_prompt_tokens"] == 0
+    assert last["reward/judge"] == pytest.approx(SCORE / 10)
