@@ -249,7 +249,9 @@ def test_an_endpoint_key_is_sent_and_never_shown() -> None:
     assert "sk-secret" not in repr(endpoint) and "sk-secret" not in endpoint.identity
 
 
-def test_the_built_in_model_as_judge_runs_and_logs_its_parse_errors(tmp_path: Path) -> None:
+def test_the_built_in_model_as_judge_runs_and_logs_its_parse_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Plumbing only: the tiny model mostly writes no SCORE line (counted, scored 0)."""
     config = tiny_config(
         tmp_path,
@@ -270,8 +272,12 @@ def test_the_built_in_model_as_judge_runs_and_logs_its_parse_errors(tmp_path: Pa
         assert row["judge/calls"] + row["judge/cache_hits"] == 10
         assert row["usage/judge_prompt_tokens"] > 0 and row["usage/judge_completion_tokens"] > 0
         assert row["reward/errors"] >= row["judge/parse_errors"] > 0
+    capsys.readouterr()
+    assert main(["eval", "--run-dir", str(tmp_path / "run"), "--limit", "2"]) == 2
+    assert "grpo eval does not resolve" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_step_and_resumed_asks_the_judge_nothing_twice(tmp_path: Path) -> None:
     """kill -9 in step 2's update (its judge replies already cached); the resumed run samples
     step 2 again (same seeds, same completions) and reads every reply from the cache."""
@@ -299,3 +305,38 @@ def test_a_run_killed_mid_step_and_resumed_asks_the_judge_nothing_twice(tmp_path
     assert last["judge/cache_hits"] == 10 and last["judge/calls"] == 0
     assert last["usage/judge_prompt_tokens"] == 0
     assert last["reward/judge"] == pytest.approx(SCORE / 10)
+
+
+def test_grpo_serve_as_the_judge_endpoint_with_a_key_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`grpo serve`'s OpenAI-compatible API serving the built-in model (plumbing: its replies
+    mostly do not parse); the key comes from the named variable and is written nowhere."""
+    from grpo.backends.names import TINY_MODEL_NAME
+    from grpo.serve.server import serve_in_thread
+
+    key = "judge-key-not-to-be-written"
+    monkeypatch.setenv("GRPO_TEST_JUDGE_KEY", key)
+    with serve_in_thread(root=tmp_path / "served", api_key=key) as handle:
+        judged = dict(
+            reward=("grpo.rewards:judge",),
+            judge_url=f"{handle.url}/v1",
+            judge_model=TINY_MODEL_NAME,
+            judge_max_tokens=8,
+            max_tokens=8,
+            reward_errors="zero",
+        )
+        monkeypatch.setenv("GRPO_TEST_WRONG_KEY", "wrong")
+        with pytest.raises(ConfigError, match="HTTP 401.*--judge-api-key-env"):
+            quiet_train(
+                tiny_config(tmp_path, "refused", **judged, judge_api_key_env="GRPO_TEST_WRONG_KEY")
+            )
+        quiet_train(tiny_config(tmp_path, **judged, judge_api_key_env="GRPO_TEST_JUDGE_KEY"))
+    rows = [row for row in _rows(tmp_path / "run") if row.get("step", 0) > 0]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["judge/calls"] + row["judge/cache_hits"] == 8
+        assert row["usage/judge_prompt_tokens"] > 0 and row["usage/judge_completion_tokens"] > 0
+    for path in (tmp_path / "run").rglob("*"):
+        if path.is_file():
+            assert key.encode() not in path.read_bytes(), path
