@@ -161,8 +161,13 @@ def score_completions(
             continue
         if isinstance(result, CallFailed):
             if on_error == "stop":
+                fix = (
+                    "use a judge that answers in the rubric's format"
+                    if reward.judge_mode is not None
+                    else "fix the reward"
+                )
                 raise RewardError(
-                    f"reward {reward.spec!r} {result.why} {where}; fix the reward, or pass "
+                    f"reward {reward.spec!r} {result.why} {where}; {fix}, or pass "
                     "--reward-errors zero to score such cases 0"
                 )
             errors += 1
