@@ -111,3 +111,16 @@ def serve(timeout_s: float = 20.0) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=timeout_s)
+
+
+def answer_action(text: str) -> SumsAction:
+    """An --env-arg action= hook: the text as the answer, stripped."""
+    return SumsAction(message=text.strip())
+
+
+def quiz_messages(observation: SumsObservation) -> list[dict[str, str]]:
+    """An --env-arg observation= hook: a system line, then the question."""
+    return [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": observation.prompt},
+    ]

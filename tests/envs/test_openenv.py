@@ -3,6 +3,9 @@ classes, on 127.0.0.1) drives training episodes; an unreachable server is a clea
 
 from __future__ import annotations
 
+import re
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ pytest.importorskip(
 )
 
 from grpo.cli import main  # noqa: E402 - after the skip
+from grpo.envs.base import Task  # noqa: E402
 from grpo.envs.openenv import observation_messages, parse_env_args, text_action  # noqa: E402
 from grpo.training import run_files  # noqa: E402
 from grpo.training.config import ConfigError  # noqa: E402
@@ -83,3 +87,36 @@ def test_the_default_mappings() -> None:
     assert observation_messages({"board": [1, 2], "turn": "x"}) == [
         {"role": "user", "content": '{"board": [1, 2], "turn": "x"}'}
     ]
+
+
+def test_hooks_map_the_action_and_the_observation_and_the_server_scores(tmp_path: Path) -> None:
+    hooks = (
+        "action=tests.envs.openenv_sums:answer_action",
+        "observation=tests.envs.openenv_sums:quiz_messages",
+    )
+    with serve() as url:
+        config = tiny_config(tmp_path, env=CLIENT, env_arg=(f"base_url={url}", *hooks, "top=20"))
+        episode = config.env_factory(Task(question="", gold="", index=7))
+        messages = episode.initial_observation()
+        assert messages[0] == {"role": "system", "content": "Answer briefly."}
+        a, b = map(int, re.findall(r"\d+", messages[1]["content"]))
+        assert max(a, b) <= 20  # the reset argument reached the server
+        result = episode.step(f"  \\boxed{{{a + b}}}  ")
+        assert (result.reward, result.done, result.observation) == (1.0, True, ())
+        again = config.env_factory(Task(question="", gold="", index=7))
+        assert again.initial_observation() == messages  # one seed, one problem (a group's)
+        assert again.step("\\boxed{-1}").reward == 0.0
+
+
+def test_a_server_that_is_not_openenv_is_named(tmp_path: Path) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(ConfigError, match="HTTP 404, so this is not an OpenEnv server"):
+            _ = tiny_config(tmp_path, env=CLIENT, env_arg=(f"base_url={url}",)).env_factory
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
