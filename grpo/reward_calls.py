@@ -146,12 +146,15 @@ class RewardCaller:
         timeout: float = 0.0,
         stop: threading.Event | None = None,
         note: Callable[[str], None] | None = None,
+        judge: Any = None,
     ) -> None:
         self.rewards = tuple(rewards)
         self.workers = workers
         self.timeout = timeout
         self.stop = stop
         self.note = note
+        self.judge = judge
+        """The run's judge (`grpo.training.judge.Judge`) for the judge rewards, else None."""
         self.processes = uses_processes(self.rewards, timeout)
         self._pool: multiprocessing.pool.Pool | None = None
 
@@ -258,9 +261,12 @@ def reward_session(
     timeout: float,
     stop: threading.Event | None,
     note: Callable[[str], None] | None = None,
+    judge: Any = None,
 ) -> Iterator[RewardCaller]:
     """A run's reward caller for the duration of its steps (workers kept across steps)."""
-    caller = RewardCaller(rewards, workers=workers, timeout=timeout, stop=stop, note=note)
+    caller = RewardCaller(
+        rewards, workers=workers, timeout=timeout, stop=stop, note=note, judge=judge
+    )
     token = _ACTIVE.set(caller)
     try:
         yield caller

@@ -15,9 +15,10 @@ from typing import Any
 import attrs
 import numpy as np
 
+from grpo.core.judging import JudgeGroup
 from grpo.core.rewards import RewardInput, weighted_total
-from grpo.reward_calls import CallExited, CallFailed, CallTimedOut, RewardCaller
-from grpo.rewards import RewardError, RewardExit, RewardFn
+from grpo.reward_calls import CallExited, CallFailed, CallTimedOut, Result, RewardCaller
+from grpo.rewards import RewardError, RewardExit, RewardFn, checked_values
 
 __all__ = ["RewardScores", "score_completions"]
 
@@ -63,6 +64,38 @@ def _preview(text: str) -> str:
     return text if len(text) <= _TEXT_PREVIEW else text[:_TEXT_PREVIEW] + "..."
 
 
+def _judge_results(
+    reward: RewardFn,
+    items: Sequence[tuple[str, Mapping[str, Any], RewardInput]],
+    group_sizes: Sequence[int],
+    caller: RewardCaller,
+) -> list[Result]:
+    """A judge reward's result for every item: its checked value, or the failed call."""
+    if caller.judge is None:
+        raise RewardError(
+            f"reward {reward.spec!r} needs the run's judge (--judge-model, --judge-url); "
+            "judge rewards are scored inside `grpo train`"
+        )
+    cuts = np.cumsum([0, *group_sizes])
+    groups = [
+        JudgeGroup(
+            row=items[start][1],
+            completions=tuple(completion for completion, _row, _sample in items[start:stop]),
+            samples=tuple(sample for _completion, _row, sample in items[start:stop]),
+        )
+        for start, stop in zip(cuts[:-1], cuts[1:], strict=True)
+    ]
+    values = reward.fn(groups, caller.judge)
+    results: list[Result] = []
+    for value in (value for group in values for value in group):
+        if isinstance(value, BaseException):
+            results.append(CallFailed(f"got no judgement: {value}"))
+            continue
+        checked = checked_values(reward, value)
+        results.append(CallFailed(checked) if isinstance(checked, str) else checked)
+    return results
+
+
 def score_completions(
     rewards: Sequence[RewardFn],
     items: Sequence[tuple[str, Mapping[str, Any], RewardInput]],
@@ -82,14 +115,23 @@ def score_completions(
     KeyboardInterrupt raises `RewardExit`; one past the timeout is an error like a raise.
     """
     calls = [(which, item) for item in items for which in range(len(rewards))]
+    judged = [which for which, reward in enumerate(rewards) if reward.judge_mode is not None]
+    plain = [(position, call) for position, call in enumerate(calls) if call[0] not in judged]
     own = caller is None
     if caller is None:
         caller = RewardCaller(rewards, workers=workers, timeout=timeout)
+    results: list[Any] = [None] * len(calls)
     try:
-        results = caller.results(calls)
+        for (position, _call), result in zip(
+            plain, caller.results([call for _position, call in plain]), strict=True
+        ):
+            results[position] = result
     finally:
         if own:
             caller.close()
+    for which in judged:
+        for index, result in enumerate(_judge_results(rewards[which], items, group_sizes, caller)):
+            results[index * len(rewards) + which] = result
     weights: dict[str, float] = {}
     values: list[dict[str, float]] = [{} for _ in items]
     errors = 0
@@ -119,8 +161,13 @@ def score_completions(
             continue
         if isinstance(result, CallFailed):
             if on_error == "stop":
+                fix = (
+                    "use a judge that answers in the rubric's format"
+                    if reward.judge_mode is not None
+                    else "fix the reward"
+                )
                 raise RewardError(
-                    f"reward {reward.spec!r} {result.why} {where}; fix the reward, or pass "
+                    f"reward {reward.spec!r} {result.why} {where}; {fix}, or pass "
                     "--reward-errors zero to score such cases 0"
                 )
             errors += 1

@@ -26,6 +26,13 @@ Built-ins run in this process (`--reward-workers N`: on N threads); user plugins
 worker processes with a timeout, each call on its own copy of the row
 (`grpo/reward_calls.py`); `grpo/reward_scores.py` scores a step's completions through them.
 Results are collected in completion order, so they equal the serial ones.
+
+Judge rewards (`judge`, `judge_rank`; docs/FORMULAS.md, "Judge rewards") are called once per
+step with every group and the run's judge (`--judge-model`, `--judge-url`;
+`grpo/training/judge.py`), always in this process: the judge has its own pool, timeouts and
+retries. `judge` scores each completion against the rubric, `judge_rank` has the judge rank
+each group's completions against each other. A reply that does not parse, or a judge call
+that kept failing, is a failed call like any reward's (`--reward-errors`).
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ __all__ = [
     "boxed_match",
     "checked_values",
     "code_tests",
+    "judge",
+    "judge_rank",
     "code_tests_partial",
     "load_rewards",
     "math_verify",
@@ -99,15 +108,40 @@ def code_tests_partial(completion: str, row: Mapping[str, Any]) -> float:
     return pass_fraction(completion, row)
 
 
+JUDGE_MODE_ATTRIBUTE = "grpo_judge_mode"
+
+
+def judge(groups: Sequence[Any], judge_client: Any) -> list[list[Any]]:
+    """s / S of each completion's judged `SCORE: s` line (one judge call per completion).
+
+    Called with the step's groups (`grpo.training.judge.JudgeGroup`) and the run's judge;
+    returns per group, per completion, the reward or the exception that stands for a failed
+    call (a reply that does not parse, a request that kept failing).
+    """
+    return judge_client.score_groups(groups)
+
+
+def judge_rank(groups: Sequence[Any], judge_client: Any) -> list[list[Any]]:
+    """(G - rho_i) / (G - 1) of each completion's fractional rank rho_i in its group's ranking
+    by the judge (one judge call per group; docs/FORMULAS.md, "Judge rewards")."""
+    return judge_client.rank_groups(groups)
+
+
+setattr(judge, JUDGE_MODE_ATTRIBUTE, "score")
+setattr(judge_rank, JUDGE_MODE_ATTRIBUTE, "rank")
+
+
 @attrs.frozen
 class RewardFn:
-    """One loaded reward: its spec, name, weight, the callable and whether it takes `sample`."""
+    """One loaded reward: its spec, name, weight, the callable, whether it takes `sample`, and
+    its judge mode ("score", "rank"; None for a reward of the text alone)."""
 
     spec: str
     name: str
     weight: float
     fn: Callable[..., Any] = attrs.field(eq=False)
     takes_sample: bool
+    judge_mode: str | None = None
 
     def __call__(self, completion: str, row: Mapping[str, Any], sample: RewardInput) -> Any:
         """The callable's raw value for one completion."""
@@ -171,6 +205,19 @@ def load_rewards(specs: Sequence[str]) -> tuple[RewardFn, ...]:
     for spec in specs or (DEFAULT_REWARD,):
         target, function, weight = parse_reward_spec(spec)
         fn = load_callable("--reward", spec, target, function, namespace="reward")
+        mode = getattr(fn, JUDGE_MODE_ATTRIBUTE, None)
+        if mode is not None:
+            loaded.append(
+                RewardFn(
+                    spec=spec,
+                    name=function,
+                    weight=weight,
+                    fn=fn,
+                    takes_sample=False,
+                    judge_mode=str(mode),
+                )
+            )
+            continue
         loaded.append(
             RewardFn(
                 spec=spec, name=function, weight=weight, fn=fn, takes_sample=_takes_sample(spec, fn)

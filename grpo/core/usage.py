@@ -1,6 +1,6 @@
 """Token usage and its cost: what a run sends to the sampler, samples, trains and forwards.
 
-Four kinds of tokens (docs/FORMULAS.md, "Usage and cost"), each with where it comes from:
+Six kinds of tokens (docs/FORMULAS.md, "Usage and cost"), each with where it comes from:
 
 - ``prompt_tokens``: tokens sent to a sampler. For ``sample`` calls the service's own count
   (``SampleResponse.input_tokens``); the client's count (the prompt's length) where the
@@ -12,6 +12,10 @@ Four kinds of tokens (docs/FORMULAS.md, "Usage and cost"), each with where it co
 - ``forward_tokens``: counted by the client: forward-only positions, i.e. the extra forward
   PyTRIO's SDK runs before a custom loss, and the one-minibatch forward that checks the
   weights before each checkpoint.
+- ``judge_prompt_tokens``, ``judge_completion_tokens``: what a judge reward
+  (`grpo.rewards:judge`, `judge_rank`) sent to its judge and got back: the sampler's counts
+  for a judge on the run's backend, an endpoint's reported ``usage`` (docs/FORMULAS.md,
+  "Judge rewards"); priced at the prompt and completion prices.
 
 Cost = Σ_kind tokens_kind × price_kind / 10^6, with prices per million tokens that the
 user supplies (no price is built in).
@@ -41,7 +45,14 @@ __all__ = [
     "usage_metrics",
 ]
 
-USAGE_KINDS = ("prompt_tokens", "completion_tokens", "trained_tokens", "forward_tokens")
+USAGE_KINDS = (
+    "prompt_tokens",
+    "completion_tokens",
+    "trained_tokens",
+    "forward_tokens",
+    "judge_prompt_tokens",
+    "judge_completion_tokens",
+)
 PER_MILLION = 1_000_000
 
 
@@ -52,19 +63,21 @@ def _count(_instance: object, attribute: attrs.Attribute, value: int) -> None:
 
 @attrs.frozen
 class TokenUsage:
-    """Token counts of the four kinds (see the module docstring for each one's source)."""
+    """Token counts of the six kinds (see the module docstring for each one's source)."""
 
     prompt_tokens: int = attrs.field(default=0, validator=_count)
     completion_tokens: int = attrs.field(default=0, validator=_count)
     trained_tokens: int = attrs.field(default=0, validator=_count)
     forward_tokens: int = attrs.field(default=0, validator=_count)
+    judge_prompt_tokens: int = attrs.field(default=0, validator=_count)
+    judge_completion_tokens: int = attrs.field(default=0, validator=_count)
 
     def __add__(self, other: TokenUsage) -> TokenUsage:
         return TokenUsage(*(getattr(self, kind) + getattr(other, kind) for kind in USAGE_KINDS))
 
     @property
     def total(self) -> int:
-        """All four kinds together."""
+        """All six kinds together."""
         return sum(getattr(self, kind) for kind in USAGE_KINDS)
 
 
@@ -88,10 +101,16 @@ class Prices:
     """Who supplied them (a price file, flags): shown next to every cost."""
 
     def per_kind(self) -> dict[str, float]:
-        """The price of each usage kind, per million tokens."""
-        return dict(
-            zip(USAGE_KINDS, (self.prompt, self.completion, self.train, self.forward), strict=True)
+        """The price of each usage kind, per million tokens (a judge's at prompt/completion)."""
+        rates = (
+            self.prompt,
+            self.completion,
+            self.train,
+            self.forward,
+            self.prompt,
+            self.completion,
         )
+        return dict(zip(USAGE_KINDS, rates, strict=True))
 
 
 def cost(usage: TokenUsage, prices: Prices) -> float:

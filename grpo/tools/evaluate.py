@@ -65,6 +65,13 @@ def eval_config(
     where = f"--run-dir {run_dir}" if run_dir else None
     config = config_from_dict(values, where=where)
     check_user_inputs(config, where=where)
+    judged = [reward.spec for reward in config.reward_fns if reward.judge_mode is not None]
+    if judged and config.env is None:
+        raise ConfigError(
+            f"{where + ': ' if where else ''}--reward {judged[0]} needs a judge, which grpo "
+            "eval does not resolve; grade with another --reward (e.g. --reward "
+            "grpo.rewards:boxed_match), or read the run's own test/reward"
+        )
     return config
 
 

@@ -161,7 +161,7 @@ def load_ahead(
             batch = step_problems(problems, batch_size, ahead, seed)
             if [problem.index for problem in batch] != list(record["problem_indices"]):
                 raise ValueError(f"step {ahead}'s problems differ from the ones sampled")
-            usage = TokenUsage(**{kind: int(record["usage"][kind]) for kind in USAGE_KINDS})
+            usage = TokenUsage(**{kind: int(record["usage"].get(kind, 0)) for kind in USAGE_KINDS})
             outcome = _outcome(record, batch, usage)
             jobs[ahead] = ReadyJob(tuple(batch), version - behind, outcome, usage)
     except (KeyError, TypeError, ValueError) as error:

@@ -180,6 +180,43 @@ class TrainConfig:
         "process with no limit",
         AtLeast(0),
     )
+    # Judge rewards (grpo.rewards:judge, grpo.rewards:judge_rank; docs/FORMULAS.md)
+    judge_model: str | None = flag(
+        None,
+        "the judge of grpo.rewards:judge / judge_rank: a model name, a sampler or state path, "
+        "or a finished run directory, on the run's backend; with --judge-url, the model name "
+        "the endpoint is asked for",
+        NOT_EMPTY,
+    )
+    judge_url: str | None = flag(
+        None,
+        "an OpenAI-compatible endpoint the judge is asked through (e.g. "
+        "http://127.0.0.1:8000/v1) instead of the run's backend",
+        NOT_EMPTY,
+    )
+    judge_api_key_env: str | None = flag(
+        None,
+        "the environment variable holding --judge-url's API key (the key itself is never "
+        "written anywhere)",
+        NOT_EMPTY,
+    )
+    judge_rubric: str | None = flag(
+        None,
+        "the judge's prompt template (a file) with {question}, {completion} (judge_rank: "
+        "{completions}) and {reference}; default: a built-in rubric",
+        NOT_EMPTY,
+    )
+    judge_max_score: float = flag(
+        10.0, "S of the judge's 'SCORE: s' line (0 <= s <= S); the reward is s / S", Above(0)
+    )
+    judge_max_tokens: int = flag(256, "most tokens of one judge reply", AtLeast(1))
+    judge_temperature: float = flag(
+        0.0, "the judge's sampling temperature (0 = greedy)", AtLeast(0)
+    )
+    judge_concurrency: int = flag(8, "judge requests in flight at once", AtLeast(1))
+    judge_timeout: float = flag(
+        60.0, "seconds one judge request may take before it is retried (--max-retries)", Above(0)
+    )
     overlong_buffer: int | None = flag(
         None,
         "L of DAPO's overlong penalty (grpo.rewards:overlong_penalty): linear over the last L "
@@ -195,6 +232,11 @@ class TrainConfig:
         "multi-turn environment MODULE:FACTORY or FILE.py:FACTORY, called with each task "
         "(e.g. grpo.envs:calculator_wordproblems); episodes replace single completions",
         NOT_EMPTY,
+    )
+    env_arg: tuple[str, ...] = flag(
+        (),
+        "KEY=VALUE for the --env (repeatable); --env openenv:MODULE:CLIENT takes base_url=URL, "
+        "action=/observation= MODULE:FUNCTION hooks, the rest go to the server's reset()",
     )
     max_turns: int = flag(4, "most sampled turns of an --env episode", AtLeast(1))
     env_timeout: float = flag(
@@ -418,6 +460,15 @@ class TrainConfig:
         if self.env is None:
             raise ConfigError("no --env given; this run samples single completions")
         try:
+            if self.env.startswith("openenv:"):
+                from grpo.envs.openenv import openenv_factory
+
+                return openenv_factory(
+                    self.env,
+                    self.env_arg,
+                    timeout_s=self.env_timeout,
+                    max_retries=self.max_retries,
+                )
             return load_env_factory(self.env)
         except ValueError as error:
             raise ConfigError(str(error)) from None
@@ -531,6 +582,11 @@ def check_recipe(config: "TrainConfig") -> None:
             f"--reward {config.reward[0]} with --env {config.env}: an episode's return is the "
             "environment's reward, so --reward would be ignored; drop --reward, or score the "
             "answer inside the environment's step"
+        )
+    if config.env_arg and (config.env is None or not config.env.startswith("openenv:")):
+        raise ConfigError(
+            f"--env-arg {config.env_arg[0]} is read by --env openenv:MODULE:CLIENT only (an "
+            "in-process --env factory takes its settings in its own code); drop --env-arg"
         )
     if config.recipe == "distill" and config.env is not None and config.teacher_system_prompt:
         raise ConfigError(

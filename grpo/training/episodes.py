@@ -115,7 +115,29 @@ def play_episode(
     log: Log,
 ) -> tuple[Episode, TokenUsage, list[str]]:
     """One episode: sample a turn, let the env answer, append its rendering; until done or a
-    limit. Returns the episode, the sampler usage, and the decoded observation of each turn."""
+    limit. Returns the episode, the sampler usage, and the decoded observation of each turn.
+    An env with a ``close()`` (a network session, `grpo.envs.openenv`) is closed at the end."""
+    try:
+        return _play(sampler, env, tokenizer, limits, seed_for, max_retries=max_retries, log=log)
+    finally:
+        close = getattr(env, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as error:  # noqa: BLE001 - the episode is over either way
+                log(f"closing {type(env).__name__} failed: {type(error).__name__}: {error}")
+
+
+def _play(
+    sampler: Any,
+    env: Env,
+    tokenizer: Any,
+    limits: EpisodeLimits,
+    seed_for: Callable[[int], int],
+    *,
+    max_retries: int,
+    log: Log,
+) -> tuple[Episode, TokenUsage, list[str]]:
     special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     messages = list(initial_messages(env, limits.env_timeout_s))
     shown = render(tokenizer, messages)

@@ -23,6 +23,7 @@ from grpo.core.usage import Prices, TokenUsage, cost, planned_episode_tokens, pl
 from grpo.tasks.data import columns_of, load_run_problems
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig, check_user_inputs
+from grpo.training.judge import check_judge, resolve_judge
 from grpo.training.prices import prices_for
 from grpo.training.rollouts import Problem, build_problems, tokenizer_max_len
 from grpo.training.schedule import evaluates_after, evaluates_at_start, saves_after
@@ -45,11 +46,16 @@ class Preflight:
     prices: Prices | None
     teacher: Any = None
     """`grpo distill`'s teacher, resolved and its tokenizer checked (None otherwise)."""
+    judge: Any = None
+    """The judge of the judge rewards (`grpo.training.judge.Judge`), resolved (else None)."""
 
 
-def preflight(config: TrainConfig, make_service: Callable[[], Any]) -> Preflight:
+def preflight(
+    config: TrainConfig, make_service: Callable[[], Any], log: Callable[[str], None] = print
+) -> Preflight:
     """Check rewards, few-shot file, prices and data (before any service call), then prompts."""
     check_user_inputs(config)
+    check_judge(config)
     prices = prices_for(config)
     train_rows = load_run_problems(config, "train")
     test_rows = (
@@ -87,8 +93,12 @@ def preflight(config: TrainConfig, make_service: Callable[[], Any]) -> Preflight
         from grpo.training.teacher import resolve_teacher
 
         teacher = resolve_teacher(service, config, tokenizer)
+    judge = resolve_judge(
+        service, config, run_dir=Path(config.run_dir) if config.run_dir else None, log=log
+    )
     return Preflight(
         teacher=teacher,
+        judge=judge,
         config=config,
         steps=steps,
         service=service,
@@ -113,6 +123,36 @@ def count_checkpoints(config: TrainConfig, steps: int, start_step: int = 0) -> i
     """Checkpoints the loop saves: every --save-every before the last step, then the final one."""
     periodic = sum(1 for step in range(start_step + 1, steps) if saves_after(config, step, steps))
     return periodic + 1
+
+
+def judge_calls(pre: Preflight, start_step: int = 0) -> int:
+    """The most judge requests of steps start_step..steps: per round of a step B·G for
+    `judge` and B for `judge_rank`; per evaluation n_test for `judge` (a group of one is
+    not ranked); 0 without a judge reward."""
+    config = pre.config
+    if pre.judge is None:
+        return 0
+    modes = [reward.judge_mode for reward in config.reward_fns if reward.judge_mode]
+    per_round = sum(
+        config.batch_size * (config.group_size if mode == "score" else 1) for mode in modes
+    )
+    per_eval = len(pre.test_problems) * modes.count("score")
+    steps = pre.steps - start_step
+    evals = count_evals(config, pre.steps, start_step)
+    return steps * sampling_rounds(config) * per_round + evals * per_eval
+
+
+def _judge_line(pre: Preflight, start_step: int) -> list[str]:
+    if pre.judge is None:
+        return []
+    calls = judge_calls(pre, start_step)
+    return [
+        f"  judge: {pre.config.judge_model}"
+        + (f" at {pre.config.judge_url}" if pre.config.judge_url else " (the run's backend)")
+        + f", <= {calls:,} requests (cached replies are not sent again), judge completion "
+        f"tokens <= {calls * pre.config.judge_max_tokens:,}; judge prompt tokens not planned "
+        "(the rubric's and the judge tokenizer's)"
+    ]
 
 
 def runs_extra_forward(config: TrainConfig) -> bool:
@@ -142,7 +182,10 @@ def plan_usage(pre: Preflight, start_step: int = 0) -> TokenUsage:
         ]
         for step in range(start_step, pre.steps)
     ]
-    return planned_usage(
+    judged = TokenUsage(
+        judge_completion_tokens=judge_calls(pre, start_step) * config.judge_max_tokens
+    )
+    return judged + planned_usage(
         lens_by_step,
         [len(problem.prompt_tokens) for problem in pre.test_problems],
         group_size=config.group_size,
@@ -225,6 +268,11 @@ def usage_lines(
         ("completion tokens", usage.completion_tokens, "<= (every completion --max-tokens long)"),
         ("trained tokens", usage.trained_tokens, "<= (positions x passes, no group dropped)"),
         ("forward-only tokens", usage.forward_tokens, "<= (checkpoint checks, custom loss)"),
+        *(
+            [("judge reply tokens", usage.judge_completion_tokens, "<= (--judge-max-tokens each)")]
+            if usage.judge_completion_tokens
+            else []
+        ),
     ]
     lines = [f"  {label:<24} {value:>14,}  {note}" for label, value, note in rows]
     if prices is None:
@@ -293,6 +341,7 @@ def describe(pre: Preflight, usage: TokenUsage, start_step: int = 0) -> list[str
         f"{len(pre.test_problems)} problems; "
         f"{count_checkpoints(config, pre.steps, start_step)} checkpoint(s)",
         *_teacher_line(pre, start_step),
+        *_judge_line(pre, start_step),
         *([episode_plan_line(config)] if config.env is not None else []),
         *_probe_line(config),
         *usage_lines(

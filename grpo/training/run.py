@@ -128,11 +128,12 @@ def _train_in(
     progress: bool,
 ) -> RunResult:
     init_path = init_state_path(config) if checkpoint is None and config.init_from else None
-    pre = preflight(config, lambda: service_client or _make_service(config, run_dir))
-    service, steps = pre.service, pre.steps
 
     def note(message: str) -> None:
         echo(f"[grpo] {message}")
+
+    pre = preflight(config, lambda: service_client or _make_service(config, run_dir), note)
+    service, steps = pre.service, pre.steps
 
     warning = sampling_mismatch_note(config)
     if warning is not None and config.mismatch.mode != "recompute":
@@ -178,6 +179,7 @@ def _train_in(
         note=note,
         prices=pre.prices,
         teacher=pre.teacher,
+        judge=pre.judge,
     )
     state = start_state(run_dir, start_step)
     if checkpoint is not None and config.max_steps_off_policy and start_step < steps:

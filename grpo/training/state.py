@@ -40,6 +40,8 @@ class Run:
     prices: Prices | None = None
     teacher: Any = None
     """The checked teacher of `grpo distill` (`grpo.training.teacher.Teacher`), else None."""
+    judge: Any = None
+    """The judge of the judge rewards (`grpo.training.judge.Judge`), else None."""
 
 
 @attrs.define

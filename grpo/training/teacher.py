@@ -106,29 +106,36 @@ def weights_sampler(
         ) from None
 
 
-def teacher_sampler(service: Any, config: TrainConfig) -> tuple[Any, str | None]:
-    """The sampler --teacher names and the weights path it resolved to (None: a base model)."""
-    source = str(config.teacher)
+def named_sampler(
+    service: Any, config: TrainConfig, source: str, flag: str
+) -> tuple[Any, str | None]:
+    """The sampler ``source`` names on the run's backend (a finished run directory, a weights
+    path, or a model name) and the weights path it resolved to (None: a base model)."""
     path = Path(source).expanduser()
     if is_run_dir(path):
         if config.run_dir is not None and path.resolve() == Path(config.run_dir).resolve():
-            raise ConfigError(f"--teacher {source} is this run itself; name another run")
+            raise ConfigError(f"{flag} {source} is this run itself; name another run")
         saved = run_files.read_config(path)
         try:
             weights = run_files.eval_weights_path(path)
         except run_files.RunDirError as error:
-            raise ConfigError(f"--teacher {source}: {error}") from None
+            raise ConfigError(f"{flag} {source}: {error}") from None
         base_model = str(saved.get("base_model", config.base_model))
-        return weights_sampler(service, base_model, weights, source), weights
+        return weights_sampler(service, base_model, weights, source, flag), weights
     if "://" in source or (path.exists() and not _is_model_dir(path)):
-        return weights_sampler(service, config.base_model, source, source), source
+        return weights_sampler(service, config.base_model, source, source, flag), source
     try:
         return service.create_sampling_client(base_model=source), None
     except Exception as error:  # noqa: BLE001 - every backend has its own not-found error
         raise ConfigError(
-            f"--teacher {source}: not a run directory, a weights path or a model the service "
+            f"{flag} {source}: not a run directory, a weights path or a model the service "
             f"has ({str(error).splitlines()[0] if str(error) else type(error).__name__})"
         ) from None
+
+
+def teacher_sampler(service: Any, config: TrainConfig) -> tuple[Any, str | None]:
+    """The sampler --teacher names and the weights path it resolved to (None: a base model)."""
+    return named_sampler(service, config, str(config.teacher), "--teacher")
 
 
 def check_same_tokenizer(

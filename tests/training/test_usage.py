@@ -240,6 +240,8 @@ def test_usage_equals_the_tokens_really_sent_sampled_and_trained(
         "completion_tokens": record.completion,
         "trained_tokens": record.trained,
         "forward_tokens": record.forward,
+        "judge_prompt_tokens": 0,  # no judge reward in this run
+        "judge_completion_tokens": 0,
     }
     # The service reports what the client counts (the local backend: exactly).
     assert record.reported_completion == record.completion

@@ -113,8 +113,13 @@ class GrpoRecipe:
         )
 
     def step(self, state: RunState, step: int) -> dict[str, float]:
-        """Steps 1-9 (`train_step`)."""
-        return train_step(self.run, state, step, self.source)
+        """Steps 1-9 (`train_step`), and the judge's tokens and counts (`judge/*`)."""
+        metrics = train_step(self.run, state, step, self.source)
+        if self.run.judge is not None:
+            usage, counts = self.run.judge.take_metrics()
+            state.usage += usage
+            metrics.update(counts)
+        return metrics
 
     def evaluates_after(self, done: int) -> bool:
         """Every --eval-every steps, after the last, and before the first of a fresh run."""
@@ -127,6 +132,10 @@ class GrpoRecipe:
         fault_point("eval")
         metrics, usage = self.source.evaluate(self.run, current_sampler(self.run, state))
         state.usage += usage
+        if self.run.judge is not None:  # the test completions' judge calls: test/judge_*
+            usage, counts = self.run.judge.take_metrics("test/judge_")
+            state.usage += usage
+            metrics.update(counts)
         return metrics
 
     def baseline(self, state: RunState) -> dict[str, float]:
@@ -169,6 +178,7 @@ class GrpoRecipe:
                 timeout=config.reward_timeout,
                 stop=stop,
                 note=self.run.note,
+                judge=self.run.judge,
             )
         )
         return calls
@@ -184,3 +194,5 @@ class GrpoRecipe:
         self.run.pool.shutdown(wait=False, cancel_futures=True)
         if self.run.teacher is not None:
             self.run.teacher.close()
+        if self.run.judge is not None:
+            self.run.judge.close()

@@ -1,0 +1,342 @@
+"""Judge rewards end to end: a stub OpenAI-compatible endpoint, the built-in model as a judge
+(plumbing only: it is no judge), the cache, usage, parse errors and --reward-errors."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from grpo.cli import main
+from grpo.core.judging import JudgeGroup
+from grpo.core.rewards import RewardInput
+from grpo.core.usage import TokenUsage
+from grpo.reward_calls import RewardCaller
+from grpo.reward_scores import score_completions
+from grpo.rewards import RewardError, load_rewards
+from grpo.training import run_files
+from grpo.training.config import ConfigError, TrainConfig
+from grpo.training.faults import FAULT_ENV
+from grpo.training.judge import (
+    CACHE_FILE,
+    EndpointJudge,
+    Judge,
+    JudgeReply,
+    check_judge,
+)
+from grpo.training.run import dry_run
+from tests.runs import quiet_train, tiny_config
+
+PROMPT_TOKENS, COMPLETION_TOKENS, SCORE = 11, 3, 7
+
+
+class StubEndpoint(ThreadingHTTPServer):
+    """An OpenAI-compatible endpoint on 127.0.0.1 with fixed replies: `SCORE: 7` to a score
+    rubric, `RANKING: G > ... > 1` to a ranking rubric; counts the chat requests."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.requests = 0
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/v1"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: StubEndpoint
+
+    def log_message(self, *_args: Any) -> None:
+        pass
+
+    def _send(self, payload: Any) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self._send({"object": "list", "data": [{"id": "stub"}]})
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = request["messages"][0]["content"]
+        with self.server.lock:
+            self.server.requests += 1
+        labels = re.findall(r"^\[(\d+)\]$", prompt, flags=re.M)
+        reply = "RANKING: " + " > ".join(reversed(labels)) if labels else f"Fine.\nSCORE: {SCORE}"
+        self._send(
+            {
+                "choices": [{"message": {"role": "assistant", "content": reply}}],
+                "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS},
+            }
+        )
+
+
+@contextlib.contextmanager
+def stub_endpoint() -> Iterator[StubEndpoint]:
+    server = StubEndpoint()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    return run_files.read_metrics(run_dir)
+
+
+def _sample(index: int) -> RewardInput:
+    return RewardInput(
+        index=index, gold="4", num_tokens=3, max_tokens=8, stop_reason="stop", overlong_buffer=2
+    )
+
+
+def test_judge_rewards_through_an_endpoint_score_rank_and_count_usage(tmp_path: Path) -> None:
+    with stub_endpoint() as endpoint:
+        config = tiny_config(
+            tmp_path,
+            reward=("grpo.rewards:judge", "grpo.rewards:judge_rank"),
+            judge_url=endpoint.url,
+            judge_model="stub",
+        )
+        quiet_train(config)
+    rows = [row for row in _rows(tmp_path / "run") if row.get("step", 0) > 0]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["reward/judge"] == pytest.approx(SCORE / 10)
+        assert row["reward/judge_rank"] == pytest.approx(0.5)  # Σ r = G/2 per group
+        assert row["frac_degenerate"] == 0.0  # the stub's strict rankings differ in a group
+        # B·G score calls and B rank calls, each sent or (an equal completion) cached
+        assert row["judge/calls"] + row["judge/cache_hits"] == 2 * 4 + 2
+        assert row["judge/parse_errors"] == 0 and row["judge/errors"] == 0
+        assert row["usage/judge_prompt_tokens"] == row["judge/calls"] * PROMPT_TOKENS
+        assert row["usage/judge_completion_tokens"] == row["judge/calls"] * COMPLETION_TOKENS
+    assert endpoint.requests == sum(row["judge/calls"] for row in rows)
+    assert (tmp_path / "run" / CACHE_FILE).is_file()
+
+
+@attrs.define
+class ScriptedBackend:
+    """A judge backend answering a fixed reply, counting its calls."""
+
+    reply: str
+    identity: str = "scripted"
+    calls: int = 0
+
+    def ask(self, prompt: str) -> JudgeReply:
+        self.calls += 1
+        return JudgeReply(self.reply, TokenUsage(judge_prompt_tokens=len(prompt)))
+
+
+def _judge(backend: Any, cache: Path | None = None) -> Judge:
+    from grpo.core.judging import DEFAULT_RANK_RUBRIC, DEFAULT_SCORE_RUBRIC
+
+    return Judge(
+        backend,
+        rubrics={"score": DEFAULT_SCORE_RUBRIC, "rank": DEFAULT_RANK_RUBRIC},
+        max_score=10.0,
+        question_column="question",
+        concurrency=2,
+        max_retries=0,
+        cache_path=cache,
+        log=lambda _line: None,
+    )
+
+
+def _items(count: int) -> list[tuple[str, dict[str, str], RewardInput]]:
+    return [(f"answer {i}", {"question": f"q{i // 2}"}, _sample(i // 2)) for i in range(count)]
+
+
+def test_a_second_judge_on_the_same_cache_asks_nothing(tmp_path: Path) -> None:
+    groups = [JudgeGroup(row={"question": "q"}, completions=("a", "b"), samples=(_sample(0),) * 2)]
+    first = ScriptedBackend("SCORE: 4")
+    assert _judge(first, tmp_path / CACHE_FILE).score_groups(groups) == [[0.4, 0.4]]
+    assert first.calls == 2
+    again = ScriptedBackend("SCORE: 9")  # would answer otherwise: the cache must win
+    judge = _judge(again, tmp_path / CACHE_FILE)
+    assert judge.score_groups(groups) == [[0.4, 0.4]]
+    assert again.calls == 0
+    usage, counts = judge.take_metrics()
+    assert counts["judge/cache_hits"] == 2 and counts["judge/calls"] == 0
+    assert usage == TokenUsage()  # a cached reply costs nothing
+
+
+@pytest.mark.parametrize("spec", ["grpo.rewards:judge", "grpo.rewards:judge_rank"])
+def test_unparseable_replies_are_counted_and_reward_errors_decides(spec: str) -> None:
+    rewards = load_rewards([spec])
+    items = _items(4)
+    judge = _judge(ScriptedBackend("I think it is fine."))
+    caller = RewardCaller(rewards, judge=judge)
+    with pytest.raises(RewardError, match="got no judgement: the last line"):
+        score_completions(rewards, items, [2, 2], on_error="stop", caller=caller)
+    scores = score_completions(rewards, items, [2, 2], on_error="zero", caller=caller)
+    assert scores.errors == 4
+    assert [list(total) for total in scores.totals_P] == [[0.0, 0.0], [0.0, 0.0]]
+    _usage, counts = judge.take_metrics()
+    assert counts["judge/parse_errors"] == 8  # both calls of score_completions
+
+
+def test_a_judge_reward_outside_a_run_names_what_it_needs() -> None:
+    rewards = load_rewards(["grpo.rewards:judge"])
+    with pytest.raises(RewardError, match="needs the run's judge"):
+        score_completions(rewards, _items(2), [2])
+
+
+def test_judge_flags_are_checked_before_any_call(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="needs a judge"):
+        check_judge(TrainConfig(reward=("grpo.rewards:judge",)))
+    with pytest.raises(ConfigError, match="is for the judge rewards"):
+        check_judge(TrainConfig(judge_model="grpo/tiny-qwen3-bpe"))
+    rubric = tmp_path / "rubric.txt"
+    rubric.write_text("Grade {completion} of {question}")
+    with pytest.raises(ConfigError, match=r"no \{completions\} placeholder"):
+        check_judge(
+            TrainConfig(
+                reward=("grpo.rewards:judge_rank",),
+                judge_model="grpo/tiny-qwen3-bpe",
+                judge_rubric=str(rubric),
+            )
+        )
+    assert check_judge(
+        TrainConfig(reward=("grpo.rewards:judge",), judge_model="m", judge_rubric=str(rubric))
+    ) == {"score": "Grade {completion} of {question}"}
+
+
+def test_an_unreachable_judge_url_exits_2_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with stub_endpoint() as endpoint:
+        url = endpoint.url  # a port that no longer answers once the stub is gone
+    run_dir = tmp_path / "run"
+    argv = ["train", "--reward", "grpo.rewards:judge", "--judge-url", url, "--judge-model", "m"]
+    assert main([*argv, "--steps", "1", "--run-dir", str(run_dir)]) == 2
+    error = capsys.readouterr().err
+    assert f"--judge-url {url}: cannot reach" in error and "Traceback" not in error
+    assert not run_dir.exists()
+
+
+def test_an_endpoint_key_is_sent_and_never_shown() -> None:
+    endpoint = EndpointJudge(
+        "http://127.0.0.1:1/v1",
+        model="m",
+        api_key="sk-secret",
+        max_tokens=8,
+        temperature=0.0,
+        timeout_s=1.0,
+    )
+    assert "sk-secret" not in repr(endpoint) and "sk-secret" not in endpoint.identity
+
+
+def test_the_built_in_model_as_judge_runs_and_logs_its_parse_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Plumbing only: the tiny model mostly writes no SCORE line (counted, scored 0)."""
+    config = tiny_config(
+        tmp_path,
+        reward=("grpo.rewards:judge", "grpo.rewards:judge_rank"),
+        judge_model="grpo/tiny-qwen3-bpe",
+        judge_max_tokens=16,
+        max_tokens=8,
+        reward_errors="zero",
+    )
+    plan = dry_run(config)
+    (line,) = [line for line in plan if "judge reply tokens" in line]
+    quiet_train(config)
+    rows = [row for row in _rows(tmp_path / "run") if row.get("step", 0) > 0]
+    assert len(rows) == 2
+    assert rows[-1]["usage/cum_judge_completion_tokens"] <= int(line.split()[3].replace(",", ""))
+    assert any("<= 20 requests" in line for line in plan)
+    for row in rows:
+        assert row["judge/calls"] + row["judge/cache_hits"] == 10
+        assert row["usage/judge_prompt_tokens"] > 0 and row["usage/judge_completion_tokens"] > 0
+        assert row["reward/errors"] >= row["judge/parse_errors"] > 0
+    capsys.readouterr()
+    assert main(["eval", "--run-dir", str(tmp_path / "run"), "--limit", "2"]) == 2
+    assert "grpo eval does not resolve" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_step_and_resumed_asks_the_judge_nothing_twice(tmp_path: Path) -> None:
+    """kill -9 in step 2's update (its judge replies already cached); the resumed run samples
+    step 2 again (same seeds, same completions) and reads every reply from the cache."""
+    run_dir = tmp_path / "run"
+    with stub_endpoint() as endpoint:
+        flags = [
+            *("--reward", "grpo.rewards:judge", "--reward", "grpo.rewards:judge_rank"),
+            *("--judge-url", endpoint.url, "--judge-model", "stub"),
+            *("--steps", "2", "--batch-size", "2", "--group-size", "4", "--max-tokens", "8"),
+            *("--eval-every", "0", "--save-every", "1", "--num-substeps", "1"),
+            *("--swanlab-mode", "disabled"),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", FAULT_ENV: "optim:2:SIGKILL"}
+        command = [sys.executable, "-m", "grpo", "train", *flags, "--run-dir", str(run_dir)]
+        killed = subprocess.run(command, env=env, capture_output=True, timeout=180, check=False)
+        assert killed.returncode == -signal.SIGKILL
+        asked = endpoint.requests  # steps 1 and 2 judged (equal completions share a reply)
+        assert asked > 10
+        env.pop(FAULT_ENV)
+        resume = [sys.executable, "-m", "grpo", "train", "--resume", str(run_dir), *flags[:6]]
+        resumed = subprocess.run(resume, env=env, capture_output=True, timeout=180, check=False)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert endpoint.requests == asked  # nothing asked twice
+    (last,) = [row for row in _rows(run_dir) if row.get("step") == 2]
+    assert last["judge/cache_hits"] == 10 and last["judge/calls"] == 0
+    assert last["usage/judge_prompt_tokens"] == 0
+    assert last["reward/judge"] == pytest.approx(SCORE / 10)
+
+
+def test_grpo_serve_as_the_judge_endpoint_with_a_key_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`grpo serve`'s OpenAI-compatible API serving the built-in model (plumbing: its replies
+    mostly do not parse); the key comes from the named variable and is written nowhere."""
+    from grpo.backends.names import TINY_MODEL_NAME
+    from grpo.serve.server import serve_in_thread
+
+    key = "judge-key-not-to-be-written"
+    monkeypatch.setenv("GRPO_TEST_JUDGE_KEY", key)
+    with serve_in_thread(root=tmp_path / "served", api_key=key) as handle:
+        judged = dict(
+            reward=("grpo.rewards:judge",),
+            judge_url=f"{handle.url}/v1",
+            judge_model=TINY_MODEL_NAME,
+            judge_max_tokens=8,
+            max_tokens=8,
+            reward_errors="zero",
+        )
+        monkeypatch.setenv("GRPO_TEST_WRONG_KEY", "wrong")
+        with pytest.raises(ConfigError, match="HTTP 401.*--judge-api-key-env"):
+            quiet_train(
+                tiny_config(tmp_path, "refused", **judged, judge_api_key_env="GRPO_TEST_WRONG_KEY")
+            )
+        quiet_train(tiny_config(tmp_path, **judged, judge_api_key_env="GRPO_TEST_JUDGE_KEY"))
+    rows = [row for row in _rows(tmp_path / "run") if row.get("step", 0) > 0]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["judge/calls"] + row["judge/cache_hits"] == 8
+        assert row["usage/judge_prompt_tokens"] > 0 and row["usage/judge_completion_tokens"] > 0
+    for path in (tmp_path / "run").rglob("*"):
+        if path.is_file():
+            assert key.encode() not in path.read_bytes(), path
