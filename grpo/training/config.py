@@ -25,6 +25,7 @@ from grpo.core.normalization import NORMALIZATIONS
 from grpo.tasks.prompts import QUESTION_SUFFIX
 from grpo.training.fields import (
     ADVANTAGE_NAMES,
+    ENV_VAR_NAME,
     GOLD_RULE,
     KL_ESTIMATOR_NAMES,
     LOSS_NAMES,
@@ -198,7 +199,7 @@ class TrainConfig:
         None,
         "the environment variable holding --judge-url's API key (the key itself is never "
         "written anywhere)",
-        NOT_EMPTY,
+        ENV_VAR_NAME,
     )
     judge_rubric: str | None = flag(
         None,

@@ -215,6 +215,20 @@ class PlainName:
 
 
 @attrs.frozen
+class EnvVarName:
+    """The name of an environment variable (None passes): letters, digits and '_', not a
+    digit first. A value that is not one is most likely the secret itself, refused unechoed."""
+
+    def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+        if value is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+            raise ConfigError(
+                f"{flag_name(attribute.name)} takes the NAME of an environment variable "
+                "(letters, digits, '_'), not a key; e.g. export JUDGE_KEY=... and pass "
+                f"{flag_name(attribute.name)} JUDGE_KEY"
+            )
+
+
+@attrs.frozen
 class GoldRule:
     """'####', 'whole' or 'regex:PATTERN' with a pattern that compiles."""
 
@@ -237,6 +251,7 @@ class GoldRule:
 NOT_EMPTY = NotEmpty()
 PLAIN_NAME = PlainName()
 GOLD_RULE = GoldRule()
+ENV_VAR_NAME = EnvVarName()
 MAX_PRICE = 1e9  # per million tokens: costs of any run stay finite
 PRICE = attrs.validators.and_(AtLeast(0, " (a price per million tokens)"), AtMost(MAX_PRICE))
 

@@ -26,6 +26,8 @@ _SECRET_KEY = re.compile(
     r"(api[_-]?key|secret|passw(or)?d|(auth|access|bearer|api)[_-]?token)", re.IGNORECASE
 )
 
+_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
 CONSOLE_KEYS = (
     ("reward", "reward", "{:.3f}"),
     ("frac_degenerate", "degen", "{:.2f}"),
@@ -45,8 +47,21 @@ ROLLOUT_TEXT_LIMIT = 2000
 
 
 def scrub_secrets(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config without any key that names a credential (API keys never reach logs)."""
-    return {key: value for key, value in config.items() if not _SECRET_KEY.search(key)}
+    """The config without any key that names a credential (API keys never reach logs); a key
+    ending in ``_env`` whose value is a variable's name (``judge_api_key_env``) is kept: it
+    says where the secret is, so a resume finds it again."""
+    return {
+        key: value
+        for key, value in config.items()
+        if not _SECRET_KEY.search(key) or _names_a_variable(key, value)
+    }
+
+
+def _names_a_variable(key: str, value: Any) -> bool:
+    """Whether ``key`` is ``..._env`` and ``value`` an environment variable's name (or None)."""
+    return key.endswith("_env") and (
+        value is None or (isinstance(value, str) and bool(_VARIABLE_NAME.fullmatch(value)))
+    )
 
 
 def console_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> str:

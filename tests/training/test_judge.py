@@ -340,3 +340,10 @@ def test_grpo_serve_as_the_judge_endpoint_with_a_key_from_the_environment(
     for path in (tmp_path / "run").rglob("*"):
         if path.is_file():
             assert key.encode() not in path.read_bytes(), path
+    # The variable's name is kept (a resume reads the key from it again); a key given where
+    # the name goes is refused without being echoed.
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["judge_api_key_env"] == "GRPO_TEST_JUDGE_KEY"
+    with pytest.raises(ConfigError, match="NAME of an environment variable") as refused:
+        tiny_config(tmp_path, "key-given", **judged, judge_api_key_env="sk-live-1234")
+    assert "sk-live-1234" not in str(refused.value)

@@ -339,6 +339,13 @@ def test_config_is_saved_without_secrets(tmp_path: Path) -> None:
     assert scrub_secrets(
         {"api_key": "sk-123", "PYTRIO_API_KEY": "x", "auth_token": "t", "steps": 3, "max_tokens": 8}
     ) == {"steps": 3, "max_tokens": 8}
+    # A variable's name is where the key is, not the key: kept, so a resume finds it again;
+    # a value that is no variable name (the key itself, given by mistake) is dropped.
+    assert scrub_secrets({"judge_api_key_env": "JUDGE_KEY", "steps": 3}) == {
+        "judge_api_key_env": "JUDGE_KEY",
+        "steps": 3,
+    }
+    assert scrub_secrets({"judge_api_key_env": "sk-live-123", "api_key_env": "a b"}) == {}
 
     @attrs.frozen
     class WithSecrets(TrainConfig):
@@ -350,7 +357,7 @@ def test_config_is_saved_without_secrets(tmp_path: Path) -> None:
     config = WithSecrets(**attrs.asdict(tiny_config(tmp_path, steps=1), recurse=False))
     result = quiet_train(config)
     saved = (result.run_dir / "config.json").read_text()
-    assert "api_key" not in saved.lower() and "sk-123" not in saved and "auth_token" not in saved
+    assert "sk-123" not in saved and not {"api_key", "auth_token"} & json.loads(saved).keys()
     assert attrs.fields_dict(TrainConfig).keys() == json.loads(saved).keys()
 
 
