@@ -1,0 +1,221 @@
+"""The trainer's shared-prefix forward: datums that begin alike share one pass over their start.
+
+In GRPO a group's G datums share their prompt, most of their positions. ``group_by_prefix``
+finds such groups from the datums' input tokens alone (no API change: a PyTRIO client or
+``grpo serve`` sends plain datums); ``pack_rows`` lays each group out as one row, the shared
+prefix once and then every member's remaining tokens, with position ids that continue the
+prefix for each member and an attention mask under which a member's token sees the prefix
+and its own earlier tokens only (the "shared-prefix forward" of Prefix Grouper, arXiv
+2506.05433). Autograd then accumulates the gradient of the shared positions once, summed
+over the members that attend to them. ``shared_prefix_logprobs`` runs the model over the
+rows and unembeds only the positions a target reads (never the prompt positions a
+GRPO datum masks with the ignore index), each shared position once.
+
+Same math as the unshared forward (one padded row per datum): every member token's
+attention covers exactly the keys it covered there, at the same positions; the rounding
+differs (other matmul shapes, a masked instead of a causal attention kernel), by ~1e-7 on a
+log-prob (`tests/backends/test_shared_prefix.py` checks log-probs and gradients to 1e-5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import torch
+from torch import Tensor
+
+from grpo.backends.datums import IGNORE_INDEX
+
+# Decoders whose causal-LM head is exactly `lm_head(final-normed hidden state)` (no logit
+# scaling or soft-capping) and whose attention goes through the backend's attention interface.
+SHARED_PREFIX_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+
+
+@attrs.frozen
+class PrefixGroup:
+    """Datums (indices into the request) whose inputs share their first `prefix_length` tokens."""
+
+    members: tuple[int, ...]
+    prefix_length: int
+
+
+@attrs.frozen
+class PackedRows:
+    """Groups laid out as right-padded rows: ids, positions, mask, and where each datum lies."""
+
+    input_ids_RL: Tensor
+    position_ids_RL: Tensor
+    attends_RLL: Tensor  # bool: query column attends key column
+    column_N: np.ndarray  # per position of every datum (end to end): its flat row*L + column
+
+
+def _common_prefix(left: Sequence[int], right: Sequence[int]) -> int:
+    """How many leading tokens two sequences share."""
+    size = min(len(left), len(right))
+    differ = np.flatnonzero(np.asarray(left[:size]) != np.asarray(right[:size]))
+    return int(differ[0]) if len(differ) else size
+
+
+def row_cost(length: int, attention_weight: float) -> float:
+    """The cost of one packed row of `length` positions: L + ρ·L² (linear layers + attention)."""
+    return length + attention_weight * length * length
+
+
+def group_by_prefix(
+    inputs: Sequence[Sequence[int]], attention_weight: float = 0.0
+) -> list[PrefixGroup]:
+    """Datums grouped by shared leading tokens, each group one packed row.
+
+    Datums are taken in lexicographic order of their tokens, so those sharing a prefix are
+    neighbours; a datum joins its predecessor's group when one row costs less (`row_cost`:
+    positions, plus ``attention_weight`` x squared length for a dense attention mask) than
+    the group's row and its own, i.e. when sharing saves more positions than the longer
+    row adds attention. A group's prefix is the members' common prefix (for sorted
+    sequences the minimum over neighbours); a lone datum's prefix is the whole datum.
+    """
+    order = sorted(range(len(inputs)), key=lambda index: tuple(inputs[index]))
+    groups: list[PrefixGroup] = []
+    members: list[int] = []
+    prefix = 0
+    tails = 0  # the members' positions after the prefix
+    for index in order:
+        length = len(inputs[index])
+        if members:
+            shared = min(prefix, _common_prefix(inputs[members[-1]], inputs[index]))
+            joined = shared + tails + (prefix - shared) * len(members) + length - shared
+            apart = row_cost(prefix + tails, attention_weight) + row_cost(length, attention_weight)
+            if shared > 0 and row_cost(joined, attention_weight) < apart:
+                tails = joined - shared
+                prefix = shared
+                members.append(index)
+                continue
+            groups.append(PrefixGroup(tuple(members), prefix))
+        members, prefix, tails = [index], length, 0
+    if members:
+        groups.append(PrefixGroup(tuple(members), prefix))
+    return groups
+
+
+def pack_rows(inputs: Sequence[Sequence[int]], groups: Sequence[PrefixGroup]) -> PackedRows:
+    """One row per group: the prefix, then each member's tokens after it, right padded.
+
+    A member's token at position t >= p (p the prefix length) keeps position id t and attends
+    to the prefix columns and to its own columns up to itself; prefix columns attend
+    causally among themselves; a padding column attends to itself only (its output is
+    never read).
+    """
+    lengths = [
+        sum(len(inputs[member]) for member in group.members)
+        - (len(group.members) - 1) * group.prefix_length
+        for group in groups
+    ]
+    width = max(lengths)
+    input_ids = np.zeros((len(groups), width), dtype=np.int64)
+    positions = np.zeros((len(groups), width), dtype=np.int64)
+    segment = np.full((len(groups), width), -1, dtype=np.int64)  # 0 prefix, j member j, -1 pad
+    columns_of: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * len(inputs)
+    for row, group in enumerate(groups):
+        prefix = group.prefix_length
+        input_ids[row, :prefix] = inputs[group.members[0]][:prefix]
+        positions[row, :prefix] = np.arange(prefix)
+        segment[row, :prefix] = 0
+        cursor = prefix
+        for number, member in enumerate(group.members, start=1):
+            tokens = inputs[member]
+            tail = len(tokens) - prefix
+            input_ids[row, cursor : cursor + tail] = tokens[prefix:]
+            positions[row, cursor : cursor + tail] = np.arange(prefix, len(tokens))
+            segment[row, cursor : cursor + tail] = number
+            own = np.concatenate([np.arange(prefix), np.arange(cursor, cursor + tail)])
+            columns_of[member] = row * width + own
+            cursor += tail
+    segment_t = torch.from_numpy(segment)
+    query, key = segment_t[:, :, None], segment_t[:, None, :]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    attends = causal & ((key == 0) | (key == query)) & (query >= 0)
+    attends |= torch.eye(width, dtype=torch.bool)  # padding sees itself; real columns already do
+    return PackedRows(
+        input_ids_RL=torch.from_numpy(input_ids),
+        position_ids_RL=torch.from_numpy(positions),
+        attends_RLL=attends.unsqueeze(1),
+        column_N=np.concatenate(columns_of) if columns_of else np.zeros(0, dtype=np.int64),
+    )
+
+
+def attention_weight(config: object) -> float:
+    """ρ of `row_cost` for a model: attention FLOPs per (query, key) pair over linear-layer
+    FLOPs per position, 4·layers·heads·head_dim / (2 x matmul weights per position)."""
+    hidden = int(config.hidden_size)  # type: ignore[attr-defined]
+    heads = int(config.num_attention_heads)  # type: ignore[attr-defined]
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    layers = int(config.num_hidden_layers)  # type: ignore[attr-defined]
+    weights = layers * (
+        hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * int(config.intermediate_size)  # type: ignore[attr-defined]
+    ) + hidden * int(config.vocab_size)  # type: ignore[attr-defined]
+    return 4 * layers * heads * head_dim / (2 * weights)
+
+
+def read_positions(
+    lengths: Sequence[int], targets: Sequence[np.ndarray], *, auto_shift: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(entry, source position, target) of every log-prob a target reads, in the datums'
+    end-to-end order: entry t of a datum reads position t (t - 1 under ``auto_shift``, entry
+    0 then reads nothing); IGNORE_INDEX targets read nothing (their log-prob is 0)."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    flat_targets = (
+        np.concatenate(
+            [np.asarray(t, dtype=np.int64)[:n] for t, n in zip(targets, lengths, strict=True)]
+        )
+        if lengths
+        else np.zeros(0, dtype=np.int64)
+    )
+    entries = np.flatnonzero(flat_targets != IGNORE_INDEX)
+    source = entries
+    if auto_shift:
+        entries = entries[~np.isin(entries, offsets[:-1])]  # entry 0 of each datum predicts nothing
+        source = entries - 1
+    return entries, source, flat_targets[entries]
+
+
+def shared_prefix_logprobs(
+    backbone: torch.nn.Module,
+    unembed: torch.nn.Module,
+    layer_types: Sequence[str],
+    inputs: Sequence[Sequence[int]],
+    targets: Sequence[np.ndarray],
+    *,
+    auto_shift: bool,
+    attention_weight: float,
+) -> list[Tensor]:
+    """log p(target_t | input_<=t) per datum (0 at IGNORE_INDEX targets; ``auto_shift`` as
+    in `ModelHost.target_logprobs`), with shared prefixes computed once.
+
+    Only the positions some target reads are unembedded, each once: log-softmax of their
+    logits, gathered at every target that reads them.
+    """
+    lengths = [len(tokens) for tokens in inputs]
+    groups = group_by_prefix(inputs, attention_weight)
+    packed = pack_rows(inputs, groups)
+    if all(len(group.members) == 1 for group in groups):
+        mask = None  # no sharing: plain causal attention (the right padding is never read)
+    else:
+        mask = {layer_type: packed.attends_RLL for layer_type in layer_types}
+    hidden = backbone(
+        input_ids=packed.input_ids_RL,
+        position_ids=packed.position_ids_RL,
+        attention_mask=mask,
+        use_cache=False,
+    ).last_hidden_state
+    entries, source, target = read_positions(lengths, targets, auto_shift=auto_shift)
+    columns = packed.column_N[source]
+    read, reader = np.unique(columns, return_inverse=True)
+    logits = unembed(hidden.reshape(-1, hidden.shape[-1])[torch.from_numpy(read)])
+    reader_t = torch.from_numpy(reader.reshape(-1))
+    picked = logits[reader_t, torch.from_numpy(target)] - torch.logsumexp(logits, dim=-1)[reader_t]
+    flat = torch.zeros(sum(lengths), dtype=picked.dtype).index_put(
+        (torch.from_numpy(entries),), picked
+    )
+    return list(flat.split(lengths))

@@ -1,0 +1,152 @@
+"""The trainer's shared-prefix forward against one padded row per datum (the plain forward).
+
+Random groups of datums, some sharing a prompt and some not, random ignored targets, both
+target alignments: the log-probs agree to 1e-5 (tests/invariance.py's LOGPROB_ATOL) and the
+LoRA gradients of a random weighted sum of them to 1e-5 of their largest entry. Runs on a
+randomly initialised tiny model with random (non-zero) LoRA weights on every module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grpo.backends.datums import IGNORE_INDEX
+from grpo.backends.local import tiny
+from grpo.backends.local.model import LoraSpec, ModelHost
+from grpo.backends.local.shared_prefix import group_by_prefix, pack_rows, row_cost
+from tests.invariance import LOGPROB_ATOL
+
+GRADIENT_RTOL = 1e-5  # of the largest gradient entry: float32 sums of ~100 terms of ~1
+
+
+@pytest.fixture(scope="module")
+def host() -> tuple[ModelHost, str]:
+    model, tokenizer = tiny.init_tiny_model(0)
+    host = ModelHost(tiny.TINY_MODEL_NAME, model, tokenizer)
+    spec = LoraSpec(rank=8, seed=0, train_mlp=True, train_attn=True, train_unembed=True)
+    adapter = host.add_adapter(spec)
+    host.activate_training(adapter)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in host.adapter_parameters(adapter).values():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return host, adapter
+
+
+@st.composite
+def datum_groups(draw: st.DrawFn) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Inputs and targets: 1-3 groups of 1-4 datums, each a group prompt + its own completion
+    (0-8 tokens); targets random, ignored at random positions (more often in the prompt)."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    inputs: list[list[int]] = []
+    targets: list[np.ndarray] = []
+    for _group in range(draw(st.integers(1, 3))):
+        prompt = rng.integers(1, 500, draw(st.integers(1, 24))).tolist()
+        for _member in range(draw(st.integers(1, 4))):
+            tokens = prompt + rng.integers(1, 500, draw(st.integers(0, 8))).tolist()
+            if not tokens:
+                continue
+            target = rng.integers(0, 500, len(tokens))
+            ignored = rng.random(len(tokens)) < np.where(
+                np.arange(len(tokens)) < len(prompt), 0.7, 0.2
+            )
+            target[ignored] = IGNORE_INDEX
+            inputs.append(tokens)
+            targets.append(target)
+    order = rng.permutation(len(inputs))  # the groups' datums need not be neighbours
+    return [inputs[i] for i in order], [targets[i] for i in order]
+
+
+def logprobs_and_gradients(
+    host: ModelHost,
+    adapter: str,
+    inputs: Sequence[Sequence[int]],
+    targets: Sequence[np.ndarray],
+    *,
+    shared: bool,
+    auto_shift: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The concatenated log-probs, and the LoRA gradients of their weighted sum."""
+    host.shared_prefix_forward = shared
+    parameters = list(host.adapter_parameters(adapter).values())
+    for parameter in parameters:
+        parameter.grad = None
+    with torch.enable_grad():
+        logprobs = torch.cat(host.target_logprobs(inputs, targets, auto_shift=auto_shift))
+        weights = torch.from_numpy(
+            np.random.default_rng(len(logprobs)).normal(size=len(logprobs)).astype(np.float32)
+        )
+        (logprobs * weights).sum().backward()
+    host.shared_prefix_forward = True
+    return logprobs.detach(), [parameter.grad.clone() for parameter in parameters]
+
+
+@settings(max_examples=20)
+@given(batch=datum_groups(), auto_shift=st.booleans())
+def test_shared_prefix_forward_matches_one_row_per_datum(
+    host: tuple[ModelHost, str], batch: tuple[list[list[int]], list[np.ndarray]], auto_shift: bool
+) -> None:
+    model_host, adapter = host
+    inputs, targets = batch
+    shared, shared_gradients = logprobs_and_gradients(
+        model_host, adapter, inputs, targets, shared=True, auto_shift=auto_shift
+    )
+    plain, plain_gradients = logprobs_and_gradients(
+        model_host, adapter, inputs, targets, shared=False, auto_shift=auto_shift
+    )
+    assert shared.shape == plain.shape
+    torch.testing.assert_close(shared, plain, rtol=0.0, atol=LOGPROB_ATOL)
+    scale = max(float(gradient.abs().max()) for gradient in plain_gradients)
+    for got, expected in zip(shared_gradients, plain_gradients, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0.0, atol=GRADIENT_RTOL * max(scale, 1.0))
+
+
+@settings(max_examples=60)
+@given(
+    inputs=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=10), min_size=1, max_size=8),
+    weight=st.sampled_from([0.0, 1e-3, 0.1]),
+)
+def test_groups_partition_the_datums_and_never_cost_more(
+    inputs: list[list[int]], weight: float
+) -> None:
+    groups = group_by_prefix(inputs, weight)
+    members = sorted(member for group in groups for member in group.members)
+    assert members == list(range(len(inputs)))
+    for group in groups:
+        prefix = inputs[group.members[0]][: group.prefix_length]
+        for member in group.members:
+            assert inputs[member][: group.prefix_length] == prefix
+        if len(group.members) == 1:
+            assert group.prefix_length == len(inputs[group.members[0]])
+        else:
+            assert group.prefix_length >= 1
+    packed_cost = sum(
+        row_cost(
+            sum(len(inputs[m]) for m in group.members)
+            - (len(group.members) - 1) * group.prefix_length,
+            weight,
+        )
+        for group in groups
+    )
+    assert packed_cost <= sum(row_cost(len(tokens), weight) for tokens in inputs) + 1e-9
+
+
+def test_a_grpo_group_is_one_row_with_its_prompt_once() -> None:
+    prompt = list(range(10, 40))
+    inputs = [prompt + [100 + member] * (member + 1) for member in range(8)]
+    (group,) = group_by_prefix(inputs)
+    assert sorted(group.members) == list(range(8)) and group.prefix_length == len(prompt)
+    packed = pack_rows(inputs, [group])
+    assert packed.input_ids_RL.shape == (1, len(prompt) + sum(range(1, 9)))
+    # Member 2's last token sees the prompt and its own tokens, nothing of the others.
+    column = int(packed.column_N[sum(len(tokens) for tokens in inputs[:3]) - 1])
+    seen = packed.attends_RLL[0, 0, column].nonzero().flatten().tolist()
+    own = [int(c) for c in packed.column_N[sum(map(len, inputs[:2])) : sum(map(len, inputs[:3]))]]
+    assert seen == own
+    assert packed.position_ids_RL[0, column] == len(inputs[2]) - 1
