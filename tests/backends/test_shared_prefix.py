@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo.backends.datums import IGNORE_INDEX
-from grpo.backends.local import tiny
+from grpo.backends.local import shared_prefix, tiny
 from grpo.backends.local.model import LoraSpec, ModelHost
+from grpo.backends.local.sampler.merged import _DecodeStep
 from grpo.backends.local.shared_prefix import group_by_prefix, pack_rows, row_cost
 from tests.invariance import LOGPROB_ATOL
 
@@ -72,31 +73,41 @@ def logprobs_and_gradients(
     shared: bool,
     auto_shift: bool,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The concatenated log-probs, and the LoRA gradients of their weighted sum."""
-    host.shared_prefix_forward = shared
+    """The concatenated log-probs, and the LoRA gradients of their weighted sum: through the
+    shared-prefix forward, or through `ModelHost.target_logprobs` (one row per datum)."""
+    forward = shared_prefix.target_logprobs if shared else ModelHost.target_logprobs
     parameters = list(host.adapter_parameters(adapter).values())
     for parameter in parameters:
         parameter.grad = None
     with torch.enable_grad():
-        logprobs = torch.cat(host.target_logprobs(inputs, targets, auto_shift=auto_shift))
+        logprobs = torch.cat(forward(host, inputs, targets, auto_shift=auto_shift))
         weights = torch.from_numpy(
             np.random.default_rng(len(logprobs)).normal(size=len(logprobs)).astype(np.float32)
         )
         (logprobs * weights).sum().backward()
-    host.shared_prefix_forward = True
     return logprobs.detach(), [parameter.grad.clone() for parameter in parameters]
 
 
-@settings(max_examples=20)
+@pytest.mark.parametrize("path", ["merged step", "peft forward"])
+@settings(max_examples=15)
 @given(batch=datum_groups(), auto_shift=st.booleans())
 def test_shared_prefix_forward_matches_one_row_per_datum(
-    host: tuple[ModelHost, str], batch: tuple[list[list[int]], list[np.ndarray]], auto_shift: bool
+    host: tuple[ModelHost, str],
+    path: str,
+    batch: tuple[list[list[int]], list[np.ndarray]],
+    auto_shift: bool,
 ) -> None:
     model_host, adapter = host
     inputs, targets = batch
-    shared, shared_gradients = logprobs_and_gradients(
-        model_host, adapter, inputs, targets, shared=True, auto_shift=auto_shift
-    )
+    build = _DecodeStep.build
+    if path == "peft forward":  # a model the merged step does not know
+        _DecodeStep.build = classmethod(lambda cls, model: None)  # type: ignore[method-assign]
+    try:
+        shared, shared_gradients = logprobs_and_gradients(
+            model_host, adapter, inputs, targets, shared=True, auto_shift=auto_shift
+        )
+    finally:
+        _DecodeStep.build = build  # type: ignore[method-assign]
     plain, plain_gradients = logprobs_and_gradients(
         model_host, adapter, inputs, targets, shared=False, auto_shift=auto_shift
     )

@@ -40,7 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from grpo.backends.datums import IGNORE_INDEX
-from grpo.backends.local import shared_prefix, tiny
+from grpo.backends.local import tiny
 
 LORA_ALPHA = 32
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -193,12 +193,9 @@ class ModelHost:
         # The sampler's merged decode step for the weights it last sampled with (kept by
         # grpo.backends.local.sampler.merged): (weights, peft model then, step).
         self.merged_sampler: tuple[AdapterWeights | None, PeftModel | None, object] | None = None
-        # The trainer's shared-prefix forward (grpo.backends.local.shared_prefix), for the
-        # decoders it knows; benchmarks turn it off to time the unshared forward.
-        self.shared_prefix_forward = config.model_type in shared_prefix.SHARED_PREFIX_MODEL_TYPES
-        self.attention_weight = (
-            shared_prefix.attention_weight(config) if self.shared_prefix_forward else 0.0
-        )
+        # Whether the trainer may share datums' common prefixes (grpo.backends.local.
+        # shared_prefix, for the decoders it knows); benchmarks turn it off to time without.
+        self.shared_prefix_forward = True
 
     # --- adapters -------------------------------------------------------------------
 
@@ -326,27 +323,8 @@ class ModelHost:
         """log p(target_t | input_<=t) per datum (autograd-connected), 0 at IGNORE_INDEX targets.
 
         With ``auto_shift`` the targets are aligned with the inputs (HF labels): entry t is
-        log p(target_t | input_<t) and entry 0 is 0. For the decoders ``shared_prefix`` knows,
-        datums that begin alike share one pass over their common start and only the positions
-        a target reads are unembedded (`shared_prefix.shared_prefix_logprobs`); otherwise one
-        padded row per datum (`unshared_target_logprobs`).
+        log p(target_t | input_<t) and entry 0 is 0.
         """
-        if self.shared_prefix_forward and inputs:
-            return shared_prefix.shared_prefix_logprobs(
-                self.model.get_decoder(),
-                self.model.get_output_embeddings(),
-                self.layer_types,
-                inputs,
-                targets,
-                auto_shift=auto_shift,
-                attention_weight=self.attention_weight,
-            )
-        return self.unshared_target_logprobs(inputs, targets, auto_shift=auto_shift)
-
-    def unshared_target_logprobs(
-        self, inputs: Sequence[Sequence[int]], targets: Sequence[np.ndarray], *, auto_shift: bool
-    ) -> list[Tensor]:
-        """`target_logprobs` as one right-padded row per datum through the Hugging Face forward."""
         lengths = [len(tokens) for tokens in inputs]
         width = max(lengths)
         input_ids = torch.zeros(len(inputs), width, dtype=torch.long)

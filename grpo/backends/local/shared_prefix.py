@@ -19,7 +19,8 @@ log-prob (`tests/backends/test_shared_prefix.py` checks log-probs and gradients 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -27,6 +28,8 @@ import torch
 from torch import Tensor
 
 from grpo.backends.datums import IGNORE_INDEX
+from grpo.backends.local.model import ModelHost, RowAttention
+from grpo.backends.local.sampler.merged import _DecodeStep
 
 # Decoders whose causal-LM head is exactly `lm_head(final-normed hidden state)` (no logit
 # scaling or soft-capping) and whose attention goes through the backend's attention interface.
@@ -180,38 +183,77 @@ def read_positions(
     return entries, source, flat_targets[entries]
 
 
-def shared_prefix_logprobs(
-    backbone: torch.nn.Module,
-    unembed: torch.nn.Module,
-    layer_types: Sequence[str],
+class PackedAttention(RowAttention):
+    """Attention over packed rows: a query column sees the key columns `attends_R1LL` marks.
+
+    Two batched matmuls and a softmax (the sampler's `_attention`), not PyTorch's
+    scaled-dot-product kernel: at these lengths (~100-300 columns) its CPU flash kernel
+    and backward cost ~5x the arithmetic.
+    """
+
+    def __init__(self, attends_R1LL: Tensor) -> None:
+        bias = torch.zeros(attends_R1LL.shape)
+        self.bias_R1LL = bias.masked_fill_(~attends_R1LL, -math.inf)
+
+    def attend(
+        self, layer_index: int, query: Tensor, key: Tensor, value: Tensor, scaling: float | None
+    ) -> Tensor:
+        """softmax(q·kᵀ·scale + bias)·v over grouped-query heads: [rows, L, heads, head_dim]."""
+        del layer_index  # every layer attends under the same mask
+        rows, heads, length, dim = query.shape
+        kv_heads = key.shape[1]
+        per_kv_head = heads // kv_heads
+        scale = dim**-0.5 if scaling is None else scaling
+        grouped = (query * scale).reshape(rows, kv_heads, per_kv_head * length, dim)
+        scores = (grouped @ key.transpose(-1, -2)).view(rows, kv_heads, per_kv_head, length, -1)
+        scores = scores + self.bias_R1LL.unsqueeze(1)
+        weights = torch.softmax(scores, dim=-1).view(rows, kv_heads, per_kv_head * length, -1)
+        return (weights @ value).view(rows, heads, length, dim).transpose(1, 2)
+
+    def advance(self, query_length: int) -> None:
+        """Nothing to keep: the trainer feeds every position in one call."""
+
+
+def target_logprobs(
+    host: ModelHost,
     inputs: Sequence[Sequence[int]],
     targets: Sequence[np.ndarray],
     *,
     auto_shift: bool,
-    attention_weight: float,
 ) -> list[Tensor]:
-    """log p(target_t | input_<=t) per datum (0 at IGNORE_INDEX targets; ``auto_shift`` as
-    in `ModelHost.target_logprobs`), with shared prefixes computed once.
+    """`ModelHost.target_logprobs` (log p(target_t | input_<=t) per datum, autograd-connected,
+    0 at IGNORE_INDEX targets; ``auto_shift``: entry t reads input_<t, entry 0 is 0), with
+    datums that begin alike sharing one pass over their common start.
 
-    Only the positions some target reads are unembedded, each once: log-softmax of their
-    logits, gathered at every target that reads them.
+    For the decoders `SHARED_PREFIX_MODEL_TYPES` names (and ``host.shared_prefix_forward``):
+    the rows of `pack_rows` go through the merged step (`_DecodeStep`, the sampler's forward:
+    the active LoRA merged into fused weights, here autograd-connected to the adapter's
+    parameters), and only the positions some target reads are unembedded, each once; its
+    log-softmax is gathered at every target that reads it. Other models: one padded row
+    per datum through the Hugging Face forward.
     """
+    config = host.model.config
+    if not (
+        host.shared_prefix_forward and inputs and config.model_type in SHARED_PREFIX_MODEL_TYPES
+    ):
+        return host.target_logprobs(inputs, targets, auto_shift=auto_shift)
     lengths = [len(tokens) for tokens in inputs]
-    groups = group_by_prefix(inputs, attention_weight)
-    packed = pack_rows(inputs, groups)
-    if all(len(group.members) == 1 for group in groups):
-        mask = None  # no sharing: plain causal attention (the right padding is never read)
-    else:
-        mask = {layer_type: packed.attends_RLL for layer_type in layer_types}
-    hidden = backbone(
-        input_ids=packed.input_ids_RL,
-        position_ids=packed.position_ids_RL,
-        attention_mask=mask,
-        use_cache=False,
-    ).last_hidden_state
+    packed = pack_rows(inputs, group_by_prefix(inputs, attention_weight(config)))
+    attention = PackedAttention(packed.attends_RLL)
+    step = _DecodeStep.build(host.model)  # under autograd: the merge is differentiable
+    if step is not None:
+        hidden = step.hidden(packed.input_ids_RL, packed.position_ids_RL, attention)
+        unembed: Callable[[Tensor], Tensor] = step.unembedding
+    else:  # an activation or bias the merged step does not compute: PEFT's own forward
+        hidden = host.model.get_decoder()(
+            input_ids=packed.input_ids_RL,
+            position_ids=packed.position_ids_RL,
+            attention_mask={layer_type: attention for layer_type in host.layer_types},
+            use_cache=False,
+        ).last_hidden_state
+        unembed = host.model.get_output_embeddings()
     entries, source, target = read_positions(lengths, targets, auto_shift=auto_shift)
-    columns = packed.column_N[source]
-    read, reader = np.unique(columns, return_inverse=True)
+    read, reader = np.unique(packed.column_N[source], return_inverse=True)
     logits = unembed(hidden.reshape(-1, hidden.shape[-1])[torch.from_numpy(read)])
     reader_t = torch.from_numpy(reader.reshape(-1))
     picked = logits[reader_t, torch.from_numpy(target)] - torch.logsumexp(logits, dim=-1)[reader_t]

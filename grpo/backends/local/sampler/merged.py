@@ -9,7 +9,7 @@ for other architectures, which run the Hugging Face forward).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Protocol, cast
 
 import attrs
 import torch
@@ -44,6 +44,20 @@ def _cat_bias(biases: Sequence[Tensor | None], weights: Sequence[Tensor]) -> Ten
             for bias, weight in zip(biases, weights)
         ]
     )
+
+
+class StepAttention(Protocol):
+    """What `_DecodeStep.hidden` attends through: the sampler's `RowKVCache`, or the trainer's
+    packed-row attention (``grpo.backends.local.shared_prefix``)."""
+
+    def attend(
+        self, layer_index: int, query: Tensor, key: Tensor, value: Tensor, scaling: float | None
+    ) -> Tensor:
+        """Attention output [rows, q_len, heads, head_dim] of one layer's [rows, heads, q_len,
+        head_dim] queries and keys/values."""
+
+    def advance(self, query_length: int) -> None:
+        """The model call has fed `query_length` positions."""
 
 
 @attrs.frozen
@@ -153,7 +167,7 @@ class _DecodeStep:
         hidden_R = self.hidden(tokens_R.unsqueeze(-1), positions_R.unsqueeze(-1), cache)[:, 0]
         return self.unembedding(hidden_R)
 
-    def hidden(self, tokens_RT: Tensor, positions_RT: Tensor, cache: RowKVCache) -> Tensor:
+    def hidden(self, tokens_RT: Tensor, positions_RT: Tensor, cache: StepAttention) -> Tensor:
         """Final-normed hidden states [rows, T, hidden] after feeding T tokens per row."""
         rows, length, dim = tokens_RT.shape[0], tokens_RT.shape[1], self.head_dim
         x = torch.nn.functional.embedding(tokens_RT, self.embed)
