@@ -132,15 +132,21 @@ def test_the_tests_expected_values_never_reach_the_solutions_process() -> None:
         "    seen += [repr(v) for v in frame.f_globals.values()]\n"
         "    frame = frame.f_back\n"
         "seen += [repr(o) for o in gc.get_objects() if isinstance(o, (str, list, tuple))]\n"
-        "print('\\n'.join(s for s in seen if 'fizz(' in s or '77' in s or '55' in s))\n"
+        # Counts, not the matches themselves: printing every repr holding '77' (memory
+        # addresses too) overran the sandbox's output cap now and then (a broken pipe). The
+        # needles are joined at run time, after `seen`, so the program's own constants
+        # cannot match them.
+        "hole, leaks = ''.join(['fizz', '(3)']), (''.join(['77', '31']), ''.join(['55', '19']))\n"
+        "print('holes seen:', any(hole in s for s in seen))\n"
+        "print('leaks seen:', sum(any(leak in s for leak in leaks) for s in seen))\n"
         "def fizz(n):\n"
         "    return None\n"
     )
     tests = ["assert fizz(3) == 'Fizz-expected-7731'", "assert fizz(5) != 'Buzz-unequal-5519'"]
     result = run_tests(dump, tests, LIMITS)
     assert result.passed == 1  # None != 'Buzz-...' holds; the equality does not
-    assert "fizz(3)" in result.run.stdout  # the dump ran and saw the holes
-    assert "7731" not in result.run.stdout and "5519" not in result.run.stdout
+    assert "holes seen: True" in result.run.stdout  # the dump ran and saw the holes
+    assert "leaks seen: 0" in result.run.stdout  # the expected values were nowhere in it
 
 
 def test_no_built_in_task_passes_a_none_or_forging_solution() -> None:
