@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from grpo.backends.datums import IGNORE_INDEX
 from grpo.backends.local import shared_prefix, tiny
 from grpo.backends.local.model import LoraSpec, ModelHost
-from grpo.backends.local.sampler.merged import _DecodeStep
 from grpo.backends.local.shared_prefix import group_by_prefix, pack_rows, row_cost
 from tests.invariance import LOGPROB_ATOL
 
@@ -88,7 +87,7 @@ def logprobs_and_gradients(
     return logprobs.detach(), [parameter.grad.clone() for parameter in parameters]
 
 
-@pytest.mark.parametrize("path", ["merged step", "peft forward"])
+@pytest.mark.parametrize("path", ["merged step", "peft forward", "sdpa attention"])
 @settings(max_examples=15)
 @given(batch=datum_groups(), auto_shift=st.booleans())
 def test_shared_prefix_forward_matches_one_row_per_datum(
@@ -99,15 +98,17 @@ def test_shared_prefix_forward_matches_one_row_per_datum(
 ) -> None:
     model_host, adapter = host
     inputs, targets = batch
-    build = _DecodeStep.build
-    if path == "peft forward":  # a model the merged step does not know
-        _DecodeStep.build = classmethod(lambda cls, model: None)  # type: ignore[method-assign]
+    limits = shared_prefix.MERGED_STEP_MAX_PARAMETERS, shared_prefix.MATMUL_ATTENTION_SCORES
+    if path == "peft forward":  # what a model above the merged step's size runs
+        shared_prefix.MERGED_STEP_MAX_PARAMETERS = 0
+    if path == "sdpa attention":  # what rows too long for the matmul attention take
+        shared_prefix.MATMUL_ATTENTION_SCORES = 0
     try:
         shared, shared_gradients = logprobs_and_gradients(
             model_host, adapter, inputs, targets, shared=True, auto_shift=auto_shift
         )
     finally:
-        _DecodeStep.build = build  # type: ignore[method-assign]
+        shared_prefix.MERGED_STEP_MAX_PARAMETERS, shared_prefix.MATMUL_ATTENTION_SCORES = limits
     plain, plain_gradients = logprobs_and_gradients(
         model_host, adapter, inputs, targets, shared=False, auto_shift=auto_shift
     )

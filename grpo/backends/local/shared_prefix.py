@@ -34,6 +34,12 @@ from grpo.backends.local.sampler.merged import _DecodeStep
 # Decoders whose causal-LM head is exactly `lm_head(final-normed hidden state)` (no logit
 # scaling or soft-capping) and whose attention goes through the backend's attention interface.
 SHARED_PREFIX_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+# Up to this many parameters the trainer runs the merged step (LoRA merged into fused
+# weights on every call: ~5 ms of a ~45 ms call on the built-in model); a larger model would
+# copy all its matmul weights per call, so it runs PEFT's own forward on the packed rows.
+MERGED_STEP_MAX_PARAMETERS = 20_000_000
+# Largest rows x heads x L x L score tensor the matmul attention builds (256 MiB of float32).
+MATMUL_ATTENTION_SCORES = 2**26
 
 
 @attrs.frozen
@@ -186,27 +192,42 @@ def read_positions(
 class PackedAttention(RowAttention):
     """Attention over packed rows: a query column sees the key columns `attends_R1LL` marks.
 
-    Two batched matmuls and a softmax (the sampler's `_attention`), not PyTorch's
-    scaled-dot-product kernel: at these lengths (~100-300 columns) its CPU flash kernel
-    and backward cost ~5x the arithmetic.
+    Two batched matmuls and a softmax under an additive mask (the sampler's `_attention`)
+    while the scores fit in `MATMUL_ATTENTION_SCORES`: at the lengths of GRPO groups
+    (~100-300 columns) PyTorch's CPU flash kernel with a mask, and its backward, cost ~5x
+    the arithmetic. Longer rows take that kernel (`scaled_dot_product_attention`), which
+    never holds a rows x heads x L x L score tensor.
     """
 
     def __init__(self, attends_R1LL: Tensor) -> None:
-        bias = torch.zeros(attends_R1LL.shape)
-        self.bias_R1LL = bias.masked_fill_(~attends_R1LL, -math.inf)
+        self.attends_R1LL = attends_R1LL
+        self._bias_R1LL: Tensor | None = None
 
     def attend(
         self, layer_index: int, query: Tensor, key: Tensor, value: Tensor, scaling: float | None
     ) -> Tensor:
-        """softmax(q·kᵀ·scale + bias)·v over grouped-query heads: [rows, L, heads, head_dim]."""
+        """softmax(q·kᵀ·scale + mask)·v over grouped-query heads: [rows, L, heads, head_dim]."""
         del layer_index  # every layer attends under the same mask
         rows, heads, length, dim = query.shape
         kv_heads = key.shape[1]
-        per_kv_head = heads // kv_heads
         scale = dim**-0.5 if scaling is None else scaling
+        if rows * heads * length * length > MATMUL_ATTENTION_SCORES:
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                query,
+                key,
+                value,
+                attn_mask=self.attends_R1LL,
+                scale=scale,
+                enable_gqa=kv_heads != heads,
+            )
+            return attended.transpose(1, 2)
+        if self._bias_R1LL is None:
+            bias = torch.zeros(self.attends_R1LL.shape)
+            self._bias_R1LL = bias.masked_fill_(~self.attends_R1LL, -math.inf)
+        per_kv_head = heads // kv_heads
         grouped = (query * scale).reshape(rows, kv_heads, per_kv_head * length, dim)
         scores = (grouped @ key.transpose(-1, -2)).view(rows, kv_heads, per_kv_head, length, -1)
-        scores = scores + self.bias_R1LL.unsqueeze(1)
+        scores = scores + self._bias_R1LL.unsqueeze(1)
         weights = torch.softmax(scores, dim=-1).view(rows, kv_heads, per_kv_head * length, -1)
         return (weights @ value).view(rows, heads, length, dim).transpose(1, 2)
 
@@ -225,26 +246,32 @@ def target_logprobs(
     0 at IGNORE_INDEX targets; ``auto_shift``: entry t reads input_<t, entry 0 is 0), with
     datums that begin alike sharing one pass over their common start.
 
-    For the decoders `SHARED_PREFIX_MODEL_TYPES` names (and ``host.shared_prefix_forward``):
-    the rows of `pack_rows` go through the merged step (`_DecodeStep`, the sampler's forward:
-    the active LoRA merged into fused weights, here autograd-connected to the adapter's
-    parameters), and only the positions some target reads are unembedded, each once; its
-    log-softmax is gathered at every target that reads it. Other models: one padded row
-    per datum through the Hugging Face forward.
+    For the decoders `SHARED_PREFIX_MODEL_TYPES` names (and ``host.shared_prefix_forward``),
+    when some datums share a prefix: the rows of `pack_rows` go through the merged step
+    (`_DecodeStep`, the sampler's forward: the active LoRA merged into fused weights, here
+    autograd-connected to the adapter's parameters; PEFT's forward for models above
+    `MERGED_STEP_MAX_PARAMETERS`), and only the positions some target reads are unembedded,
+    each once; its log-softmax is gathered at every target that reads it. Otherwise one
+    padded row per datum through the Hugging Face forward (`ModelHost.target_logprobs`).
     """
     config = host.model.config
     if not (
         host.shared_prefix_forward and inputs and config.model_type in SHARED_PREFIX_MODEL_TYPES
     ):
         return host.target_logprobs(inputs, targets, auto_shift=auto_shift)
+    groups = group_by_prefix(inputs, attention_weight(config))
+    if all(len(group.members) == 1 for group in groups):  # nothing shared: one row a datum
+        return host.target_logprobs(inputs, targets, auto_shift=auto_shift)
     lengths = [len(tokens) for tokens in inputs]
-    packed = pack_rows(inputs, group_by_prefix(inputs, attention_weight(config)))
+    packed = pack_rows(inputs, groups)
     attention = PackedAttention(packed.attends_RLL)
-    step = _DecodeStep.build(host.model)  # under autograd: the merge is differentiable
+    step = None
+    if host.model.num_parameters() <= MERGED_STEP_MAX_PARAMETERS:
+        step = _DecodeStep.build(host.model)  # under autograd: the merge is differentiable
     if step is not None:
         hidden = step.hidden(packed.input_ids_RL, packed.position_ids_RL, attention)
         unembed: Callable[[Tensor], Tensor] = step.unembedding
-    else:  # an activation or bias the merged step does not compute: PEFT's own forward
+    else:  # a large model, or one the merged step does not compute: PEFT's own forward
         hidden = host.model.get_decoder()(
             input_ids=packed.input_ids_RL,
             position_ids=packed.position_ids_RL,
