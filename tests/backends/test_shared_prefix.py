@@ -15,9 +15,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pytrio.types import AdamParams, Datum, ModelInput, TensorData
 
 from grpo.backends.datums import IGNORE_INDEX
-from grpo.backends.local import shared_prefix, tiny
+from grpo.backends.local import LocalServiceClient, shared_prefix, tiny
 from grpo.backends.local.model import LoraSpec, ModelHost
 from grpo.backends.local.shared_prefix import group_by_prefix, pack_rows, row_cost
 from tests.invariance import LOGPROB_ATOL
@@ -162,3 +163,65 @@ def test_a_grpo_group_is_one_row_with_its_prompt_once() -> None:
     own = [int(c) for c in packed.column_N[sum(map(len, inputs[:2])) : sum(map(len, inputs[:3]))]]
     assert seen == own
     assert packed.position_ids_RL[0, column] == len(inputs[2]) - 1
+
+
+def grpo_group_datums(groups: int = 2, size: int = 4, seed: int = 0) -> list[Datum]:
+    """GRPO datums: each group's members share a prompt (its targets ignored), then differ."""
+    rng = np.random.default_rng(seed)
+    datums = []
+    for _group in range(groups):
+        prompt = rng.integers(4, 90, 14).tolist()
+        for _member in range(size):
+            tokens = prompt + rng.integers(4, 90, int(rng.integers(3, 9))).tolist()
+            targets = np.array(tokens[1:], dtype=np.int64)
+            targets[: len(prompt) - 1] = IGNORE_INDEX
+            advantages = np.where(targets == IGNORE_INDEX, 0.0, rng.choice([-1.0, 1.0]))
+            datums.append(
+                Datum(
+                    model_input=ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": TensorData.from_numpy(targets),
+                        "logprobs": TensorData.from_numpy(
+                            np.where(advantages != 0, -4.0, 0.0).astype(np.float32)
+                        ),
+                        "advantages": TensorData.from_numpy(advantages.astype(np.float32)),
+                    },
+                )
+            )
+    return datums
+
+
+def test_forward_backward_shares_the_prompts_and_trains_as_unshared(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tiny, "load_tiny_model", lambda *_: tiny.init_tiny_model(0))
+    packed: list[int] = []
+    pack = shared_prefix.pack_rows
+    monkeypatch.setattr(
+        shared_prefix,
+        "pack_rows",
+        lambda inputs, groups: packed.append(len(groups)) or pack(inputs, groups),
+    )
+    datums = grpo_group_datums()
+    results = []
+    for shared in (True, False):
+        with LocalServiceClient(root=tmp_path / str(shared), seed=0) as service:
+            client = service.create_lora_training_client(tiny.TINY_MODEL_NAME, rank=4, seed=3)
+            client._host.shared_prefix_forward = shared
+            for call in range(2):  # the second call runs on trained, non-zero LoRA B weights
+                output = client.forward_backward(datums, "importance_sampling").result()
+                if call == 0:
+                    client.optim_step(AdamParams(learning_rate=1e-2)).result()
+            grads = [parameter.grad.clone() for parameter in client._parameters]
+            logprobs = torch.cat(
+                [torch.tensor(out["logprobs"].data) for out in output.loss_fn_outputs]
+            )
+            results.append((output.metrics["loss_sum"], logprobs, grads))
+    assert packed == [2, 2]  # the shared runs packed each group of 4 into one row
+    (shared_loss, shared_lp, shared_grads), (plain_loss, plain_lp, plain_grads) = results
+    torch.testing.assert_close(shared_lp, plain_lp, rtol=0.0, atol=LOGPROB_ATOL)
+    assert shared_loss == pytest.approx(plain_loss, rel=1e-5, abs=LOGPROB_ATOL)
+    scale = max(float(gradient.abs().max()) for gradient in plain_grads)
+    assert scale > 0
+    for got, expected in zip(shared_grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0.0, atol=GRADIENT_RTOL * scale)
