@@ -7,14 +7,17 @@ prefix once and then every member's remaining tokens, with position ids that con
 prefix for each member and an attention mask under which a member's token sees the prefix
 and its own earlier tokens only (the "shared-prefix forward" of Prefix Grouper, arXiv
 2506.05433). Autograd then accumulates the gradient of the shared positions once, summed
-over the members that attend to them. ``shared_prefix_logprobs`` runs the model over the
-rows and unembeds only the positions a target reads (never the prompt positions a
-GRPO datum masks with the ignore index), each shared position once.
+over the members that attend to them. ``target_logprobs`` (what the trainer calls) runs
+the rows through the sampler's merged step (`_DecodeStep`, LoRA merged under autograd) with
+``PackedAttention``, and unembeds only the positions a target reads (never the prompt
+positions a GRPO datum masks with the ignore index), each shared position once; a batch
+with nothing shared runs `ModelHost.target_logprobs`, one padded row per datum, as before.
 
-Same math as the unshared forward (one padded row per datum): every member token's
-attention covers exactly the keys it covered there, at the same positions; the rounding
-differs (other matmul shapes, a masked instead of a causal attention kernel), by ~1e-7 on a
-log-prob (`tests/backends/test_shared_prefix.py` checks log-probs and gradients to 1e-5).
+Same math as the unshared forward: every member token's attention covers exactly the keys
+it covered there, at the same positions (docs/FORMULAS.md, "Shared-prefix forward"); the
+rounding differs (other matmul shapes, merged LoRA, a masked instead of a causal attention
+kernel), by ~1e-7 on a log-prob (`tests/backends/test_shared_prefix.py` checks log-probs
+and gradients to 1e-5).
 """
 
 from __future__ import annotations
