@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import datums, load, local, loop, losses, mismatch, serve
+from benchmarks import datums, load, local, loop, losses, mismatch, peer, serve, step
 
 
 @pytest.mark.slow
@@ -34,8 +34,10 @@ from benchmarks import datums, load, local, loop, losses, mismatch, serve
         ),
         (serve, ["| forward_backward_custom (8 datums) |", "| default config, 2 steps |"]),
         (load, ["| quiet | ", "| torch process + CPU hog | "]),
+        (step, ["| trainer: forward (log-probs) |", "### unshared forward", "unshared / shared"]),
+        (peer, ["| grpo (local backend) |"]),  # TRL's row only where trl is installed
     ],
-    ids=["losses", "datums", "loop", "local", "mismatch", "serve", "load"],
+    ids=["losses", "datums", "loop", "local", "mismatch", "serve", "load", "step", "peer"],
 )
 def test_quick_benchmark_completes_and_prints_its_table(
     benchmark: object, expected: list[str], capsys: pytest.CaptureFixture[str]

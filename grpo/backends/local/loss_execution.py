@@ -25,6 +25,7 @@ from torch import Tensor
 
 from grpo.backends.datums import IGNORE_INDEX, DatumArrays, datum_array, read_datums
 from grpo.backends.local.model import ModelHost
+from grpo.backends.local.shared_prefix import target_logprobs
 from grpo.core.loss_spec import LossSpec
 from grpo.core.normalization import BatchTotals
 
@@ -136,8 +137,8 @@ def run_loss(
         return loss(logprobs, sampling, weights, mask=mask, seq_lens=arrays.seq_lens_B)
 
     with torch.enable_grad() if backward else torch.no_grad():
-        logprobs_list = host.target_logprobs(
-            batch.inputs, arrays.target_tokens_B, auto_shift=batch.auto_shift
+        logprobs_list = target_logprobs(
+            host, batch.inputs, arrays.target_tokens_B, auto_shift=batch.auto_shift
         )
         logprobs = torch.cat(logprobs_list)
         _require_finite_logprobs(logprobs, arrays.seq_lens_B)
@@ -180,7 +181,7 @@ def run_custom_loss(
     `normalization` (its active tokens: the non-zero gradients; no advantage tokens)."""
     host.activate_training(adapter)
     with torch.enable_grad():
-        logprobs_list = host.target_logprobs(inputs, targets, auto_shift=False)
+        logprobs_list = target_logprobs(host, inputs, targets, auto_shift=False)
         _require_finite_logprobs(
             torch.cat([logprobs.detach() for logprobs in logprobs_list]),
             [len(target) for target in targets],

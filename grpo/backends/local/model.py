@@ -193,6 +193,9 @@ class ModelHost:
         # The sampler's merged decode step for the weights it last sampled with (kept by
         # grpo.backends.local.sampler.merged): (weights, peft model then, step).
         self.merged_sampler: tuple[AdapterWeights | None, PeftModel | None, object] | None = None
+        # Whether the trainer may share datums' common prefixes (grpo.backends.local.
+        # shared_prefix, for the decoders it knows); benchmarks turn it off to time without.
+        self.shared_prefix_forward = True
 
     # --- adapters -------------------------------------------------------------------
 

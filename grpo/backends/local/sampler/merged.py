@@ -3,13 +3,15 @@
 For the architectures ``_DecodeStep`` knows (Qwen3, Qwen2, Llama), prefill and decode run
 fused matmuls over the weights with the active LoRA merged in; ``_merged_step`` builds it
 once per sampler weights and keeps it on the host until other weights are sampled (None
-for other architectures, which run the Hugging Face forward).
+for other architectures, which run the Hugging Face forward). The trainer's shared-prefix
+forward (``grpo.backends.local.shared_prefix``) runs the same step over packed rows, built
+under autograd so that the merge is differentiated into the adapter's parameters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Protocol, cast
 
 import attrs
 import torch
@@ -44,6 +46,20 @@ def _cat_bias(biases: Sequence[Tensor | None], weights: Sequence[Tensor]) -> Ten
             for bias, weight in zip(biases, weights)
         ]
     )
+
+
+class StepAttention(Protocol):
+    """What `_DecodeStep.hidden` attends through: the sampler's `RowKVCache`, or the trainer's
+    packed-row attention (``grpo.backends.local.shared_prefix``)."""
+
+    def attend(
+        self, layer_index: int, query: Tensor, key: Tensor, value: Tensor, scaling: float | None
+    ) -> Tensor:
+        """Attention output [rows, q_len, heads, head_dim] of one layer's [rows, heads, q_len,
+        head_dim] queries and keys/values."""
+
+    def advance(self, query_length: int) -> None:
+        """The model call has fed `query_length` positions."""
 
 
 @attrs.frozen
@@ -153,7 +169,7 @@ class _DecodeStep:
         hidden_R = self.hidden(tokens_R.unsqueeze(-1), positions_R.unsqueeze(-1), cache)[:, 0]
         return self.unembedding(hidden_R)
 
-    def hidden(self, tokens_RT: Tensor, positions_RT: Tensor, cache: RowKVCache) -> Tensor:
+    def hidden(self, tokens_RT: Tensor, positions_RT: Tensor, cache: StepAttention) -> Tensor:
         """Final-normed hidden states [rows, T, hidden] after feeding T tokens per row."""
         rows, length, dim = tokens_RT.shape[0], tokens_RT.shape[1], self.head_dim
         x = torch.nn.functional.embedding(tokens_RT, self.embed)
