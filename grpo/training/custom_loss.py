@@ -10,6 +10,11 @@ gradient. The sampler's log-probs and the advantages never reach the trainer: th
 reads them from the full datums once, when it is built (``grpo.backends.datums.read_datums``, the
 same reader and mask rule as the local backend's built-in losses), so the datums sent may
 be stripped to ``target_tokens`` (as the seed article does).
+
+PyTRIO trains a custom loss through a cross-entropy surrogate, and a service divides that
+surrogate's gradient by its total (docs/FORMULAS.md, "Service normalization"):
+``service_normalization`` names the service's divisor D, and the callable returns D times the
+kernel's loss, so the gradient applied is the kernel's own.
 """
 
 from __future__ import annotations
@@ -17,13 +22,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import torch
 from pytrio.types import Datum
 from torch import Tensor
 
-from grpo.backends.datums import at_datum, read_datums
+from grpo.backends.datums import at_datum, datum_array, read_datums, surrogate_totals
 from grpo.core.loss_spec import LossSpec
 from grpo.core.losses import LossKernel
+from grpo.core.normalization import NORMALIZATIONS, BatchTotals
 
 __all__ = ["CustomLoss", "as_custom_loss"]
 
@@ -34,7 +41,9 @@ class CustomLoss:
 
     Holds the batch's sampling log-probs, weights (advantages) and mask, packed once; each
     call concatenates the per-datum log-probs and runs the vectorized kernel. Metric keys
-    are prefixed with the loss name (``cispo/clip_fraction``).
+    are prefixed with the loss name (``cispo/clip_fraction``). The loss returned is the
+    kernel's times the service's divisor D of the surrogate under ``service_normalization``
+    (1 under ``sum``); the metrics are the kernel's own.
     """
 
     spec: LossSpec
@@ -42,6 +51,9 @@ class CustomLoss:
     weights: Tensor = attrs.field(repr=False)
     mask: Tensor = attrs.field(repr=False)
     seq_lens: tuple[int, ...] = attrs.field(repr=False)
+    service_normalization: str = attrs.field(
+        default="sum", validator=attrs.validators.in_(NORMALIZATIONS)
+    )
 
     def __call__(
         self, data: Sequence[Datum], logprobs_list: Sequence[Tensor]
@@ -68,10 +80,31 @@ class CustomLoss:
                     f"{length}{at_datum(index)}; build as_custom_loss from the datums you train on"
                 )
         logprobs = torch.cat([tensor.reshape(-1) for tensor in logprobs_list])
-        loss, metrics = self.spec(
+        loss, metrics = self._kernel(logprobs)
+        divisor = self.service_divisor(data, logprobs)
+        prefixed = {f"{self.spec.name}/{key}": value for key, value in metrics.items()}
+        return (loss if divisor == 1.0 else loss * divisor), prefixed
+
+    def _kernel(self, logprobs: Tensor) -> tuple[Tensor, dict[str, float]]:
+        return self.spec(
             logprobs, self.sampling_logprobs, self.weights, mask=self.mask, seq_lens=self.seq_lens
         )
-        return loss, {f"{self.spec.name}/{key}": value for key, value in metrics.items()}
+
+    def service_divisor(self, data: Sequence[Datum], logprobs: Tensor) -> float:
+        """D of pytrio's surrogate (weights −∂loss/∂lp) under ``service_normalization``: S
+        datums, T the non-zero gradients at trained targets (from a second kernel call on a
+        copy of `logprobs`, the flat log-probs), T_A = 0; a total of 0 gives 1."""
+        normalization = self.service_normalization
+        if normalization != "active_tokens":
+            return BatchTotals(len(data), 0, 0).denominator(normalization)
+        copy = logprobs.detach().clone().requires_grad_(True)
+        loss, _ = self._kernel(copy)
+        if not loss.requires_grad:
+            return 1.0
+        (gradient,) = torch.autograd.grad(loss, copy, allow_unused=True)
+        flat = np.zeros(copy.numel()) if gradient is None else gradient.numpy()
+        targets = [datum_array(datum, "target_tokens", np.int64) for datum in data]
+        return surrogate_totals([flat], [np.concatenate(targets)]).denominator(normalization)
 
 
 def as_custom_loss(
@@ -80,13 +113,16 @@ def as_custom_loss(
     *,
     reduction: str = "sum",
     norm_length: float | None = None,
+    service_normalization: str = "sum",
     **config: float | None,
 ) -> CustomLoss:
     """The ``forward_backward_custom`` loss_fn running kernel ``loss`` over these full datums.
 
     ``loss`` is a kernel name, a kernel, or a ready ``LossSpec`` (then ``reduction``,
-    ``norm_length`` and ``config`` must be left out). Validates the loss and every datum
-    (lengths against target_tokens, finite values where trained) here, before any call.
+    ``norm_length`` and ``config`` must be left out). ``service_normalization`` is the divisor
+    of the service it is sent to (the loss is pre-scaled by it; "sum": unscaled). Validates
+    the loss and every datum (lengths against target_tokens, finite values where trained)
+    here, before any call.
     """
     if isinstance(loss, LossSpec):
         if config or reduction != "sum" or norm_length is not None:
@@ -111,4 +147,5 @@ def as_custom_loss(
         weights=torch.from_numpy(arrays.weights_N),
         mask=torch.from_numpy(arrays.mask_N),
         seq_lens=tuple(int(length) for length in arrays.seq_lens_B),
+        service_normalization=service_normalization,
     )

@@ -40,6 +40,9 @@ class Run:
     prices: Prices | None = None
     teacher: Any = None
     """The checked teacher of `grpo distill` (`grpo.training.teacher.Teacher`), else None."""
+    service_normalization: str = "sum"
+    """What the service divides a loss's gradient by (`grpo.core.normalization.service_divisor`):
+    the learner pre-scales its datums for it."""
 
 
 @attrs.define

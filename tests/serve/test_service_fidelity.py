@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import pytrio
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from pytrio import AdamParams, Datum, ModelInput
@@ -15,11 +16,13 @@ from pytrio.model.limits import TrainingLimits
 
 from grpo.backends.local import LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_NAME
+from grpo.core.loss_spec import LossSpec
 from grpo.core.normalization import NORMALIZATIONS, BatchTotals
 from grpo.serve.client import configured_pytrio
 from grpo.serve.server import serve_in_thread
 from grpo.tools.evaluate import sampling_client
 from grpo.training.config import ConfigError, TrainConfig
+from grpo.training.learner import loss_submission
 
 MODEL = TINY_MODEL_NAME
 KEY = "fidelity-key"
@@ -140,6 +143,51 @@ def test_a_batch_pytrio_splits_trains_like_the_unsplit_one(tmp_path, normalizati
     )
     assert metrics["loss_sum"] == pytest.approx(local_metrics["loss_sum"], rel=1e-5)
     assert norm == pytest.approx(local_norm, rel=1e-5)
+
+
+def _trainer_gradients(client) -> list[torch.Tensor]:
+    """The gradient a local training client has accumulated, parameter by parameter."""
+    return [
+        torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in client._parameters
+    ]
+
+
+SUBMISSIONS = [  # (loss spec, through forward_backward_custom): every path the learner takes
+    (LossSpec.build("importance_sampling"), False),
+    (LossSpec.build("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}), False),
+    (LossSpec.build("dro", {"beta": 0.5}), False),
+    (LossSpec.build("cispo", reduction="token_mean"), False),  # the local backend reduces
+    (LossSpec.build("ppo", reduction="seq_mean_token_mean"), True),  # as on --backend pytrio
+    (LossSpec.build("gspo"), True),
+]
+
+
+@pytest.mark.parametrize(("spec", "custom"), SUBMISSIONS, ids=lambda v: getattr(v, "name", v))
+def test_the_learners_calls_apply_the_losss_gradient_under_every_normalization(
+    tmp_path, spec, custom
+):
+    """`loss_submission` pre-scales for the service's divisor: the gradient a service
+    applies under each convention is the one it applies under `sum` (the loss's own)."""
+    datums = policy_datums(4)
+    applied = {}
+    for normalization in NORMALIZATIONS:
+        with LocalServiceClient(
+            root=tmp_path / normalization, seed=0, service_normalization=normalization
+        ) as service:
+            client = service.create_lora_training_client(MODEL, rank=4, seed=0)
+            client.forward_backward(datums, "importance_sampling").result()
+            client.optim_step(AdamParams(learning_rate=1e-2)).result()  # ratios away from 1
+            submit = loss_submission(
+                client, spec, datums, custom=custom, normalization=normalization
+            )
+            submit().result()
+            applied[normalization] = _trainer_gradients(client)
+    assert any(float(g.abs().sum()) > 0 for g in applied["sum"])
+    for normalization in NORMALIZATIONS:
+        for got, expected in zip(applied[normalization], applied["sum"], strict=True):
+            # float32 sums in another order: to 1e-4 of the tensor's largest entry
+            scale = float(expected.abs().max())
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * scale)
 
 
 def test_a_sampler_refuses_a_training_state_and_eval_still_loads_it(tmp_path):

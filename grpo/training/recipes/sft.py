@@ -31,8 +31,9 @@ import attrs
 import numpy as np
 from pytrio.types import AdamParams, Datum, ModelInput, TensorData
 
-from grpo.backends.datums import forward_only, output_logprobs
+from grpo.backends.datums import datum_totals, forward_only, output_logprobs, scale_weights
 from grpo.backends.pytrio import make_service_client
+from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION, service_divisor
 from grpo.core.sft import (
     SftExample,
     heldout_split,
@@ -112,7 +113,7 @@ def _make_service(config: SftConfig, run_dir: Path) -> Any:
         connect_timeout_s=config.connect_timeout,
         concurrency=TRAIN_FIELDS["concurrency"].default,
         threads=config.threads,
-        service_normalization=config.service_normalization,
+        service_normalization=config.service_normalization or LOCAL_TRAIN_NORMALIZATION,
     )
 
 
@@ -281,15 +282,31 @@ class SftRecipe:
 
     def __init__(self, plan: SftPlan, session: Session) -> None:
         self.plan, self.config, self.session = plan, plan.config, session
+        self.divisor = service_divisor(
+            self.config.backend, self.config.service_normalization, None
+        ).convention
+        if self.config.backend != "local":
+            source = (
+                "--service-normalization"
+                if self.config.service_normalization
+                else "the documented default, docs/FORMULAS.md"
+            )
+            session.note(
+                f"the service divides a loss's gradient by: {self.divisor} ({source}); each "
+                "request's weights are pre-scaled for it"
+            )
 
     def step(self, state: RunState, step: int) -> dict[str, float]:
         """One batch: forward_backward (cross_entropy), then optim_step at the step's rate."""
         config, plan, client = self.config, self.plan, self.session.training_client
         examples = [plan.train[i] for i in plan.batches[step]]
         datums = batch_datums(examples)  # 1. the step's rows, weighted for a token mean
+        # pre-scaled by the service's divisor D, so the gradient applied is the token mean's
+        divisor = datum_totals(datums, loss_fn="cross_entropy").denominator(self.divisor)
+        sent = scale_weights(datums, divisor, "weights")
         result = retry(  # 2. forward_backward with the built-in cross-entropy
             self.session,
-            lambda: client.forward_backward(datums, loss_fn="cross_entropy").result(),
+            lambda: client.forward_backward(sent, loss_fn="cross_entropy").result(),
             "forward_backward",
         )
         rate = config.learning_rate * lr_multiplier(  # 3. the step's learning rate
