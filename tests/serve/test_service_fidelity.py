@@ -14,10 +14,11 @@ from pytrio.client.training_batch import plan_training_batch
 from pytrio.errors.base import PyTrioError
 from pytrio.model.limits import TrainingLimits
 
+from grpo.backends.datums import forward_only, output_logprobs, scale_weights
 from grpo.backends.local import LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.core.loss_spec import LossSpec
-from grpo.core.normalization import NORMALIZATIONS, BatchTotals
+from grpo.core.normalization import DEFAULT_SERVICE_NORMALIZATION, NORMALIZATIONS, BatchTotals
 from grpo.serve.client import configured_pytrio
 from grpo.serve.server import serve_in_thread
 from grpo.tools.evaluate import sampling_client
@@ -143,6 +144,57 @@ def test_a_batch_pytrio_splits_trains_like_the_unsplit_one(tmp_path, normalizati
     )
     assert metrics["loss_sum"] == pytest.approx(local_metrics["loss_sum"], rel=1e-5)
     assert norm == pytest.approx(local_norm, rel=1e-5)
+
+
+LINEAR_ADAM = AdamParams(learning_rate=1.0, beta1=0.0, beta2=0.0, eps=1e3, grad_clip_norm=0.0)
+"""A memoryless step θ ← θ − g/(|g| + 10³) ≈ θ − 10⁻³·g: its effect is linear in the gradient."""
+
+
+def _step_response(trainer, calls, probe: list[Datum]) -> tuple[float, np.ndarray]:
+    """Run `calls` (forward_backward futures) then one linear step: its grad_norm and the
+    change of `probe`'s log-probs, a vector that follows the gradient's direction and size."""
+    before = output_logprobs(trainer.forward(probe, "cross_entropy").result().loss_fn_outputs)
+    for call in calls:
+        call().result()
+    norm = trainer.optim_step(LINEAR_ADAM).result().metrics["grad_norm"]
+    after = output_logprobs(trainer.forward(probe, "cross_entropy").result().loss_fn_outputs)
+    return norm, after - before
+
+
+def test_the_series_micro_batch_rescaling_gives_the_unsplit_gradient_through_grpo_serve(tmp_path):
+    """The series' chapters (05-retool, 03-search-r1) send each micro-batch k of a batch of N
+    samples as its own forward_backward, advantages pre-scaled by n_k / N, then one
+    optim_step. Under grpo serve's default (samples, per request) that accumulates the
+    unsplit batch's gradient; unscaled, it would not."""
+    datums = policy_datums(5)
+    probe = forward_only(policy_datums(2, prompt=4))
+    parts = (datums[:2], datums[2:])
+    home = tmp_path / "home"
+    home.mkdir()
+    with (
+        serve_in_thread(root=tmp_path / "served", api_key=KEY) as handle,
+        configured_pytrio(handle.url, api_key=KEY, home=home),
+    ):
+        service = pytrio.ServiceClient()
+
+        def response(batches):
+            trainer = service.create_lora_training_client(MODEL, rank=4, seed=0)
+            calls = [
+                lambda batch=batch: trainer.forward_backward(batch, "importance_sampling")
+                for batch in batches
+            ]
+            return _step_response(trainer, calls, probe)
+
+        whole = response([datums])
+        rescaled = response(
+            [scale_weights(part, len(part) / len(datums), "advantages") for part in parts]
+        )
+        unscaled = response(list(parts))
+    assert DEFAULT_SERVICE_NORMALIZATION == "samples"  # what serve_in_thread ran with
+    assert whole[0] > 0 and np.abs(whole[1]).max() > 1e-3
+    assert rescaled[0] == pytest.approx(whole[0], rel=1e-5)
+    np.testing.assert_allclose(rescaled[1], whole[1], rtol=1e-3, atol=1e-3 * np.abs(whole[1]).max())
+    assert unscaled[0] > 1.5 * whole[0]  # each part divided by its own n_k: too large a step
 
 
 def _trainer_gradients(client) -> list[torch.Tensor]:
