@@ -68,28 +68,29 @@ class BatchTotals:
 
 @attrs.frozen
 class ServiceDivisor:
-    """The convention a loop pre-scales its datums for, and where it was learned: ``flag``
-    (--service-normalization), ``probe`` (the normalization probe's verdict), ``default``
-    (`DEFAULT_SERVICE_NORMALIZATION`, a service not measured) or ``local`` (the embedded
-    backend, asked for `LOCAL_TRAIN_NORMALIZATION`)."""
+    """The convention a loop pre-scales its datums for, and where it was learned: ``local``
+    (the embedded backend, as it reports itself, else as the run asked it), ``flag``
+    (--service-normalization), ``probe`` (the normalization probe's verdict) or ``default``
+    (`DEFAULT_SERVICE_NORMALIZATION`: a service not measured)."""
 
     convention: str
     source: str
 
 
-def service_divisor(backend: str, flag: str | None, probed: str | None) -> ServiceDivisor:
-    """The divisor a run's service applies: the flag when given, else on the local backend
-    `LOCAL_TRAIN_NORMALIZATION` (what the run asks it for), else the probe's verdict, else
-    `DEFAULT_SERVICE_NORMALIZATION`."""
-    for name, value in (("--service-normalization", flag), ("the probe's verdict", probed)):
+def service_divisor(
+    backend: str, flag: str | None, probed: str | None, reported: str | None = None
+) -> ServiceDivisor:
+    """The divisor a run's service applies. Local backend: what it `reported`, else the
+    flag, else `LOCAL_TRAIN_NORMALIZATION` (what the run asks it for). A service: the flag
+    when given, else the probe's verdict, else `DEFAULT_SERVICE_NORMALIZATION`."""
+    named = (("--service-normalization", flag), ("the probe's verdict", probed))
+    for name, value in (*named, ("the local backend", reported)):
         if value is not None and value not in NORMALIZATIONS:
-            raise ValueError(
-                f"{name} {value!r} is not one of {', '.join(NORMALIZATIONS)}"
-            )
+            raise ValueError(f"{name} {value!r} is not one of {', '.join(NORMALIZATIONS)}")
+    if backend == "local":
+        return ServiceDivisor(reported or flag or LOCAL_TRAIN_NORMALIZATION, "local")
     if flag is not None:
         return ServiceDivisor(flag, "flag")
-    if backend == "local":
-        return ServiceDivisor(LOCAL_TRAIN_NORMALIZATION, "local")
     if probed is not None:
         return ServiceDivisor(probed, "probe")
     return ServiceDivisor(DEFAULT_SERVICE_NORMALIZATION, "default")

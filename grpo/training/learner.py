@@ -17,7 +17,6 @@ from typing import Any
 
 import attrs
 import numpy as np
-
 from pytrio.types import Datum
 
 from grpo.backends.datums import (

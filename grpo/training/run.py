@@ -145,7 +145,7 @@ def _train_in(
         if distill_warning is not None:
             note(distill_warning)
     probe = normalization_probe(config, service, note)
-    divisor = run_divisor(config, probe, note)
+    divisor = run_divisor(config, probe, note, service)
     if checkpoint is not None:
         training_client, checkpoint = load_checkpoint(service, run_dir, checkpoint, note)
     elif init_path is not None:
@@ -228,13 +228,22 @@ def normalization_probe(
 
 
 def run_divisor(
-    config: TrainConfig, probe: dict[str, Any] | None, note: Callable[[str], None]
+    config: TrainConfig,
+    probe: dict[str, Any] | None,
+    note: Callable[[str], None],
+    service: Any = None,
 ) -> ServiceDivisor:
-    """What the service divides a loss's gradient by (`service_divisor`: the flag, the local
-    backend's, the probe's verdict, or the documented default), noted on a service; a flag
-    the probe contradicts is noted too (the flag wins)."""
+    """What the service divides a loss's gradient by (`service_divisor`: the local backend's
+    own, the flag, the probe's verdict, or the documented default), noted on a service; a
+    flag the probe contradicts is noted too (the flag wins)."""
     probed = None if probe is None else probe.get("convention")
-    divisor = service_divisor(config.backend, config.service_normalization, probed)
+    reported = getattr(service, "service_normalization", None)
+    divisor = service_divisor(
+        config.backend,
+        config.service_normalization,
+        probed,
+        reported if isinstance(reported, str) else None,
+    )
     if config.backend == "local":
         return divisor
     source = {

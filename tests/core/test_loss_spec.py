@@ -111,7 +111,9 @@ def test_the_scaled_spec_on_scaled_weights_is_the_loss_times_the_scale(
     (loss, gradient), (scaled_loss, scaled_gradient) = results
     largest = float(gradient.abs().max()) if gradient.numel() else 0.0
     bound = 1e-9 * factor * (1.0 + largest)
-    torch.testing.assert_close(scaled_loss, loss * factor, rtol=1e-9, atol=bound * max(gradient.numel(), 1))
+    torch.testing.assert_close(
+        scaled_loss, loss * factor, rtol=1e-9, atol=bound * max(gradient.numel(), 1)
+    )
     torch.testing.assert_close(scaled_gradient, gradient * factor, rtol=1e-9, atol=bound)
 
 

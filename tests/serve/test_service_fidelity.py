@@ -83,8 +83,10 @@ def test_gradient_scale_is_one_over_the_chosen_total(samples, active, advantage,
 def test_an_unknown_normalization_is_refused_naming_the_choices(tmp_path):
     with pytest.raises(ValueError, match="active_tokens"):
         LocalServiceClient(root=tmp_path, service_normalization="mean")
-    with pytest.raises(ConfigError, match="--service-normalization"):
-        TrainConfig(backend="pytrio", service_normalization="active_tokens")
+    with pytest.raises(ConfigError, match="--service-normalization 'mean' is not one of sum"):
+        TrainConfig(backend="pytrio", service_normalization="mean")
+    # on a service the flag says what it divides by (the loop pre-scales for it)
+    assert TrainConfig(backend="pytrio", service_normalization="active_tokens")
 
 
 def _grad_norm(client, datums: list[Datum]) -> tuple[dict, float]:
@@ -93,12 +95,12 @@ def _grad_norm(client, datums: list[Datum]) -> tuple[dict, float]:
     return dict(metrics), step["grad_norm"]
 
 
-@pytest.mark.parametrize("normalization", ["sum", "active_tokens", "samples"])
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
 def test_local_metrics_follow_pytrio_and_the_gradient_its_normalization(tmp_path, normalization):
     datums = policy_datums(3)
     totals = pytrio_totals(datums)
     assert totals.active_tokens > totals.advantage_tokens  # prompt targets 0 are active
-    with LocalServiceClient(root=tmp_path / "a", seed=0) as plain:
+    with LocalServiceClient(root=tmp_path / "a", seed=0, service_normalization="sum") as plain:
         base_metrics, base_norm = _grad_norm(
             plain.create_lora_training_client(MODEL, rank=4, seed=0), datums
         )
@@ -199,9 +201,7 @@ def test_the_series_micro_batch_rescaling_gives_the_unsplit_gradient_through_grp
 
 def _trainer_gradients(client) -> list[torch.Tensor]:
     """The gradient a local training client has accumulated, parameter by parameter."""
-    return [
-        torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in client._parameters
-    ]
+    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in client._parameters]
 
 
 SUBMISSIONS = [  # (loss spec, through forward_backward_custom): every path the learner takes

@@ -17,7 +17,7 @@ from grpo.training.config import ConfigError
 from grpo.training.episodes import EpisodeLimits, TemplateError, play_episode, render
 from grpo.training.run_files import read_metrics
 from tests.invariance import assert_same_rollouts, assert_same_rows
-from tests.runs import comparable, quiet_train, tiny_config
+from tests.runs import comparable, embedded_service, quiet_train, tiny_config
 
 TOKENIZER = build_tokenizer()
 END = TOKENIZER.eos_token_id
@@ -459,7 +459,6 @@ def make(task):
 def test_dynamic_sampling_on_episodes_resumes_exactly(tmp_path: Path, max_off_policy: int):
     import json
 
-    from grpo.backends.local import LocalServiceClient
     from grpo.training.run import RunStopped
     from grpo.training.run_files import read_rollouts
     from tests.training.test_loop import _StopAfterOptimSteps
@@ -470,7 +469,7 @@ def test_dynamic_sampling_on_episodes_resumes_exactly(tmp_path: Path, max_off_po
     assert any(row["sampling/rounds"] > 1 for row in read_metrics(whole)), "test setup"
     config = _dynamic_env(tmp_path, "stopped", **flags)
     service = _StopAfterOptimSteps(
-        LocalServiceClient(root=tmp_path / "stopped" / "backend", seed=config.seed), n=2
+        embedded_service(tmp_path / "stopped" / "backend", seed=config.seed), n=2
     )
     with pytest.raises(RunStopped):
         quiet_train(config, service_client=service)

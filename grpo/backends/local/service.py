@@ -130,6 +130,12 @@ class LocalServiceClient:
             root_path, seed, kernel_metrics, SAMPLER_DTYPES[sampler_dtype], threads
         )
 
+    @property
+    def service_normalization(self) -> str:
+        """What this trainer divides a loss's gradient by (one of core ``NORMALIZATIONS``);
+        pytrio's ServiceClient has no such attribute (a loop learns it from the probe)."""
+        return self._normalization
+
     def close(self) -> None:
         """Stop the worker thread once queued work is done (clients stop working)."""
         self._engine.worker.close()

@@ -52,7 +52,11 @@ class LocalTrainingClient:
     """In-process stand-in for `pytrio.TrainingClient` on one LoRA adapter."""
 
     def __init__(
-        self, engine: Engine, host: ModelHost, spec: LoraSpec, normalization: str = DEFAULT_SERVICE_NORMALIZATION
+        self,
+        engine: Engine,
+        host: ModelHost,
+        spec: LoraSpec,
+        normalization: str = DEFAULT_SERVICE_NORMALIZATION,
     ) -> None:
         self._engine = engine
         self._normalization = normalization  # the gradient scale: one of core NORMALIZATIONS

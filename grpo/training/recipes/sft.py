@@ -282,8 +282,12 @@ class SftRecipe:
 
     def __init__(self, plan: SftPlan, session: Session) -> None:
         self.plan, self.config, self.session = plan, plan.config, session
+        reported = getattr(plan.service, "service_normalization", None)
         self.divisor = service_divisor(
-            self.config.backend, self.config.service_normalization, None
+            self.config.backend,
+            self.config.service_normalization,
+            None,
+            reported if isinstance(reported, str) else None,
         ).convention
         if self.config.backend != "local":
             source = (
