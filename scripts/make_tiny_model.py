@@ -142,8 +142,8 @@ def tool_examples(tokenizer: object) -> list[tuple[list[int], list[int]]]:
                 {"role": "assistant", "content": call},
                 *env.step(call).observation,
             ]
-            shown = render(tokenizer, opening)
-            bridge, _ = bridge_text(tokenizer, shown, call, end, messages)
+            shown = render(tokenizer, opening, env.tools)
+            bridge, _ = bridge_text(tokenizer, shown, call, end, messages, env.tools)
             first = (encode(shown), [*encode(call), eos])
             examples += [first, ([*first[0], *first[1], *encode(bridge)], [*encode(final), eos])]
     return examples

@@ -13,6 +13,7 @@ from grpo.backends.local.tiny import build_tokenizer
 from grpo.envs import StepResult, Task, calculator_wordproblems
 from grpo.envs.base import EnvError
 from grpo.envs.tools import format_tool_call
+from grpo.envs.wordproblems import TOOL_SYSTEM_PROMPT
 from grpo.training.config import ConfigError
 from grpo.training.episodes import EpisodeLimits, TemplateError, play_episode, render
 from grpo.training.run_files import read_metrics
@@ -31,7 +32,8 @@ LIMITS = EpisodeLimits(max_turns=4, max_tokens=200, max_len=2048, temperature=1.
 
 def _bytes_tokens(text: str) -> list[int]:
     """A non-canonical tokenization of ``text``: one token per character (ASCII text)."""
-    return [TOKENIZER.convert_tokens_to_ids(c if c != " " else "Ġ") for c in text]
+    byte_level = {" ": "Ġ", "\n": "Ċ"}
+    return [TOKENIZER.convert_tokens_to_ids(byte_level.get(c, c)) for c in text]
 
 
 class ScriptedSampler:
@@ -83,9 +85,10 @@ def test_a_tool_episode_trains_exactly_the_sampled_tokens_and_the_stream_is_the_
     messages = [
         *env.initial_observation(),
         {"role": "assistant", "content": call},
-        {"role": "user", "content": "<tool_response>\n13\n</tool_response>"},
+        {"role": "tool", "content": "13"},
     ]
-    rendered = render(TOKENIZER, messages) + "\\boxed{13}<|im_end|>"
+    rendered = render(TOKENIZER, messages, env.tools) + "\\boxed{13}<|im_end|>"
+    assert rendered.startswith("<|im_start|>system\n" + TOOL_SYSTEM_PROMPT + "\n\n# Tools\n")
     assert TOKENIZER.decode(episode.tokens.tolist(), skip_special_tokens=False) == rendered
     assert usage.completion_tokens == len(first) + len(second)
 
