@@ -57,7 +57,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 SAVED_FILES = ("config.json", "generation_config.json", WEIGHTS_FILE, *TOKENIZER_FILES)
 SAMPLING_SEED = 0
 PROMPT_STYLES = {"own prompt": (), "few-shot prompt": FEWSHOT_PREFIX}
-TOOLS_STEPS = 120
+TOOLS_STEPS = 300
 TOOLS_BATCH_SIZE = 32
 TOOLS_LEARNING_RATE = 2e-3
 TOOLS_WARMUP_STEPS = 10
@@ -142,8 +142,8 @@ def tool_examples(tokenizer: object) -> list[tuple[list[int], list[int]]]:
                 {"role": "assistant", "content": call},
                 *env.step(call).observation,
             ]
-            shown = render(tokenizer, opening)
-            bridge, _ = bridge_text(tokenizer, shown, call, end, messages)
+            shown = render(tokenizer, opening, env.tools)
+            bridge, _ = bridge_text(tokenizer, shown, call, end, messages, env.tools)
             first = (encode(shown), [*encode(call), eos])
             examples += [first, ([*first[0], *first[1], *encode(bridge)], [*encode(final), eos])]
     return examples
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument(
-        "--steps", type=int, default=None, help="optimizer steps (default 400; --tools 120)"
+        "--steps", type=int, default=None, help="optimizer steps (default 400; --tools 300)"
     )
     parser.add_argument(
         "--tools",

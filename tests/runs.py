@@ -30,6 +30,17 @@ def quiet_train(config: TrainConfig, **kwargs: Any) -> RunResult:
     return train(config, echo=lambda _line: None, progress=False, **kwargs)
 
 
+def embedded_service(root: Path | str, **kwargs: Any) -> Any:
+    """A LocalServiceClient dividing as a run's own embedded backend does
+    (`LOCAL_TRAIN_NORMALIZATION`, not the service's `samples`), so that a run given it equals,
+    bit for bit, a run that makes its own (under another divisor the loop pre-scales to the
+    same gradients, but only to float rounding)."""
+    from grpo.backends.local import LocalServiceClient
+    from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION
+
+    return LocalServiceClient(root=root, service_normalization=LOCAL_TRAIN_NORMALIZATION, **kwargs)
+
+
 def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Metrics rows without wall-clock timings."""
     return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]

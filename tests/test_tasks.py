@@ -19,7 +19,7 @@ from grpo.training.config import TrainConfig
 from grpo.training.run import RunStopped
 from grpo.training.run_files import read_metrics, read_rollouts
 from tests.invariance import assert_same_rollouts, assert_same_rows
-from tests.runs import comparable, quiet_train, tiny_config
+from tests.runs import comparable, embedded_service, quiet_train, tiny_config
 
 
 def reward_file(tmp_path: Path, body: str) -> Path:
@@ -203,14 +203,13 @@ def test_dynamic_sampling_counts_every_rounds_tokens_in_the_usage(tmp_path: Path
 
 
 def test_dynamic_sampling_resumes_exactly(tmp_path: Path) -> None:
-    from grpo.backends.local import LocalServiceClient
     from tests.training.test_loop import _StopAfterOptimSteps
 
     whole = quiet_train(_dynamic(tmp_path, "whole", None, steps=4, log_rollouts=2)).run_dir
     assert any(row["sampling/rounds"] > 1 for row in read_metrics(whole)), "test setup"
     config = _dynamic(tmp_path, "stopped", None, steps=4, log_rollouts=2)
     service = _StopAfterOptimSteps(
-        LocalServiceClient(root=tmp_path / "stopped" / "backend", seed=config.seed), n=2
+        embedded_service(tmp_path / "stopped" / "backend", seed=config.seed), n=2
     )
     with pytest.raises(RunStopped):
         quiet_train(config, service_client=service)

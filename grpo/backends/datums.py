@@ -8,6 +8,10 @@ Everything that knows how a `Datum` is laid out lives here, once:
   `as_custom_loss`, so both mask identically;
 - ``read_datums``: datums to the flat arrays a loss kernel takes (one reader for the local
   backend and the custom-loss adapter);
+- ``datum_totals``: a logical batch's totals S, T, T_A as pytrio's planner counts them, and
+  ``surrogate_totals`` those of a custom loss's cross-entropy surrogate; ``scale_weights``
+  multiplies the datums' weights, so a loop can pre-scale for the service's divisor
+  (docs/FORMULAS.md, "Service normalization");
 - ``batch_to_datums``: a core `TokenBatch` to datums, masked-out targets (the prompt) as
   ``IGNORE_INDEX``, so that pytrio's planner counts as active exactly the trained tokens.
   Its arrays come from validated core records, so it builds the pydantic objects with
@@ -26,6 +30,7 @@ import attrs
 import numpy as np
 from pytrio.types import Datum, EncodedTextChunk, ModelInput, TensorData
 
+from grpo.core.normalization import BatchTotals
 from grpo.core.records import TokenBatch
 
 POLICY_INPUT_KEYS = ("target_tokens", "logprobs", "advantages")
@@ -231,3 +236,56 @@ def output_logprobs(loss_fn_outputs: Sequence[dict[str, TensorData]]) -> np.ndar
     return np.concatenate(
         [np.asarray(output["logprobs"].data, dtype=np.float32) for output in loss_fn_outputs]
     )
+
+
+def datum_totals(
+    datums: Sequence[Datum], *, loss_fn: str = "importance_sampling", auto_shift: bool = False
+) -> BatchTotals:
+    """S, T, T_A of a logical batch as pytrio 0.2.9's planner counts them: T the targets not
+    IGNORE_INDEX (from position 1 under `auto_shift`; for ``cross_entropy`` only those with a
+    non-zero weight, absent weights counting 1), T_A those of T with a non-zero advantage (0
+    for ``cross_entropy``)."""
+    cross_entropy = loss_fn.strip().lower() == "cross_entropy"
+    active = advantage = 0
+    for datum in datums:
+        targets = datum_array(datum, "target_tokens", np.int64)
+        counted = targets != IGNORE_INDEX
+        if auto_shift:
+            counted[:1] = False
+        if cross_entropy:
+            if "weights" in datum.loss_fn_inputs:
+                counted &= datum_array(datum, "weights", np.float64) != 0
+        else:
+            advantage += int((counted & (datum_array(datum, "advantages", np.float64) != 0)).sum())
+        active += int(counted.sum())
+    return BatchTotals(samples=len(datums), active_tokens=active, advantage_tokens=advantage)
+
+
+def surrogate_totals(
+    gradients_B: Sequence[np.ndarray], targets_B: Sequence[np.ndarray]
+) -> BatchTotals:
+    """The totals of pytrio's cross-entropy surrogate of a custom loss (weights −gradient):
+    S datums, T the non-zero gradients at targets not IGNORE_INDEX, T_A = 0."""
+    active = sum(
+        int(((np.asarray(gradient) != 0) & (np.asarray(targets) != IGNORE_INDEX)).sum())
+        for gradient, targets in zip(gradients_B, targets_B, strict=True)
+    )
+    return BatchTotals(samples=len(gradients_B), active_tokens=active, advantage_tokens=0)
+
+
+def scale_weights(datums: Sequence[Datum], factor: float, weight_input: str) -> list[Datum]:
+    """The datums with ``loss_fn_inputs[weight_input]`` times `factor` (float32, as sent; an
+    absent weight counts 1, as cross-entropy's does); the datums themselves when `factor` is
+    1. Every other entry is shared, not copied."""
+    if factor == 1.0:
+        return list(datums)
+    scaled = []
+    for datum in datums:
+        inputs = dict(datum.loss_fn_inputs)
+        if weight_input in inputs:
+            values = datum_array(datum, weight_input, np.float64)
+        else:
+            values = np.ones(len(inputs["target_tokens"].data), dtype=np.float64)
+        inputs[weight_input] = _tensor((values * factor).astype(np.float32), "float32")
+        scaled.append(Datum.model_construct(model_input=datum.model_input, loss_fn_inputs=inputs))
+    return scaled

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from grpo.backends.names import TINY_TOOLS_MODEL_NAME
+from grpo.core.normalization import DEFAULT_SERVICE_NORMALIZATION
 
 T = TypeVar("T")
 
@@ -40,7 +41,7 @@ def make_service_client(
     concurrency: int | None = None,
     sampler_dtype: str = "float32",
     threads: int = 0,
-    service_normalization: str = "sum",
+    service_normalization: str = DEFAULT_SERVICE_NORMALIZATION,
 ) -> Any:
     """A service client: `LocalServiceClient` for 'local', `pytrio.ServiceClient` for 'pytrio'.
 

@@ -9,6 +9,7 @@ docs/FORMULAS.md, "Aggregation").
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -85,6 +86,17 @@ class LossSpec:
     def service_builtin(self) -> bool:
         """Whether PyTRIO's built-in ``forward_backward`` computes this loss (kernel and sum)."""
         return self.kernel.service_builtin and self.reduction == "sum"
+
+    def scaled(self, factor: float) -> LossSpec:
+        """The spec whose loss on weights factor·w is factor × this spec's loss on w (factor
+        finite and > 0): its kernel's ``weight_scaled_keys`` (DRO's β) times factor."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"a weight scale must be finite and > 0, got {factor!r}")
+        config = dict(self.config)
+        for key in self.kernel.weight_scaled_keys:
+            if config.get(key) is not None:
+                config[key] = float(config[key]) * factor
+        return attrs.evolve(self, config=config)
 
     def to_loss_fn_config(self) -> dict[str, Any]:
         """PyTRIO's ``loss_fn_config``: non-None kernel keys, then the reduction if not sum."""

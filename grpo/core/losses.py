@@ -469,6 +469,10 @@ class LossKernel:
     """The single-pass form for torch.compile (``fused_losses``), None if there is none."""
     service_builtin: bool = True
     """Whether PyTRIO's ``forward_backward`` has this loss built in (else: as a custom loss)."""
+    weight_scaled_keys: tuple[str, ...] = ()
+    """Config keys that scale with the weights: for c > 0, the loss on weights c·w with these
+    keys times c is c times the loss on w (DRO's β; every other objective is positively
+    homogeneous in its weight). ``LossSpec.scaled`` reads it."""
 
     def __attrs_post_init__(self) -> None:
         # The instance's docstring is its formula, so help(losses.ppo) states the math.
@@ -651,6 +655,7 @@ dro = LossKernel(
     sequence_level=False,
     objective=_dro_objective,
     fused_form=fused_losses.fused_dro,
+    weight_scaled_keys=("beta",),
 )
 gspo = LossKernel(
     name="gspo",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import json
 import math
 import numbers
 import threading
@@ -46,6 +47,7 @@ __all__ = [
     "as_step_result",
     "check_messages",
     "env_step",
+    "env_tools",
     "initial_messages",
     "load_env_factory",
     "make_group",
@@ -99,6 +101,33 @@ class Env(Protocol):
     def step(self, action_text: str) -> StepResult | tuple[list[dict[str, str]], float, bool]:
         """The policy's turn ``action_text`` -> (observation messages, reward, done)."""
         ...
+
+
+MAX_TOOLS_CHARS = 20_000
+"""The longest JSON an env's ``tools`` may take (it is rendered into every prompt)."""
+
+
+def env_tools(env: object) -> list[dict[str, Any]] | None:
+    """The function signatures an env offers (its optional ``tools`` attribute: a list of
+    ``{"type": "function", "function": {...}}`` dicts, JSON, at most `MAX_TOOLS_CHARS`),
+    which the chat template lists in the system turn; None when it offers none."""
+    tools = getattr(env, "tools", None)
+    if tools is None:
+        return None
+    about = f"{_env_name(env)}.tools"
+    if not isinstance(tools, Sequence) or isinstance(tools, str | bytes):
+        raise EnvError(f"{about} is {type(tools).__name__}, not a list of function signatures")
+    if not all(isinstance(tool, Mapping) for tool in tools):
+        raise EnvError(f"{about} holds a non-dict; each tool is a {{'type': 'function', ...}} dict")
+    try:
+        size = len(json.dumps(list(tools)))
+    except (TypeError, ValueError) as error:
+        raise EnvError(
+            f"{about} is not JSON ({error}); give plain dicts, lists and strings"
+        ) from None
+    if size > MAX_TOOLS_CHARS:
+        raise EnvError(f"{about} takes {size} characters as JSON; at most {MAX_TOOLS_CHARS}")
+    return [dict(tool) for tool in tools] or None
 
 
 EnvFactory = Callable[[Task], Env]

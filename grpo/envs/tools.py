@@ -1,10 +1,12 @@
 """Tools: Qwen-style tool calls, a registry that answers them, and the built-in calculator.
 
-A call is ``<tool_call>{"name": NAME, "arguments": {...}}</tool_call>`` in the policy's text,
-the answer ``<tool_response>\\nTEXT\\n</tool_response>`` in a user turn (as Qwen's chat
-template renders a ``tool`` message, so every template shows it the same way). Model text
-is untrusted: a call that is not valid JSON, names no known tool, has bad arguments, or
-whose tool fails is answered with an error text (counted as a tool error), never a crash.
+Qwen3's format: a call is ``<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>``
+in the policy's text, each answer a ``tool`` message, which Qwen3's chat template (and the
+built-in one) renders as ``<tool_response>\\nTEXT\\n</tool_response>`` in one user turn; the
+tools are offered as function signatures (`ToolRegistry.signatures`) that the template lists
+in the system turn. Model text is untrusted: a call that is not valid JSON, names no known
+tool, has bad arguments, or whose tool fails is answered with an error text (counted as a
+tool error), never a crash.
 
 - `parse_tool_calls`: the calls of one action, each a `ToolCall` or the reason it is malformed.
 - `Tool`, `ToolRegistry`: named tools and `respond`, the observation answering one action.
@@ -33,6 +35,7 @@ __all__ = [
     "calculate",
     "format_tool_call",
     "parse_tool_calls",
+    "tool_messages",
     "tool_response",
 ]
 
@@ -95,23 +98,46 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
 
 
 def format_tool_call(name: str, arguments: Mapping[str, Any]) -> str:
-    """The text of one call, as a model writes it."""
-    return f"{CALL_OPEN}{json.dumps({'name': name, 'arguments': dict(arguments)})}{CALL_CLOSE}"
+    """The text of one call, as a Qwen3 model writes it and the chat template renders an
+    assistant's ``tool_calls``: ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``."""
+    body = json.dumps({"name": name, "arguments": dict(arguments)}, ensure_ascii=False)
+    return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
+
+
+def tool_messages(texts: Iterable[str]) -> list[dict[str, str]]:
+    """One ``tool`` message per answer: the chat template renders consecutive ones as one user
+    turn of ``<tool_response>`` blocks, as Qwen3's does (the text of `tool_response`)."""
+    return [{"role": "tool", "content": text} for text in texts]
 
 
 def tool_response(texts: Iterable[str]) -> dict[str, str]:
-    """One user message holding a ``<tool_response>`` block per answer (Qwen's rendering)."""
+    """One user message holding a ``<tool_response>`` block per answer (Qwen's rendering of
+    the `tool_messages` of the same texts, for templates without a ``tool`` role)."""
     blocks = [f"{RESPONSE_OPEN}\n{text}\n{RESPONSE_CLOSE}" for text in texts]
     return {"role": "user", "content": "\n".join(blocks)}
 
 
 @attrs.frozen
 class Tool:
-    """A named tool: ``fn(arguments) -> text``; ValueError or TypeError means a bad call."""
+    """A named tool: ``fn(arguments) -> text``; ValueError or TypeError means a bad call.
+    ``parameters`` is the JSON schema of its arguments (what the chat template shows)."""
 
     name: str
     description: str
     fn: Callable[[Mapping[str, Any]], str] = attrs.field(eq=False)
+    parameters: Mapping[str, Any] = attrs.field(factory=lambda: {"type": "object"})
+
+    def signature(self) -> dict[str, Any]:
+        """The function signature a chat template's ``tools`` takes (OpenAI's and Qwen3's
+        ``{"type": "function", "function": {name, description, parameters}}``)."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": dict(self.parameters),
+            },
+        }
 
 
 @attrs.frozen
@@ -141,15 +167,19 @@ class ToolRegistry:
         except (ValueError, TypeError, ArithmeticError, KeyError) as error:
             return f"error: {str(error)[:_RESPONSE_CHARS]}", True
 
+    def signatures(self) -> list[dict[str, Any]]:
+        """Every tool's `Tool.signature`, in registration order (a chat template's ``tools``)."""
+        return [tool.signature() for tool in self.tools.values()]
+
     def respond(self, action_text: str) -> tuple[list[dict[str, str]], int, int]:
-        """The observation answering an action's calls: ([one tool-response message] or [],
+        """The observation answering an action's calls: (one ``tool`` message per call, or [],
         the number of calls, the number answered with an error)."""
         calls = parse_tool_calls(action_text)
         if not calls:
             return [], 0, 0
         answers = [self.call(call) for call in calls]
         errors = sum(is_error for _text, is_error in answers)
-        return [tool_response(text for text, _ in answers)], len(calls), errors
+        return tool_messages(text for text, _ in answers), len(calls), errors
 
 
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
@@ -240,6 +270,11 @@ def _calculator(arguments: Mapping[str, Any]) -> str:
 
 CALCULATOR = Tool(
     name="calculator",
-    description='arithmetic: {"expression": "3 * (4 + 5)"} -> "27"',
+    description="Evaluate an arithmetic expression.",
     fn=_calculator,
+    parameters={
+        "type": "object",
+        "properties": {"expression": {"type": "string"}},
+        "required": ["expression"],
+    },
 )

@@ -1,10 +1,12 @@
 """The built-in tool task: word problems the model may solve with calculator calls.
 
-An episode opens with a system message describing the calculator and the run's prompt for
-the problem. Each action that contains ``<tool_call>`` blocks is answered with their
-``<tool_response>`` (reward 0, not done); the first action without a call is the final
-answer, scored 1.0 when its last ``\\boxed{}`` matches the gold answer (the default reward,
-`grpo.core.rewards.grade`), and ends the episode. Use it with the built-in word problems:
+An episode opens with a system message (the answer's format, then the run's system prompt)
+and the run's prompt for the problem, and offers the calculator as a tool (`tools`: the chat
+template lists its signature in the system turn, as Qwen3's does). Each action that contains
+``<tool_call>`` blocks is answered with one ``tool`` message per call (reward 0, not done);
+the first action without a call is the final answer, scored 1.0 when its last ``\\boxed{}``
+matches the gold answer (the default reward, `grpo.core.rewards.grade`), and ends the
+episode. Use it with the built-in word problems:
 
     grpo train --env grpo.envs:calculator_wordproblems --dataset wordproblems
 """
@@ -17,22 +19,20 @@ from grpo.envs.tools import CALCULATOR, ToolRegistry, format_tool_call
 
 __all__ = ["TOOL_SYSTEM_PROMPT", "CalculatorEnv", "calculator_wordproblems", "tool_solution"]
 
-TOOL_SYSTEM_PROMPT = (
-    "You may use a calculator. Call it as "
-    + format_tool_call("calculator", {"expression": "9 + 4"})
-    + " and read the answer in <tool_response>. Put the final answer in \\boxed{}."
-)
+TOOL_SYSTEM_PROMPT = "Use the calculator for the arithmetic. Put the final answer in \\boxed{}."
+"""The episode's system message (the tools block follows it in the rendered system turn)."""
 TOOLS = ToolRegistry.of(CALCULATOR)
 
 
 class CalculatorEnv:
     """One episode of a word problem with the calculator tool (see the module docstring)."""
 
-    def __init__(self, task: Task, tools: ToolRegistry = TOOLS) -> None:
-        self.task, self.tools = task, tools
+    def __init__(self, task: Task, registry: ToolRegistry = TOOLS) -> None:
+        self.task, self.registry = task, registry
+        self.tools = registry.signatures()  # offered through the chat template's `tools`
 
     def initial_observation(self) -> list[dict[str, str]]:
-        """The tool instructions (and the run's --system-prompt after them), then the prompt."""
+        """The system message (and the run's --system-prompt after it), then the prompt."""
         messages = [dict(message) for message in self.task.messages] or [
             {"role": "user", "content": self.task.question}
         ]
@@ -42,7 +42,7 @@ class CalculatorEnv:
 
     def step(self, action_text: str) -> StepResult:
         """Tool calls are answered (reward 0); an action without one is graded and ends it."""
-        observation, calls, errors = self.tools.respond(action_text)
+        observation, calls, errors = self.registry.respond(action_text)
         if calls:
             return StepResult(observation, 0.0, False, tool_calls=calls, tool_errors=errors)
         return StepResult((), grade(action_text, self.task.gold), True)

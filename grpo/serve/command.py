@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from grpo.backends.local import default_root
-from grpo.core.normalization import NORMALIZATIONS
+from grpo.core.normalization import DEFAULT_SERVICE_NORMALIZATION, NORMALIZATIONS
 from grpo.serve.compat import HUB_CACHE_DIRECTORY, hub_cache_exports
 from grpo.serve.faults import FaultPlan, parse_fault
 from grpo.serve.limits import MAX_CONNECTIONS, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S
@@ -104,10 +104,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--service-normalization",
         choices=NORMALIZATIONS,
-        default="sum",
-        help="the trainer's gradient scale: the loss (sum, the default) or divided by the "
-        "logical batch's active tokens, advantage tokens or samples, as pytrio 0.2.9 sends "
-        "them (docs/FORMULAS.md, 'Service normalization')",
+        default=DEFAULT_SERVICE_NORMALIZATION,
+        help="what the trainer divides a loss's gradient by: the logical batch's samples "
+        f"(default {DEFAULT_SERVICE_NORMALIZATION}, the real service's per-request mean), "
+        "active tokens or advantage tokens, as pytrio 0.2.9 sends them, or nothing (sum) "
+        "(docs/FORMULAS.md, 'Service normalization')",
     )
     parser.add_argument(
         "--max-batch-size",

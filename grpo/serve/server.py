@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 from grpo.backends.local import LocalServiceClient, default_root
+from grpo.core.normalization import DEFAULT_SERVICE_NORMALIZATION
 from grpo.serve.access import checked_api_key
 from grpo.serve.endpoints import ServeState
 from grpo.serve.events import TrainerEvents
@@ -64,7 +65,7 @@ def start_server(
     max_request_bytes: int = MAX_REQUEST_BYTES,
     max_connections: int = MAX_CONNECTIONS,
     request_timeout_s: float = REQUEST_TIMEOUT_S,
-    service_normalization: str = "sum",
+    service_normalization: str = DEFAULT_SERVICE_NORMALIZATION,
     max_batch_size: int | None = None,
     max_tokens_per_request: int | None = None,
     threads: int = 0,
@@ -129,7 +130,7 @@ def serve_in_thread(
     max_request_bytes: int = MAX_REQUEST_BYTES,
     max_connections: int = MAX_CONNECTIONS,
     request_timeout_s: float = REQUEST_TIMEOUT_S,
-    service_normalization: str = "sum",
+    service_normalization: str = DEFAULT_SERVICE_NORMALIZATION,
     max_batch_size: int | None = None,
     max_tokens_per_request: int | None = None,
 ) -> ServeHandle:

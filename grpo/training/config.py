@@ -294,11 +294,14 @@ class TrainConfig:
         "torch.set_num_threads, when set, are left alone)",
         AtLeast(0),
     )
-    service_normalization: str = flag(
-        "sum",
-        "local backend: the trainer's gradient scale, the loss (sum) or divided by the "
-        "batch's active tokens, advantage tokens or samples (docs/FORMULAS.md)",
-        OneOf(NORMALIZATIONS),
+    service_normalization: str | None = flag(
+        None,
+        "what the trainer divides a loss's gradient by: nothing (sum) or the request's active "
+        "tokens, advantage tokens or samples; the loop pre-scales its datums for it, so the "
+        "gradient applied is the loss's either way (docs/FORMULAS.md). Local backend: what "
+        "it divides by (default sum); --backend pytrio: what the service is taken to divide "
+        "by (default: the probe's verdict, else samples)",
+        OneOf(NORMALIZATIONS, none_ok=True),
     )
     kl_coef: float = flag(
         0.0, "KL-to-base-model penalty folded into token advantages (0 = off)", AtLeast(0)
@@ -429,11 +432,6 @@ class TrainConfig:
             )
         _ = self.loss_spec  # builds (and checks) the loss once, at construction
         _ = self.mismatch  # checks the correction against the loss
-        if self.service_normalization != "sum" and self.backend != "local":
-            raise ConfigError(
-                f"--service-normalization {self.service_normalization} needs --backend local "
-                "(a service normalizes as it does); drop the flag or use --backend local"
-            )
         if self.sampler_dtype != "float32" and self.backend != "local":
             raise ConfigError(
                 f"--sampler-dtype {self.sampler_dtype} needs --backend local (a service's "

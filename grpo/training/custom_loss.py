@@ -14,11 +14,16 @@ be stripped to ``target_tokens`` (as the seed article does).
 `DpoLoss` (`as_dpo_loss`) is `grpo dpo`'s: the per-datum log-probs of each pair's chosen and
 rejected completion summed over their masks into sequence log-probs, then the core DPO
 kernel against the reference's (`grpo.core.dpo`).
+
+PyTRIO trains a custom loss through a cross-entropy surrogate, and a service divides that
+surrogate's gradient by its total (docs/FORMULAS.md, "Service normalization"):
+``service_normalization`` names the service's divisor D, and the callable returns D times the
+kernel's loss, so the gradient applied is the kernel's own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -26,12 +31,13 @@ import torch
 from pytrio.types import Datum
 from torch import Tensor
 
-from grpo.backends.datums import at_datum, read_datums
+from grpo.backends.datums import at_datum, datum_array, read_datums, surrogate_totals
 from grpo.core.dpo import DpoSettings, dpo_loss, sequence_logprobs
 from grpo.core.loss_spec import LossSpec
 from grpo.core.losses import LossKernel
+from grpo.core.normalization import NORMALIZATIONS, BatchTotals
 
-__all__ = ["CustomLoss", "DpoLoss", "as_custom_loss", "as_dpo_loss"]
+__all__ = ["CustomLoss", "DpoLoss", "as_custom_loss", "as_dpo_loss", "surrogate_divisor"]
 
 
 def checked_logprobs(
@@ -62,13 +68,36 @@ def checked_logprobs(
     return torch.cat([tensor.reshape(-1) for tensor in logprobs_list])
 
 
+def surrogate_divisor(
+    normalization: str,
+    data: Sequence[Datum],
+    logprobs_N: Tensor,
+    loss_of: Callable[[Tensor], tuple[Tensor, dict[str, float]]],
+) -> float:
+    """D of pytrio's cross-entropy surrogate (weights −∂loss/∂lp) under ``normalization``: S
+    datums, T the non-zero gradients at trained targets (from a second call of ``loss_of`` on
+    a copy of the flat log-probs ``logprobs_N``), T_A = 0; a total of 0 gives 1."""
+    if normalization != "active_tokens":
+        return BatchTotals(len(data), 0, 0).denominator(normalization)
+    copy = logprobs_N.detach().clone().requires_grad_(True)
+    loss, _ = loss_of(copy)
+    if not loss.requires_grad:
+        return 1.0
+    (gradient,) = torch.autograd.grad(loss, copy, allow_unused=True)
+    flat = np.zeros(copy.numel()) if gradient is None else gradient.numpy()
+    targets = [datum_array(datum, "target_tokens", np.int64) for datum in data]
+    return surrogate_totals([flat], [np.concatenate(targets)]).denominator(normalization)
+
+
 @attrs.frozen
 class CustomLoss:
     """``loss_fn(datums, logprobs_list) -> (loss, metrics)`` over one fixed batch of datums.
 
     Holds the batch's sampling log-probs, weights (advantages) and mask, packed once; each
     call concatenates the per-datum log-probs and runs the vectorized kernel. Metric keys
-    are prefixed with the loss name (``cispo/clip_fraction``).
+    are prefixed with the loss name (``cispo/clip_fraction``). The loss returned is the
+    kernel's times the service's divisor D of the surrogate under ``service_normalization``
+    (1 under ``sum``); the metrics are the kernel's own.
     """
 
     spec: LossSpec
@@ -76,16 +105,28 @@ class CustomLoss:
     weights: Tensor = attrs.field(repr=False)
     mask: Tensor = attrs.field(repr=False)
     seq_lens: tuple[int, ...] = attrs.field(repr=False)
+    service_normalization: str = attrs.field(
+        default="sum", validator=attrs.validators.in_(NORMALIZATIONS)
+    )
 
     def __call__(
         self, data: Sequence[Datum], logprobs_list: Sequence[Tensor]
     ) -> tuple[Tensor, dict[str, float]]:
         """The kernel's loss and prefixed metrics on the concatenated per-datum log-probs."""
         logprobs = checked_logprobs(data, logprobs_list, self.seq_lens)
-        loss, metrics = self.spec(
+        loss, metrics = self._kernel(logprobs)
+        divisor = self.service_divisor(data, logprobs)
+        prefixed = {f"{self.spec.name}/{key}": value for key, value in metrics.items()}
+        return (loss if divisor == 1.0 else loss * divisor), prefixed
+
+    def _kernel(self, logprobs: Tensor) -> tuple[Tensor, dict[str, float]]:
+        return self.spec(
             logprobs, self.sampling_logprobs, self.weights, mask=self.mask, seq_lens=self.seq_lens
         )
-        return loss, {f"{self.spec.name}/{key}": value for key, value in metrics.items()}
+
+    def service_divisor(self, data: Sequence[Datum], logprobs: Tensor) -> float:
+        """D of pytrio's surrogate under ``service_normalization`` (`surrogate_divisor`)."""
+        return surrogate_divisor(self.service_normalization, data, logprobs, self._kernel)
 
 
 def as_custom_loss(
@@ -94,13 +135,16 @@ def as_custom_loss(
     *,
     reduction: str = "sum",
     norm_length: float | None = None,
+    service_normalization: str = "sum",
     **config: float | None,
 ) -> CustomLoss:
     """The ``forward_backward_custom`` loss_fn running kernel ``loss`` over these full datums.
 
     ``loss`` is a kernel name, a kernel, or a ready ``LossSpec`` (then ``reduction``,
-    ``norm_length`` and ``config`` must be left out). Validates the loss and every datum
-    (lengths against target_tokens, finite values where trained) here, before any call.
+    ``norm_length`` and ``config`` must be left out). ``service_normalization`` is the divisor
+    of the service it is sent to (the loss is pre-scaled by it; "sum": unscaled). Validates
+    the loss and every datum (lengths against target_tokens, finite values where trained)
+    here, before any call.
     """
     if isinstance(loss, LossSpec):
         if config or reduction != "sum" or norm_length is not None:
@@ -125,6 +169,7 @@ def as_custom_loss(
         weights=torch.from_numpy(arrays.weights_N),
         mask=torch.from_numpy(arrays.mask_N),
         seq_lens=tuple(int(length) for length in arrays.seq_lens_B),
+        service_normalization=service_normalization,
     )
 
 
@@ -144,12 +189,19 @@ class DpoLoss:
     ref_chosen: Tensor = attrs.field(repr=False)
     ref_rejected: Tensor = attrs.field(repr=False)
     chosen_tokens: Tensor = attrs.field(repr=False)
+    service_normalization: str = attrs.field(
+        default="sum", validator=attrs.validators.in_(NORMALIZATIONS)
+    )
 
     def __call__(
         self, data: Sequence[Datum], logprobs_list: Sequence[Tensor]
     ) -> tuple[Tensor, dict[str, float]]:
-        """The DPO loss and ``dpo/`` metrics on the concatenated per-datum log-probs."""
-        return self.of(checked_logprobs(data, logprobs_list, self.seq_lens))
+        """The DPO loss times the service's divisor D (`surrogate_divisor`; 1 under ``sum``),
+        so the gradient applied is the loss's own, and the ``dpo/`` metrics (unscaled)."""
+        logprobs = checked_logprobs(data, logprobs_list, self.seq_lens)
+        loss, metrics = self.of(logprobs)
+        divisor = surrogate_divisor(self.service_normalization, data, logprobs, self.of)
+        return (loss if divisor == 1.0 else loss * divisor), metrics
 
     def of(self, logprobs_N: Tensor) -> tuple[Tensor, dict[str, float]]:
         """The loss and metrics of the packed target log-probs of the 2P datums (float64)."""
@@ -170,9 +222,11 @@ def as_dpo_loss(
     masks_D: Sequence[np.ndarray],
     ref_chosen_P: np.ndarray,
     ref_rejected_P: np.ndarray,
+    service_normalization: str = "sum",
 ) -> DpoLoss:
     """The DPO loss_fn of datums with target masks ``masks_D`` (chosen, rejected, pair after
-    pair) and the pairs' reference sequence log-probs."""
+    pair) and the pairs' reference sequence log-probs, pre-scaled for the divisor of the
+    service it is sent to (``service_normalization``)."""
     if len(masks_D) != 2 * len(ref_chosen_P) or len(ref_chosen_P) != len(ref_rejected_P):
         raise ValueError(
             f"{len(masks_D)} datums for {len(ref_chosen_P)} pairs: expected two datums a pair"
@@ -185,4 +239,5 @@ def as_dpo_loss(
         ref_chosen=torch.as_tensor(ref_chosen_P, dtype=torch.float64),
         ref_rejected=torch.as_tensor(ref_rejected_P, dtype=torch.float64),
         chosen_tokens=torch.tensor([int(np.sum(m)) for m in masks_D[0::2]], dtype=torch.float64),
+        service_normalization=service_normalization,
     )

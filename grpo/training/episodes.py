@@ -35,7 +35,15 @@ from grpo.core.episodes import (
     Turn,
 )
 from grpo.core.usage import TokenUsage, sample_usage
-from grpo.envs.base import Env, EnvError, Task, env_step, initial_messages, make_group
+from grpo.envs.base import (
+    Env,
+    EnvError,
+    Task,
+    env_step,
+    env_tools,
+    initial_messages,
+    make_group,
+)
 from grpo.tasks.prompts import build_messages
 from grpo.training.rollouts import Problem, tokenizer_max_len
 from grpo.training.run_log import clip_text
@@ -62,10 +70,17 @@ class EpisodeLimits:
     """--env-errors: "zero" ends an episode whose step raised or timed out with reward 0."""
 
 
-def render(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
-    """chat_template(messages, add_generation_prompt=True, enable_thinking=False), as text."""
+def render(
+    tokenizer: Any, messages: Sequence[dict[str, str]], tools: list[dict[str, Any]] | None = None
+) -> str:
+    """chat_template(messages, tools=tools, add_generation_prompt=True, enable_thinking=False),
+    as text (``tools``: the env's function signatures, `grpo.envs.base.env_tools`)."""
     return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=True, enable_thinking=False
+        list(messages),
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,
     )
 
 
@@ -74,7 +89,12 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def bridge_text(
-    tokenizer: Any, shown: str, action: str, end: str, messages: list[Any]
+    tokenizer: Any,
+    shown: str,
+    action: str,
+    end: str,
+    messages: list[Any],
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, str]:
     """(bridge, rendering): the text the template adds after ``shown + action (+ end)`` when
     ``messages`` (ending in the new observation) is rendered, and that whole rendering;
@@ -83,7 +103,7 @@ def bridge_text(
     ``end`` is the text of the end-of-turn token the policy sampled (empty when it did not),
     which the policy has already written, so it is not part of the bridge.
     """
-    rendered = render(tokenizer, messages)
+    rendered = render(tokenizer, messages, tools)
     written = shown + action + end
     if end and not rendered.startswith(written) and rendered.startswith(shown + action):
         # The policy ended its turn with another special token than the template's: that
@@ -140,7 +160,8 @@ def _play(
 ) -> tuple[Episode, TokenUsage, list[str]]:
     special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     messages = list(initial_messages(env, limits.env_timeout_s))
-    shown = render(tokenizer, messages)
+    tools = env_tools(env)
+    shown = render(tokenizer, messages, tools)
     observation = _encode(tokenizer, shown)
     context: list[int] = []
     turns: list[Turn] = []
@@ -217,7 +238,7 @@ def _play(
         if result.done or index + 1 == limits.max_turns:
             break
         messages += [{"role": "assistant", "content": action}, *result.observation]
-        bridge, shown = bridge_text(tokenizer, shown, action, end, messages)
+        bridge, shown = bridge_text(tokenizer, shown, action, end, messages, tools)
         observation = _encode(tokenizer, bridge)
         seen.append(bridge)
     return Episode(turns=turns), usage, seen

@@ -71,12 +71,16 @@ MISMATCH_CORRECTION_NAMES = Registry("grpo.core.mismatch", "MISMATCH_CORRECTIONS
 
 @attrs.frozen(repr=False)
 class OneOf:
-    """Value must be one of `allowed` (a tuple, or a `Registry` read when checked)."""
+    """Value must be one of `allowed` (a tuple, or a `Registry` read when checked); None
+    passes too when `none_ok` (an optional choice: "not given")."""
 
     allowed: tuple[str, ...] | Registry
+    none_ok: bool = False
 
     def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
         allowed = self.allowed.names() if isinstance(self.allowed, Registry) else self.allowed
+        if value is None and self.none_ok:
+            return
         if value not in allowed:
             raise ConfigError(
                 f"{flag_name(attribute.name)} {value!r} is not one of {', '.join(allowed)}"

@@ -17,11 +17,19 @@ from typing import Any
 
 import attrs
 import numpy as np
+from pytrio.types import Datum
 
-from grpo.backends.datums import batch_to_datums, forward_only, output_logprobs
+from grpo.backends.datums import (
+    batch_to_datums,
+    datum_totals,
+    forward_only,
+    output_logprobs,
+    scale_weights,
+)
 from grpo.backends.pytrio import call_with_retries
 from grpo.core.advantages import kl_shaped_advantages
 from grpo.core.alignment import minibatches
+from grpo.core.loss_spec import LossSpec
 from grpo.core.metrics import mismatch_metrics, update_metrics
 from grpo.core.mismatch import correct_batch
 from grpo.core.records import TokenBatch
@@ -86,7 +94,6 @@ def update(
     rewrites the corrected batch before the first update (distillation under recompute).
     """
     config, client, spec = run.config, run.training_client, run.config.loss_spec
-    loss_fn_config = spec.to_loss_fn_config()
     collected: list[dict[str, float]] = []
     batch, measured = correct_for_mismatch(run, batch, staleness)
     reshaped: dict[str, float] = {}
@@ -99,18 +106,13 @@ def update(
     for _epoch in range(config.epochs):
         for minibatch in parts:
             datums = batch_to_datums(minibatch, with_mask=with_mask)
-            if config.runs_custom_loss:
-                loss_fn = as_custom_loss(spec, datums)
-
-                def submit() -> Any:
-                    return client.forward_backward_custom(forward_only(datums), loss_fn)
-            else:
-
-                def submit() -> Any:
-                    return client.forward_backward(
-                        datums, loss_fn=spec.name, loss_fn_config=loss_fn_config
-                    )
-
+            submit = loss_submission(
+                client,
+                spec,
+                datums,
+                custom=config.runs_custom_loss,
+                normalization=run.service_normalization,
+            )
             output = retry(run, lambda: submit().result(), "forward_backward")
             logprobs_N = output_logprobs(output.loss_fn_outputs)
             # 9. the kernel's metrics and ratio statistics from the returned log-probs
@@ -134,6 +136,23 @@ def update(
     averaged["ratio/max_abs_log"] = max(m["ratio/max_abs_log"] for m in collected)
     averaged["optim_steps"] = float(len(collected))
     return {**averaged, **measured, **reshaped}
+
+
+def loss_submission(
+    client: Any, spec: LossSpec, datums: list[Datum], *, custom: bool, normalization: str
+) -> Callable[[], Any]:
+    """The call that trains `spec` on `datums` so the gradient applied is the loss's own when
+    the service divides by D (`normalization`, docs/FORMULAS.md "Service normalization"):
+    built-in, the weights and the kernel's weight-scaled keys times D (the datums' totals);
+    custom (``forward_backward_custom``), the loss times D (its surrogate's totals)."""
+    if custom:
+        loss_fn = as_custom_loss(spec, datums, service_normalization=normalization)
+        stripped = forward_only(datums)
+        return lambda: client.forward_backward_custom(stripped, loss_fn)
+    divisor = datum_totals(datums, loss_fn=spec.name).denominator(normalization)
+    scaled = scale_weights(datums, divisor, spec.kernel.weight_input)
+    loss_fn_config = spec.scaled(divisor).to_loss_fn_config()
+    return lambda: client.forward_backward(scaled, loss_fn=spec.name, loss_fn_config=loss_fn_config)
 
 
 def mismatch_row(

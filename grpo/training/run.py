@@ -17,6 +17,7 @@ from typing import Any
 from pytrio.types import AdamParams
 
 from grpo.backends.pytrio import make_service_client
+from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION, ServiceDivisor, service_divisor
 from grpo.training import run_files
 from grpo.training.ahead import load_ahead
 from grpo.training.config import ConfigError, TrainConfig, resolve_run, to_dict
@@ -102,7 +103,7 @@ def _make_service(config: TrainConfig, run_dir: Path) -> Any:
         concurrency=config.concurrency,
         sampler_dtype=config.sampler_dtype,
         threads=config.threads,
-        service_normalization=config.service_normalization,
+        service_normalization=config.service_normalization or LOCAL_TRAIN_NORMALIZATION,
     )
 
 
@@ -145,6 +146,7 @@ def _train_in(
         if distill_warning is not None:
             note(distill_warning)
     probe = normalization_probe(config, service, note)
+    divisor = run_divisor(config, probe, note, service)
     if checkpoint is not None:
         training_client, checkpoint = load_checkpoint(service, run_dir, checkpoint, note)
     elif init_path is not None:
@@ -180,6 +182,7 @@ def _train_in(
         prices=pre.prices,
         teacher=pre.teacher,
         judge=pre.judge,
+        service_normalization=divisor.convention,
     )
     state = start_state(run_dir, start_step)
     if checkpoint is not None and config.max_steps_off_policy and start_step < steps:
@@ -224,6 +227,42 @@ def normalization_probe(
         f"service's gradient scale is {result.verdict.describe()}"
     )
     return result.to_record()
+
+
+def run_divisor(
+    config: TrainConfig,
+    probe: dict[str, Any] | None,
+    note: Callable[[str], None],
+    service: Any = None,
+) -> ServiceDivisor:
+    """What the service divides a loss's gradient by (`service_divisor`: the local backend's
+    own, the flag, the probe's verdict, or the documented default), noted on a service; a
+    flag the probe contradicts is noted too (the flag wins)."""
+    probed = None if probe is None else probe.get("convention")
+    reported = getattr(service, "service_normalization", None)
+    divisor = service_divisor(
+        config.backend,
+        config.service_normalization,
+        probed,
+        reported if isinstance(reported, str) else None,
+    )
+    if config.backend == "local":
+        return divisor
+    source = {
+        "flag": "--service-normalization",
+        "probe": "the normalization probe",
+        "default": "not measured: the documented default, docs/FORMULAS.md",
+    }[divisor.source]
+    note(
+        f"the service divides a loss's gradient by: {divisor.convention} ({source}); each "
+        "request's datums are pre-scaled for it, so the gradient applied is the loss's own"
+    )
+    if divisor.source == "flag" and probed is not None and probed != divisor.convention:
+        note(
+            f"the normalization probe measured {probed}, but --service-normalization says "
+            f"{divisor.convention}; the run follows the flag (drop it to follow the probe)"
+        )
+    return divisor
 
 
 def sampling_mismatch_note(config: TrainConfig) -> str | None:

@@ -42,6 +42,9 @@ class Run:
     """The checked teacher of `grpo distill` (`grpo.training.teacher.Teacher`), else None."""
     judge: Any = None
     """The judge of the judge rewards (`grpo.training.judge.Judge`), else None."""
+    service_normalization: str = "sum"
+    """What the service divides a loss's gradient by (`grpo.core.normalization.service_divisor`):
+    the learner pre-scales its datums for it."""
 
 
 @attrs.define

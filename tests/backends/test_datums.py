@@ -7,8 +7,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pytrio.types import Datum, ModelInput
 
-from grpo.backends.datums import IGNORE_INDEX, batch_to_datums, forward_only, output_logprobs
+from grpo.backends.datums import (
+    IGNORE_INDEX,
+    batch_to_datums,
+    datum_totals,
+    forward_only,
+    output_logprobs,
+    scale_weights,
+)
 from grpo.core.alignment import align, pack
+from grpo.core.normalization import BatchTotals
 
 
 @st.composite
@@ -84,3 +92,68 @@ def test_pytrios_planner_counts_exactly_the_masked_in_tokens_as_active(batch) ->
         ).totals
         assert totals.total_active_tokens == int(np.count_nonzero(batch.mask))
         assert totals.total_samples == len(batch.seq_lens)
+
+
+@st.composite
+def planner_datums(draw: st.DrawFn) -> list[Datum]:
+    """1-4 datums with ignored targets, zero advantages and zero or absent weights mixed in."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    datums = []
+    for _ in range(draw(st.integers(1, 4))):
+        length = int(rng.integers(1, 9))
+        targets = np.where(rng.random(length) < 0.3, IGNORE_INDEX, rng.integers(0, 97, length))
+        inputs = {
+            "target_tokens": targets.astype(np.int64),
+            "logprobs": -rng.exponential(size=length).astype(np.float32),
+            "advantages": np.where(rng.random(length) < 0.4, 0.0, rng.normal(size=length)),
+        }
+        if rng.random() < 0.7:
+            inputs["weights"] = np.where(rng.random(length) < 0.4, 0.0, rng.random(length))
+        datums.append(
+            Datum(
+                model_input=ModelInput.from_ints(rng.integers(0, 97, length).tolist()),
+                loss_fn_inputs={
+                    key: value.astype(np.float32) if key != "target_tokens" else value
+                    for key, value in inputs.items()
+                },
+            )
+        )
+    return datums
+
+
+@given(planner_datums(), st.booleans())
+def test_datum_totals_are_pytrios_planners(datums, auto_shift) -> None:
+    from pytrio.client.training_batch import plan_training_batch
+    from pytrio.model.limits import TrainingLimits
+
+    limits = TrainingLimits(max_batch_size=None, max_tokens_per_request=None, max_seq_len=None)
+    for loss_fn in ("importance_sampling", "cross_entropy"):
+        planned = plan_training_batch(
+            datums, loss_fn=loss_fn, auto_shift=auto_shift, limits=limits, tokenizer_vocab_size=97
+        ).totals
+        expected = BatchTotals(
+            planned.total_samples, planned.total_active_tokens, planned.total_advantage_tokens
+        )
+        assert datum_totals(datums, loss_fn=loss_fn, auto_shift=auto_shift) == expected
+
+
+@given(planner_datums(), st.sampled_from([0.5, 3.0, 20.0]))
+def test_scale_weights_multiplies_only_the_named_weights(datums, factor) -> None:
+    for weight_input in ("advantages", "weights"):
+        scaled = scale_weights(datums, factor, weight_input)
+        for before, after in zip(datums, scaled, strict=True):
+            assert after.model_input == before.model_input
+            for key, tensor in after.loss_fn_inputs.items():
+                if key != weight_input:
+                    assert tensor is before.loss_fn_inputs[key]
+            original = (
+                np.asarray(before.loss_fn_inputs[weight_input].data, dtype=np.float64)
+                if weight_input in before.loss_fn_inputs
+                else np.ones(len(before.loss_fn_inputs["target_tokens"].data))
+            )
+            expected = (original * factor).astype(np.float32)
+            np.testing.assert_array_equal(
+                np.asarray(after.loss_fn_inputs[weight_input].data, np.float32), expected
+            )
+            assert Datum.model_validate(after.model_dump()) == after
+    assert scale_weights(datums, 1.0, "advantages") == datums

@@ -17,6 +17,7 @@ from peft import PeftModel
 from pytrio.errors.base import ValidationError
 from pytrio.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
+from grpo.backends.datums import scale_weights
 from grpo.backends.local import LocalServiceClient, LocalTrainingClient, tiny
 from grpo.training.custom_loss import as_custom_loss
 
@@ -126,10 +127,14 @@ def test_builtin_loss_and_custom_loss_give_the_same_loss_and_gradients(tmp_path,
 
 
 def test_gradients_accumulate_until_optim_step(service):
+    """Under the default (each request's loss over its samples) two halves, advantages
+    pre-scaled by n_k / N = 1/2 as the series' chapters do, add up to the whole's gradient."""
+    assert service.service_normalization == "samples"
     datums = policy_datums(4)
     client = service.create_lora_training_client(MODEL, rank=4, seed=0)
-    client.forward_backward(datums[:2], "importance_sampling").result()
-    client.forward_backward(datums[2:], "importance_sampling").result()
+    for half in (datums[:2], datums[2:]):
+        scaled = scale_weights(half, 0.5, "advantages")
+        client.forward_backward(scaled, "importance_sampling").result()
     accumulated = gradients(client)
     other = service.create_lora_training_client(MODEL, rank=4, seed=0)
     other.forward_backward(datums, "importance_sampling").result()

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from grpo.core.loss_spec import LossSpec
 from grpo.core.losses import LOSSES
 from grpo.core.reductions import REDUCTIONS
+from tests.strategies import PackedLossBatch, packed_loss_batches
 
 
 def _spec_strategy() -> st.SearchStrategy[LossSpec]:
@@ -90,3 +91,37 @@ def test_call_runs_the_kernel_with_the_spec_config_and_reduction() -> None:
     )
     assert torch.equal(loss, expected)
     assert metrics == expected_metrics
+
+
+@given(_spec_strategy(), packed_loss_batches(), st.floats(1 / 64, 4096.0))
+def test_the_scaled_spec_on_scaled_weights_is_the_loss_times_the_scale(
+    spec: LossSpec, batch: PackedLossBatch, factor: float
+) -> None:
+    """What lets a loop pre-scale a service's datums by its divisor D (docs/FORMULAS.md,
+    "Service normalization"): loss and gradient of spec.scaled(c) on c·w are c times spec's
+    on w, for every kernel and reduction (DRO's β scales with the weights)."""
+    results = []
+    for used, weights_scale in ((spec, 1.0), (spec.scaled(factor), factor)):
+        logprobs, sampling, advantages, mask = batch.tensors()
+        loss, _ = used(
+            logprobs, sampling, advantages * weights_scale, mask=mask, seq_lens=batch.seq_lens
+        )
+        (gradient,) = torch.autograd.grad(loss, logprobs)
+        results.append((loss.detach(), gradient))
+    (loss, gradient), (scaled_loss, scaled_gradient) = results
+    largest = float(gradient.abs().max()) if gradient.numel() else 0.0
+    bound = 1e-9 * factor * (1.0 + largest)
+    torch.testing.assert_close(
+        scaled_loss, loss * factor, rtol=1e-9, atol=bound * max(gradient.numel(), 1)
+    )
+    torch.testing.assert_close(scaled_gradient, gradient * factor, rtol=1e-9, atol=bound)
+
+
+def test_scaled_multiplies_only_the_weight_scaled_keys() -> None:
+    assert LossSpec.build("dro", {"beta": 0.1}).scaled(4.0).config["beta"] == pytest.approx(0.4)
+    ppo = LossSpec.build("ppo", {"dual_clip": 3.0})
+    assert ppo.scaled(8.0) == ppo
+    assert {name for name, kernel in LOSSES.items() if kernel.weight_scaled_keys} == {"dro"}
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="weight scale"):
+            ppo.scaled(bad)

@@ -5,8 +5,15 @@ from pathlib import Path
 import pytest
 
 from grpo.envs import calculator_wordproblems, load_env_factory, make_group
-from grpo.envs.base import EnvError, StepResult, Task, as_step_result, check_messages
-from grpo.envs.tools import format_tool_call
+from grpo.envs.base import (
+    EnvError,
+    StepResult,
+    Task,
+    as_step_result,
+    check_messages,
+    env_tools,
+)
+from grpo.envs.tools import CALCULATOR, format_tool_call
 from grpo.envs.wordproblems import TOOL_SYSTEM_PROMPT
 
 TASK = Task(
@@ -21,9 +28,11 @@ def test_calculator_env_answers_tool_calls_then_grades_the_final_answer():
     opening = env.initial_observation()
     assert opening[0] == {"role": "system", "content": TOOL_SYSTEM_PROMPT}
     assert opening[1] == dict(TASK.messages[0])
+    assert env.tools == [CALCULATOR.signature()]  # offered through the chat template
+    assert env_tools(env) == [CALCULATOR.signature()]
     result = env.step("I add. " + format_tool_call("calculator", {"expression": "9 + 4"}))
     assert (result.reward, result.done, result.tool_calls, result.tool_errors) == (0, False, 1, 0)
-    assert result.observation[0]["content"] == "<tool_response>\n13\n</tool_response>"
+    assert result.observation == ({"role": "tool", "content": "13"},)
     assert env.step("The answer is \\boxed{13}") == StepResult((), 1.0, True)
     assert env.step("The answer is \\boxed{12}").reward == 0.0
 
@@ -38,6 +47,24 @@ def test_the_run_system_prompt_follows_the_tool_instructions():
     task = Task("q", "1", messages=({"role": "system", "content": "Be brief."},))
     (system,) = calculator_wordproblems(task).initial_observation()[:1]
     assert system["content"] == TOOL_SYSTEM_PROMPT + "\nBe brief."
+
+
+class _Offers:
+    def __init__(self, tools):
+        self.tools = tools
+
+
+def test_env_tools_are_checked_function_signatures():
+    assert env_tools(object()) is None and env_tools(_Offers(None)) is None
+    assert env_tools(_Offers([])) is None
+    for bad, message in [
+        ("calculator", "not a list"),
+        ([1], "non-dict"),
+        ([{"f": object()}], "not JSON"),
+        ([{"d": "x" * 30_000}], "at most 20000"),
+    ]:
+        with pytest.raises(EnvError, match=message):
+            env_tools(_Offers(bad))
 
 
 def test_step_answers_are_checked_and_tuples_accepted():

@@ -10,10 +10,12 @@ from grpo.envs.tools import (
     CALCULATOR,
     MAX_EXPRESSION_CHARS,
     Tool,
+    ToolCall,
     ToolRegistry,
     calculate,
     format_tool_call,
     parse_tool_calls,
+    tool_response,
 )
 
 
@@ -136,17 +138,35 @@ def test_registry_answers_calls_with_tool_responses_and_counts_errors():
         + format_tool_call("calculator", {"expr": "1"})
         + "<tool_call>oops</tool_call>"
     )
-    (message,), calls, errors = registry.respond(action)
+    messages, calls, errors = registry.respond(action)
     assert (calls, errors) == (5, 4)
-    assert message["role"] == "user"
-    blocks = message["content"].split("\n<tool_response>")
-    assert message["content"].startswith("<tool_response>\n42\n</tool_response>")
-    assert len(blocks) == 5
+    assert [message["role"] for message in messages] == ["tool"] * 5
+    blocks = [message["content"] for message in messages]
+    assert blocks[0] == "42"
     assert "division by zero" in blocks[1]
     assert "unknown tool 'search'; tools: calculator" in blocks[2]
     assert "unknown argument 'expr'" in blocks[3]
     assert "not JSON" in blocks[4]
     assert registry.respond("just an answer \\boxed{42}") == ([], 0, 0)
+    # rendered, the tool messages are the user turn of <tool_response> blocks tool_response
+    # writes (Qwen3's rendering of consecutive tool messages)
+    from grpo.backends.local.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    question = {"role": "user", "content": "q"}
+
+    def rendered(answer):
+        return tokenizer.apply_chat_template([question, *answer], tokenize=False)
+
+    assert rendered(messages) == rendered([tool_response(blocks)])
+
+
+def test_format_tool_call_writes_qwen3s_call_and_parses_back():
+    text = format_tool_call("calculator", {"expression": "9 + 4"})
+    assert text == (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "9 + 4"}}\n</tool_call>'
+    )
+    assert parse_tool_calls(text) == [ToolCall("calculator", {"expression": "9 + 4"})]
 
 
 def test_a_tool_that_raises_a_bad_call_error_is_answered_with_it():

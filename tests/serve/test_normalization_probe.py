@@ -12,7 +12,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 import pytrio
-from pytrio.types import APIFuture, TensorData
+from pytrio.types import APIFuture, ModelInput, TensorData
 
 from grpo.backends.local import LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_NAME
@@ -29,7 +29,7 @@ from grpo.serve.client import configured_pytrio
 from grpo.serve.server import serve_in_thread
 from grpo.training.config import TrainConfig
 from grpo.training.run import dry_run, train
-from grpo.training.run_files import PROBE_FILE, read_metrics
+from grpo.training.run_files import PROBE_FILE, read_metrics, read_summary
 from tests.invariance import assert_same_rows
 from tests.runs import TINY, comparable
 
@@ -141,23 +141,49 @@ def _train(tmp_path, name: str, service=None, **overrides):
     return notes, result.run_dir
 
 
-@pytest.mark.parametrize("normalization", NORMALIZATIONS)
-def test_grpo_train_records_what_grpo_serve_normalizes_by(tmp_path, normalization):
-    home = tmp_path / "home"
-    home.mkdir()
-    with (
-        serve_in_thread(
-            root=tmp_path / "served", api_key=KEY, service_normalization=normalization
-        ) as handle,
-        configured_pytrio(handle.url, api_key=KEY, home=home),
-    ):
-        notes, run_dir = _train(tmp_path, "run")
-    record = json.loads((run_dir / PROBE_FILE).read_text())
-    assert record["convention"] == normalization, record
-    assert record["loss_fn"] == "importance_sampling"
-    (line,) = [note for note in notes if "normalization probe" in note]
-    assert f"gradient scale is {normalization} (measured" in line
-    assert KEY not in line and KEY not in json.dumps(record)
+LINEAR_ADAM = dict(learning_rate=1.0, beta1=0.0, beta2=0.0, eps=1e3, grad_clip_norm=0.0)
+"""Memoryless steps θ ← θ − g/(|g| + 10³) ≈ θ − 10⁻³·g: the weights follow the gradients."""
+
+
+def test_grpo_train_applies_the_same_gradients_whatever_grpo_serve_divides_by(tmp_path):
+    """grpo train --backend pytrio against grpo serve started with each
+    --service-normalization: the probe names the convention, the loop pre-scales its datums
+    for it, and the run's weights (two linear steps, so the weights are the summed gradients
+    of two steps) end where they end under every other convention."""
+    prompt = ModelInput.from_ints(list(range(10, 40)))
+    changes = {}
+    for normalization in NORMALIZATIONS:
+        home = tmp_path / normalization / "home"
+        home.mkdir(parents=True)
+        with (
+            serve_in_thread(
+                root=tmp_path / normalization / "served",
+                api_key=KEY,
+                service_normalization=normalization,
+            ) as handle,
+            configured_pytrio(handle.url, api_key=KEY, home=home),
+        ):
+            notes, run_dir = _train(tmp_path / normalization, "run", steps=2, **LINEAR_ADAM)
+            service = pytrio.ServiceClient()
+            final = read_summary(run_dir)["sampler_path"]
+            trained = service.create_sampling_client(MODEL, model_path=final)
+            base = service.create_sampling_client(MODEL)
+            changes[normalization] = np.asarray(
+                trained.compute_logprobs(prompt).result()[1:]
+            ) - np.asarray(base.compute_logprobs(prompt).result()[1:])
+        record = json.loads((run_dir / PROBE_FILE).read_text())
+        assert record["convention"] == normalization, record
+        assert record["loss_fn"] == "importance_sampling"
+        (line,) = [note for note in notes if note.startswith("[grpo] normalization probe (")]
+        assert f"gradient scale is {normalization} (measured" in line
+        assert KEY not in line and KEY not in json.dumps(record)
+        assert any(f"divides a loss's gradient by: {normalization}" in note for note in notes)
+    reference = changes["sum"]
+    assert np.abs(reference).max() > 1e-3  # the run moved the weights
+    for normalization in NORMALIZATIONS:
+        np.testing.assert_allclose(
+            changes[normalization], reference, rtol=1e-3, atol=1e-3 * np.abs(reference).max()
+        )
 
 
 def test_the_probe_leaves_the_run_unchanged_and_can_be_skipped(tmp_path):

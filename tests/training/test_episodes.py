@@ -13,11 +13,12 @@ from grpo.backends.local.tiny import build_tokenizer
 from grpo.envs import StepResult, Task, calculator_wordproblems
 from grpo.envs.base import EnvError
 from grpo.envs.tools import format_tool_call
+from grpo.envs.wordproblems import TOOL_SYSTEM_PROMPT
 from grpo.training.config import ConfigError
 from grpo.training.episodes import EpisodeLimits, TemplateError, play_episode, render
 from grpo.training.run_files import read_metrics
 from tests.invariance import assert_same_rollouts, assert_same_rows
-from tests.runs import comparable, quiet_train, tiny_config
+from tests.runs import comparable, embedded_service, quiet_train, tiny_config
 
 TOKENIZER = build_tokenizer()
 END = TOKENIZER.eos_token_id
@@ -31,7 +32,8 @@ LIMITS = EpisodeLimits(max_turns=4, max_tokens=200, max_len=2048, temperature=1.
 
 def _bytes_tokens(text: str) -> list[int]:
     """A non-canonical tokenization of ``text``: one token per character (ASCII text)."""
-    return [TOKENIZER.convert_tokens_to_ids(c if c != " " else "Ġ") for c in text]
+    byte_level = {" ": "Ġ", "\n": "Ċ"}
+    return [TOKENIZER.convert_tokens_to_ids(byte_level.get(c, c)) for c in text]
 
 
 class ScriptedSampler:
@@ -83,9 +85,10 @@ def test_a_tool_episode_trains_exactly_the_sampled_tokens_and_the_stream_is_the_
     messages = [
         *env.initial_observation(),
         {"role": "assistant", "content": call},
-        {"role": "user", "content": "<tool_response>\n13\n</tool_response>"},
+        {"role": "tool", "content": "13"},
     ]
-    rendered = render(TOKENIZER, messages) + "\\boxed{13}<|im_end|>"
+    rendered = render(TOKENIZER, messages, env.tools) + "\\boxed{13}<|im_end|>"
+    assert rendered.startswith("<|im_start|>system\n" + TOOL_SYSTEM_PROMPT + "\n\n# Tools\n")
     assert TOKENIZER.decode(episode.tokens.tolist(), skip_special_tokens=False) == rendered
     assert usage.completion_tokens == len(first) + len(second)
 
@@ -459,7 +462,6 @@ def make(task):
 def test_dynamic_sampling_on_episodes_resumes_exactly(tmp_path: Path, max_off_policy: int):
     import json
 
-    from grpo.backends.local import LocalServiceClient
     from grpo.training.run import RunStopped
     from grpo.training.run_files import read_rollouts
     from tests.training.test_loop import _StopAfterOptimSteps
@@ -470,7 +472,7 @@ def test_dynamic_sampling_on_episodes_resumes_exactly(tmp_path: Path, max_off_po
     assert any(row["sampling/rounds"] > 1 for row in read_metrics(whole)), "test setup"
     config = _dynamic_env(tmp_path, "stopped", **flags)
     service = _StopAfterOptimSteps(
-        LocalServiceClient(root=tmp_path / "stopped" / "backend", seed=config.seed), n=2
+        embedded_service(tmp_path / "stopped" / "backend", seed=config.seed), n=2
     )
     with pytest.raises(RunStopped):
         quiet_train(config, service_client=service)

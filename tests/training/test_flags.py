@@ -75,7 +75,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "mismatch_mask_high": _floats(1.0, 10.0),
     "sampler_dtype": st.sampled_from(SAMPLER_DTYPES),
     "threads": st.integers(0, 4),
-    "service_normalization": st.sampled_from(NORMALIZATIONS),
+    "service_normalization": st.none() | st.sampled_from(NORMALIZATIONS),
     "kl_coef": _floats(0.0, 1.0),
     "kl_estimator": st.sampled_from(sorted(KL_ESTIMATORS)),
     "num_substeps": st.integers(1, 64),

@@ -22,7 +22,7 @@ from grpo.training.run import ConfigError, RunStopped, train
 from grpo.training.run_files import read_metrics
 from grpo.training.seeds import pick_batch
 from tests.invariance import assert_same_rows
-from tests.runs import comparable, quiet_train, tiny_config
+from tests.runs import comparable, embedded_service, quiet_train, tiny_config
 
 
 @pytest.mark.slow
@@ -108,13 +108,12 @@ class _SignalingTrainingClient:
 def test_resume_after_interrupt_equals_an_uninterrupted_run(
     tmp_path: Path, max_off_policy: int
 ) -> None:
-    from grpo.backends.local import LocalServiceClient
 
     flags: dict[str, Any] = dict(steps=4, num_substeps=2, max_steps_off_policy=max_off_policy)
     whole = quiet_train(tiny_config(tmp_path, "whole", **flags))
     config = tiny_config(tmp_path, "stopped", **flags)
     service = _StopAfterOptimSteps(
-        LocalServiceClient(root=tmp_path / "stopped" / "backend", seed=config.seed), n=3
+        embedded_service(tmp_path / "stopped" / "backend", seed=config.seed), n=3
     )
     with pytest.raises(RunStopped) as stopped:
         quiet_train(config, service_client=service)
@@ -206,13 +205,12 @@ class _Flaky:
 
 def test_transient_failures_are_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from grpo.backends import pytrio as backend_module
-    from grpo.backends.local import LocalServiceClient
 
     monkeypatch.setattr(backend_module.time, "sleep", lambda _s: None)
     reference = quiet_train(tiny_config(tmp_path, "reference"))
     config = tiny_config(tmp_path, "flaky")
     flaky = _Flaky(
-        LocalServiceClient(root=tmp_path / "flaky" / "backend", seed=0),
+        embedded_service(tmp_path / "flaky" / "backend", seed=0),
         {"sample": 2, "forward_backward": 1, "optim_step": 1},
     )
     result = quiet_train(config, service_client=flaky)

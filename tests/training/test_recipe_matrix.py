@@ -19,6 +19,7 @@ import pytest
 from grpo.backends.local import LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.cli import main
+from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION
 from grpo.training.config import ConfigError, TrainConfig
 from grpo.training.run_files import read_metrics
 from tests.invariance import assert_same_rows
@@ -134,7 +135,11 @@ def test_each_recipe_and_flag_runs_as_it_says_or_is_refused(
         return
     config = base_config(tmp_path, "run", recipe, rollouts, **values)
     calls: list[str] = []
-    with LocalServiceClient(root=tmp_path / "service", seed=config.seed) as service:
+    # the divisor the run's own embedded backend uses, so "whole" below may be compared bit
+    # for bit (another one trains the same gradients only to float rounding)
+    with LocalServiceClient(
+        root=tmp_path / "service", seed=config.seed, service_normalization=LOCAL_TRAIN_NORMALIZATION
+    ) as service:
         if flag == "resume":
             quiet_train(attrs.evolve(config, steps=1), service_client=service)
             result = quiet_train(config, resume=True, service_client=service)

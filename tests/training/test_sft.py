@@ -19,7 +19,7 @@ from grpo.training.recipes.sft import dry_run_sft, example_datum, sft
 from grpo.training.run import RunStopped
 from grpo.training.sft_config import SftConfig
 from tests.invariance import assert_same_rows
-from tests.runs import comparable
+from tests.runs import comparable, embedded_service
 
 
 def _data(tmp_path: Path, rows: int = 24) -> Path:
@@ -83,7 +83,6 @@ class _SigintAfter:
 
 
 def test_sft_lowers_the_loss_and_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
-    from grpo.backends.local import LocalServiceClient
 
     whole = _quiet(_config(tmp_path, "whole"))
     rows = run_files.read_metrics(whole.run_dir)
@@ -98,7 +97,7 @@ def test_sft_lowers_the_loss_and_resume_equals_an_uninterrupted_run(tmp_path: Pa
         assert sum(row["rows"] for row in trained if row["epoch"] == epoch) == 18
 
     config = _config(tmp_path, "stopped")
-    service = _SigintAfter(LocalServiceClient(root=tmp_path / "stopped" / "backend", seed=0), n=3)
+    service = _SigintAfter(embedded_service(tmp_path / "stopped" / "backend", seed=0), n=3)
     with pytest.raises(RunStopped) as stopped:
         _quiet(config, service_client=service)
     assert stopped.value.exit_code == 130

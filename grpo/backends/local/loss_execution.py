@@ -23,7 +23,13 @@ from pytrio.model.limits import TrainingLimits
 from pytrio.types import AdamParams, Datum, ForwardBackwardOutput, ImageChunk, TensorData
 from torch import Tensor
 
-from grpo.backends.datums import IGNORE_INDEX, DatumArrays, datum_array, read_datums
+from grpo.backends.datums import (
+    IGNORE_INDEX,
+    DatumArrays,
+    datum_array,
+    read_datums,
+    surrogate_totals,
+)
 from grpo.backends.local.model import ModelHost
 from grpo.backends.local.shared_prefix import target_logprobs
 from grpo.core.loss_spec import LossSpec
@@ -216,11 +222,7 @@ def run_custom_loss(
                     "applied: check loss_fn where it is not differentiable (sqrt or log at 0)",
                     code="validation.non_finite_custom_loss_gradient",
                 )
-        surrogate = BatchTotals(
-            samples=len(data),
-            active_tokens=int(sum(int((gradient != 0).sum()) for gradient in gradients)),
-            advantage_tokens=0,
-        )
+        surrogate = surrogate_totals([gradient.numpy() for gradient in gradients], targets)
         scale = surrogate.gradient_scale(normalization)
         pushed = gradients if scale == 1.0 else [gradient * scale for gradient in gradients]
         torch.autograd.backward(logprobs_list, pushed)

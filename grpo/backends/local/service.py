@@ -74,7 +74,7 @@ from grpo.backends.local.rest import LocalRestClient
 from grpo.backends.local.sampling_client import LocalSamplingClient, read_sampler_weights
 from grpo.backends.local.training import LocalTrainingClient
 from grpo.backends.names import BUILTIN_MODEL_NAMES
-from grpo.core.normalization import BatchTotals
+from grpo.core.normalization import DEFAULT_SERVICE_NORMALIZATION, BatchTotals
 
 SAMPLER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -101,9 +101,10 @@ class LocalServiceClient:
             the built-in one, every core for large ones, and whatever the user set through
             ``OMP_NUM_THREADS`` or ``torch.set_num_threads`` left alone; see ``threads.py``).
         service_normalization: the gradient scale of built-in and custom losses, one of
-            ``grpo.core.normalization.NORMALIZATIONS``: ``"sum"`` (default, unscaled) or the loss
-            divided by the logical batch's active tokens, advantage tokens or samples
-            (docs/FORMULAS.md, "Service normalization").
+            ``grpo.core.normalization.NORMALIZATIONS``: the loss divided by the logical
+            batch's ``"samples"`` (default: the real service's per-request mean), active
+            tokens or advantage tokens, or ``"sum"`` (unscaled) (docs/FORMULAS.md, "Service
+            normalization").
     """
 
     def __init__(
@@ -115,7 +116,7 @@ class LocalServiceClient:
         kernel_metrics: bool = False,
         sampler_dtype: str = "float32",
         threads: int = 0,
-        service_normalization: str = "sum",
+        service_normalization: str = DEFAULT_SERVICE_NORMALIZATION,
     ) -> None:
         del api_key
         BatchTotals(1, 0, 0).gradient_scale(service_normalization)  # ValueError if unknown
@@ -128,6 +129,12 @@ class LocalServiceClient:
         self._engine = Engine(
             root_path, seed, kernel_metrics, SAMPLER_DTYPES[sampler_dtype], threads
         )
+
+    @property
+    def service_normalization(self) -> str:
+        """What this trainer divides a loss's gradient by (one of core ``NORMALIZATIONS``);
+        pytrio's ServiceClient has no such attribute (a loop learns it from the probe)."""
+        return self._normalization
 
     def close(self) -> None:
         """Stop the worker thread once queued work is done (clients stop working)."""

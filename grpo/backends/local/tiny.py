@@ -43,17 +43,71 @@ PRETOKENIZE_PATTERN = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# Qwen-style chat template; `enable_thinking` is accepted and ignored (no thinking mode).
-# An assistant message's content and its <|im_end|> are marked {% generation %}, the tokens
-# `return_assistant_tokens_mask` (and so `grpo sft`) trains on; the marks render nothing.
+# Qwen3's chat template for turns and tools (docs/FORMULAS.md, "Chat template"): with
+# `tools`, a first system turn holding the system message, then "# Tools" and one JSON
+# signature a line in <tools></tools>; an assistant's `tool_calls` as
+# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call> after its content; consecutive
+# `tool` messages as one user turn of <tool_response>\n...\n</tool_response> blocks. Without
+# tools, tool calls or tool messages it renders exactly as before (each message as
+# <|im_start|>role\ncontent<|im_end|>\n). `enable_thinking` is accepted and renders nothing:
+# the built-in models have no thinking mode (Qwen3 writes an empty <think></think> after the
+# generation prompt under enable_thinking=False and one before the last assistant turn; the
+# shipped models were trained without them, and the multi-turn loop needs a rendering that
+# grows by extension). An assistant turn's content, tool calls and <|im_end|> are marked
+# {% generation %}, the tokens `return_assistant_tokens_mask` (and so `grpo sft`) trains on;
+# the marks render nothing.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def _jinja_text(text: str) -> str:
+    """`text` as a single-quoted Jinja string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\n\n' }}"
+    "{% endif %}"
+    "{{ " + _jinja_text(TOOLS_PREAMBLE) + " }}"
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ " + _jinja_text(TOOLS_POSTAMBLE) + " + '<|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
+    "{% set content = message['content'] if message['content'] is string else '' %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' %}"
     "{{ '<|im_start|>assistant\n' }}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% generation %}{{ content }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set call = call['function'] if call['function'] is defined else call %}"
+    "{% if loop.first and content or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{% if call['arguments'] is string %}{{ call['arguments'] }}"
+    "{% else %}{{ call['arguments'] | tojson }}{% endif %}"
+    "{{ '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' }}{% endgeneration %}"
     "{{ '\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{ '<|im_start|>user' }}"
+    "{% endif %}"
+    "{{ '\n<tool_response>\n' + content + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endif %}"
     "{% else %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>' + '\n' }}"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"

@@ -45,14 +45,18 @@ from grpo.backends.local.loss_execution import (
 from grpo.backends.local.model import AdapterWeights, LoraSpec, ModelHost
 from grpo.backends.local.sampling_client import LocalSamplingClient, read_sampler_weights
 from grpo.backends.local.worker import Worker
-from grpo.core.normalization import BatchTotals
+from grpo.core.normalization import DEFAULT_SERVICE_NORMALIZATION, BatchTotals
 
 
 class LocalTrainingClient:
     """In-process stand-in for `pytrio.TrainingClient` on one LoRA adapter."""
 
     def __init__(
-        self, engine: Engine, host: ModelHost, spec: LoraSpec, normalization: str = "sum"
+        self,
+        engine: Engine,
+        host: ModelHost,
+        spec: LoraSpec,
+        normalization: str = DEFAULT_SERVICE_NORMALIZATION,
     ) -> None:
         self._engine = engine
         self._normalization = normalization  # the gradient scale: one of core NORMALIZATIONS

@@ -51,7 +51,13 @@ from grpo.training.lifecycle import (
 )
 from grpo.training.prices import prices_for
 from grpo.training.recipe import Session
-from grpo.training.recipes.sft import check_run_dir, evaluates, recipe_service, saves
+from grpo.training.recipes.sft import (
+    check_run_dir,
+    evaluates,
+    recipe_divisor,
+    recipe_service,
+    saves,
+)
 from grpo.training.reference_cache import reference_logprobs
 from grpo.training.rollouts import tokenizer_max_len
 from grpo.training.run_log import RunLogger, scrub_secrets
@@ -98,10 +104,13 @@ def pair_datums(pairs: list[PreferencePair]) -> list[Datum]:
     return [example_datum(e) for pair in pairs for e in (pair.chosen, pair.rejected)]
 
 
-def pair_loss(config: DpoConfig, pairs: list[PreferencePair], ref_P2: np.ndarray) -> DpoLoss:
-    """The loss_fn of ``pairs`` with their reference log-probs ``ref_P2`` (chosen, rejected)."""
+def pair_loss(
+    config: DpoConfig, pairs: list[PreferencePair], ref_P2: np.ndarray, divisor: str = "sum"
+) -> DpoLoss:
+    """The loss_fn of ``pairs`` with their reference log-probs ``ref_P2`` (chosen, rejected),
+    pre-scaled for a service that divides its gradient by ``divisor``."""
     masks = [e.mask_T[1:] for pair in pairs for e in (pair.chosen, pair.rejected)]
-    return as_dpo_loss(config.settings, masks, ref_P2[:, 0], ref_P2[:, 1])
+    return as_dpo_loss(config.settings, masks, ref_P2[:, 0], ref_P2[:, 1], divisor)
 
 
 def _encoded(tokenizer: Any, path: str, max_len: int | None) -> list[PreferencePair]:
@@ -295,6 +304,7 @@ class DpoRecipe:
     ) -> None:
         self.plan, self.config, self.session = plan, plan.config, session
         self.ref_train_P2, self.ref_eval_P2 = ref_train_P2, ref_eval_P2
+        self.divisor = recipe_divisor(self.config, plan.service, session.note)
 
     def step(self, state: RunState, step: int) -> dict[str, float]:
         """One batch of pairs: forward_backward_custom (the DPO loss), then optim_step."""
@@ -302,7 +312,8 @@ class DpoRecipe:
         rows = plan.batches[step]
         pairs = [plan.train[i] for i in rows]
         datums = pair_datums(pairs)  # 1. chosen and rejected of each pair: two datums
-        loss_fn = pair_loss(config, pairs, self.ref_train_P2[rows])  # 2. the kernel, as loss_fn
+        # 2. the kernel as loss_fn, pre-scaled for the service's divisor
+        loss_fn = pair_loss(config, pairs, self.ref_train_P2[rows], self.divisor)
         result = retry(  # 3. forward_backward_custom: the policy's log-probs, the gradient
             self.session,
             lambda: client.forward_backward_custom(datums, loss_fn).result(),

@@ -31,8 +31,9 @@ import attrs
 import numpy as np
 from pytrio.types import AdamParams, Datum, ModelInput, TensorData
 
-from grpo.backends.datums import forward_only, output_logprobs
+from grpo.backends.datums import datum_totals, forward_only, output_logprobs, scale_weights
 from grpo.backends.pytrio import make_service_client
+from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION, service_divisor
 from grpo.core.sft import (
     SftExample,
     heldout_split,
@@ -113,8 +114,31 @@ def recipe_service(config: Any, run_dir: Path) -> Any:
         connect_timeout_s=config.connect_timeout,
         concurrency=getattr(config, "concurrency", TRAIN_FIELDS["concurrency"].default),
         threads=config.threads,
-        service_normalization=config.service_normalization,
+        service_normalization=config.service_normalization or LOCAL_TRAIN_NORMALIZATION,
     )
+
+
+def recipe_divisor(config: Any, service: Any, note: Callable[[str], None]) -> str:
+    """What the recipe's service divides a loss's gradient by (`service_divisor`: the flag,
+    else what the local backend reports, else the documented default), said on a service."""
+    reported = getattr(service, "service_normalization", None)
+    divisor = service_divisor(
+        config.backend,
+        config.service_normalization,
+        None,
+        reported if isinstance(reported, str) else None,
+    ).convention
+    if config.backend != "local":
+        source = (
+            "--service-normalization"
+            if config.service_normalization
+            else "the documented default, docs/FORMULAS.md"
+        )
+        note(
+            f"the service divides a loss's gradient by: {divisor} ({source}); each "
+            "request's loss is pre-scaled for it"
+        )
+    return divisor
 
 
 def _encoded(tokenizer: Any, path: str, max_len: int | None) -> list[SftExample]:
@@ -284,15 +308,19 @@ class SftRecipe:
 
     def __init__(self, plan: SftPlan, session: Session) -> None:
         self.plan, self.config, self.session = plan, plan.config, session
+        self.divisor = recipe_divisor(self.config, plan.service, session.note)
 
     def step(self, state: RunState, step: int) -> dict[str, float]:
         """One batch: forward_backward (cross_entropy), then optim_step at the step's rate."""
         config, plan, client = self.config, self.plan, self.session.training_client
         examples = [plan.train[i] for i in plan.batches[step]]
         datums = batch_datums(examples)  # 1. the step's rows, weighted for a token mean
+        # pre-scaled by the service's divisor D, so the gradient applied is the token mean's
+        divisor = datum_totals(datums, loss_fn="cross_entropy").denominator(self.divisor)
+        sent = scale_weights(datums, divisor, "weights")
         result = retry(  # 2. forward_backward with the built-in cross-entropy
             self.session,
-            lambda: client.forward_backward(datums, loss_fn="cross_entropy").result(),
+            lambda: client.forward_backward(sent, loss_fn="cross_entropy").result(),
             "forward_backward",
         )
         rate = config.learning_rate * lr_multiplier(  # 3. the step's learning rate
