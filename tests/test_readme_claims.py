@@ -2,10 +2,11 @@
 
 The figures are exact on the hardware they were measured on (an Intel CPU with AVX-512 and
 torch 2.13.0's MKL, 1 or 2 threads, every forcible CPU path: see docs/DESIGN.md,
-"Reproducibility"; the earlier one-row trainer gave them on an AMD CPU, which the shared-prefix
-trainer has not been measured on). On other CPUs float rounding can flip a sampled token and send the run along another path of
-the same quality, so there the test checks only that the run learns as much, to three
-standard errors of a 300-problem test (3 x 0.026).
+"Reproducibility"; the earlier one-row trainer gave them on an AMD CPU, where the
+shared-prefix trainer has not been measured). On other CPUs float rounding can flip a
+sampled token and send the run along another path of the same quality, so there the test
+checks only that the run learns as much, to three standard errors of a 300-problem test
+(3 x 0.026).
 """
 
 from __future__ import annotations

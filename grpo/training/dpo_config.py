@@ -99,7 +99,7 @@ class DpoConfig:
     swanlab_project: str = shared("swanlab_project")
     connect_timeout: float = shared("connect_timeout")
     threads: int = shared("threads")
-    service_normalization: str = shared("service_normalization")
+    service_normalization: str | None = shared("service_normalization")
     max_retries: int = shared("max_retries")
     price_file: str | None = shared("price_file")
     price_prompt: float | None = shared("price_prompt")
