@@ -177,15 +177,17 @@ def test_distill_on_an_env_falls_towards_a_trained_teacher(tmp_path: Path) -> No
     env = dict(
         env=ENV, base_model=TOOLS_MODEL, batch_size=4, group_size=4, num_substeps=2, max_tokens=96
     )
-    teacher = quiet_train(tiny_config(tmp_path, "teacher", steps=10, learning_rate=2e-3, **env))
+    teacher = quiet_train(tiny_config(tmp_path, "teacher", steps=10, learning_rate=3e-3, **env))
     config = distill_config(
-        tmp_path, "student", teacher=str(teacher.run_dir), steps=10, learning_rate=1e-3, **env
+        tmp_path, "student", teacher=str(teacher.run_dir), steps=10, learning_rate=2e-3, **env
     )
     kl = [row["distill/reverse_kl"] for row in read_metrics(quiet_train(config).run_dir)]
     assert len(kl) == 10, kl  # every step distils
-    # the tool model of the Qwen3 tool format starts better (fewer groups train the teacher);
-    # a 2e-3 teacher differs by ~0.1 nats a token, and a 1e-3 student closes a third of it
-    assert kl[0] > 0.05 and np.mean(kl[-3:]) < 0.75 * np.mean(kl[:3]), kl
+    # The tool model of the Qwen3 tool format starts good, so a gentle teacher (2e-3) differs
+    # by ~0.1 nats a token, inside the per-step noise of 16 episodes. A 3e-3 teacher differs
+    # by ~2.5 nats; a 2e-3 student halves that in 10 steps (measured: 2.56 -> 1.26 over the
+    # first and last three, Intel AVX-512) and to 0.28 of it in 14.
+    assert np.mean(kl[:3]) > 1.0 and np.mean(kl[-3:]) < 0.75 * np.mean(kl[:3]), kl
 
 
 def test_a_teacher_system_prompt_under_env_is_refused(tmp_path: Path) -> None:
