@@ -38,13 +38,11 @@ from grpo.training import run_files
 from grpo.training.custom_loss import DpoLoss, as_dpo_loss
 from grpo.training.dpo_config import DpoConfig, dpo_to_dict, resolve_dpo_run
 from grpo.training.fields import ConfigError
-from grpo.training.init_from import init_state_path, init_training_client
+from grpo.training.init_from import init_state_path
 from grpo.training.lifecycle import (
     NonFiniteUpdate,
     RunResult,
     finished_result,
-    load_checkpoint,
-    open_run,
     retry,
     run_steps,
     start_state,
@@ -54,13 +52,13 @@ from grpo.training.recipe import Session
 from grpo.training.recipes.sft import (
     check_run_dir,
     evaluates,
+    open_recipe_session,
     recipe_divisor,
     recipe_service,
     saves,
 )
 from grpo.training.reference_cache import reference_logprobs
 from grpo.training.rollouts import tokenizer_max_len
-from grpo.training.run_log import RunLogger, scrub_secrets
 from grpo.training.state import RunState
 from grpo.training.teacher import is_run_dir, weights_sampler
 
@@ -253,19 +251,17 @@ def dpo(
             return finished_result(run_dir, echo, "")
         plan = preflight_dpo(config, lambda: service_client or recipe_service(config, run_dir))
 
-        def note(message: str) -> None:
-            echo(f"[grpo] {message}")
-
-        service = plan.service
-        if checkpoint is not None:
-            client, checkpoint = load_checkpoint(service, run_dir, checkpoint, note)
-        elif plan.init_state is not None:
-            client = init_training_client(service, config, plan.init_state)  # type: ignore[arg-type]
-        else:
-            client = service.create_lora_training_client(
-                base_model=config.base_model, rank=config.lora_rank, seed=config.seed
-            )
-        start = open_run(run_dir, checkpoint, scrub_secrets(dpo_to_dict(config)), note)
+        session, start = open_recipe_session(
+            config,
+            plan.service,
+            run_dir,
+            checkpoint,
+            dpo_to_dict(config),
+            plan.steps,
+            plan.prices,
+            echo,
+            init_state=plan.init_state,
+        )
         ref_N, sent = reference_logprobs(  # once per sequence; a resume reads the cache
             run_dir,
             plan.reference,
@@ -273,19 +269,9 @@ def dpo(
             [e for pair in [*plan.train, *plan.eval] for e in (pair.chosen, pair.rejected)],
             concurrency=config.concurrency,
             max_retries=config.max_retries,
-            note=note,
+            note=session.note,
         )
         ref_P2 = ref_N.reshape(-1, 2)
-        session = Session(
-            run_dir=run_dir,
-            run_name=str(config.run_name or run_dir.name),
-            steps=plan.steps,
-            training_client=client,
-            logger=RunLogger.of_run(run_dir, dpo_to_dict(config), config),
-            note=note,
-            prices=plan.prices,
-            max_retries=config.max_retries,
-        )
         state = start_state(run_dir, start)
         state.usage += TokenUsage(prompt_tokens=sent)
         recipe = DpoRecipe(plan, session, ref_P2[: len(plan.train)], ref_P2[len(plan.train) :])

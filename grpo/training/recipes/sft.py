@@ -47,6 +47,7 @@ from grpo.tasks.sft_data import SftDataError, load_examples
 from grpo.training import run_files
 from grpo.training.config import FIELDS as TRAIN_FIELDS
 from grpo.training.fields import ConfigError
+from grpo.training.init_from import init_training_client
 from grpo.training.lifecycle import (
     RunResult,
     check_run_status,
@@ -275,28 +276,57 @@ def sft(
             return finished_result(run_dir, echo, "")
         plan = preflight_sft(config, lambda: service_client or recipe_service(config, run_dir))
 
-        def note(message: str) -> None:
-            echo(f"[grpo] {message}")
-
-        service = plan.service
-        if checkpoint is not None:
-            client, checkpoint = load_checkpoint(service, run_dir, checkpoint, note)
-        else:
-            client = service.create_lora_training_client(
-                base_model=config.base_model, rank=config.lora_rank, seed=config.seed
-            )
-        start = open_run(run_dir, checkpoint, scrub_secrets(sft_to_dict(config)), note)
-        session = Session(
-            run_dir=run_dir,
-            run_name=str(config.run_name or run_dir.name),
-            steps=plan.steps,
-            training_client=client,
-            logger=RunLogger.of_run(run_dir, sft_to_dict(config), config),
-            note=note,
-            prices=plan.prices,
-            max_retries=config.max_retries,
+        session, start = open_recipe_session(
+            config,
+            plan.service,
+            run_dir,
+            checkpoint,
+            sft_to_dict(config),
+            plan.steps,
+            plan.prices,
+            echo,
         )
         return run_steps(SftRecipe(plan, session), start_state(run_dir, start), echo, progress)
+
+
+def open_recipe_session(
+    config: Any,
+    service: Any,
+    run_dir: Path,
+    checkpoint: Any,
+    saved_config: dict[str, Any],
+    steps: int,
+    prices: Prices | None,
+    echo: Callable[[str], None],
+    init_state: str | None = None,
+) -> tuple[Session, int]:
+    """A data recipe's (SFT, DPO) training client, from the checkpoint (with the fallback to
+    the newest intact one), else the ``init_state`` weights, else a fresh LoRA; the run
+    opened with ``saved_config`` (secrets scrubbed); its Session and first step."""
+
+    def note(message: str) -> None:
+        echo(f"[grpo] {message}")
+
+    if checkpoint is not None:
+        client, checkpoint = load_checkpoint(service, run_dir, checkpoint, note)
+    elif init_state is not None:
+        client = init_training_client(service, config, init_state)
+    else:
+        client = service.create_lora_training_client(
+            base_model=config.base_model, rank=config.lora_rank, seed=config.seed
+        )
+    start = open_run(run_dir, checkpoint, scrub_secrets(saved_config), note)
+    session = Session(
+        run_dir=run_dir,
+        run_name=str(config.run_name or run_dir.name),
+        steps=steps,
+        training_client=client,
+        logger=RunLogger.of_run(run_dir, saved_config, config),
+        note=note,
+        prices=prices,
+        max_retries=config.max_retries,
+    )
+    return session, start
 
 
 class SftRecipe:
