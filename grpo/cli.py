@@ -19,7 +19,7 @@ import os
 import shutil
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,84 +80,88 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_data_recipe_arguments(
+    parser: argparse.ArgumentParser, fields: dict[str, Any], what: str, reads: str
+) -> None:
+    """A data recipe's flags (its own and those shared with `grpo train`), --resume and
+    --dry-run (which ``reads`` before printing the plan)."""
+    flags.add_train_arguments(parser, fields=fields)
+    parser.add_argument("--resume", default=None, metavar="RUN_DIR", help=f"continue {what}")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help=f"{reads}, print the plan (tokens, steps, cost) and exit; nothing is written",
+    )
+
+
+def _run_data_recipe(
+    args: argparse.Namespace,
+    fields: dict[str, Any],
+    config_of: Callable[[dict[str, Any]], Any],
+    dry_run: Callable[..., list[str]],
+    run: Callable[..., Any],
+) -> int:
+    """A data recipe's command (SFT, DPO): flags over the resumed run's config.json, then the
+    dry run or the run; exit 0 when finished, 130 on a signal, 1 on failure."""
+    from grpo.training.run import RunStopped
+
+    values = flags.explicit_flags(args, fields=fields)
+    if args.resume is not None:
+        saved = run_files.read_config(Path(args.resume))
+        saved.pop("recipe", None)
+        values = {**saved, **values, "run_dir": str(args.resume)}
+    config = config_of(values)
+    if args.dry_run:
+        for line in dry_run(config, resume=args.resume is not None):
+            print(line)
+        return 0
+    try:
+        run(config, resume=args.resume is not None)
+    except RunStopped as stopped:
+        print(f"[grpo] {stopped}", file=sys.stderr)
+        return stopped.exit_code
+    return 0
+
+
 def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
     """Every SftConfig flag (its own and those shared with `grpo train`), --resume, --dry-run."""
     from grpo.training.sft_config import SFT_FIELDS
 
-    flags.add_train_arguments(parser, fields=SFT_FIELDS)
-    parser.add_argument(
-        "--resume", default=None, metavar="RUN_DIR", help="continue an SFT run directory"
-    )
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="read and check the data, print the plan (tokens, steps, cost) and exit; "
-        "nothing is written",
+    _add_data_recipe_arguments(
+        parser, SFT_FIELDS, "an SFT run directory", "read and check the data"
     )
 
 
 def run_sft(args: argparse.Namespace) -> int:
     """`grpo sft`: supervised fine-tuning; exit 0 when finished, 130 on a signal, 1 on failure."""
     from grpo.training.recipes.sft import dry_run_sft, sft
-    from grpo.training.run import RunStopped
-    from grpo.training.sft_config import SFT_FIELDS, sft_config_from_dict
+    from grpo.training.sft_config import SFT_FIELDS, SftConfig, recipe_config_from_dict
 
-    values = flags.explicit_flags(args, fields=SFT_FIELDS)
-    if args.resume is not None:
-        saved = run_files.read_config(Path(args.resume))
-        saved.pop("recipe", None)
-        values = {**saved, **values, "run_dir": str(args.resume)}
-    config = sft_config_from_dict(values, where="grpo sft")
-    if args.dry_run:
-        for line in dry_run_sft(config, resume=args.resume is not None):
-            print(line)
-        return 0
-    try:
-        sft(config, resume=args.resume is not None)
-    except RunStopped as stopped:
-        print(f"[grpo] {stopped}", file=sys.stderr)
-        return stopped.exit_code
-    return 0
+    def config_of(values: dict[str, Any]) -> SftConfig:
+        return recipe_config_from_dict(SftConfig, "sft", values, where="grpo sft")
+
+    return _run_data_recipe(args, SFT_FIELDS, config_of, dry_run_sft, sft)
 
 
 def add_dpo_arguments(parser: argparse.ArgumentParser) -> None:
     """Every DpoConfig flag (its own and those shared with `grpo train`), --resume, --dry-run."""
     from grpo.training.dpo_config import DPO_FIELDS
 
-    flags.add_train_arguments(parser, fields=DPO_FIELDS)
-    parser.add_argument(
-        "--resume", default=None, metavar="RUN_DIR", help="continue a DPO run directory"
-    )
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="read and check the pairs and the reference, print the plan (tokens, steps, cost) "
-        "and exit; nothing is written",
+    _add_data_recipe_arguments(
+        parser, DPO_FIELDS, "a DPO run directory", "read and check the pairs and the reference"
     )
 
 
 def run_dpo(args: argparse.Namespace) -> int:
     """`grpo dpo`: preference optimization; exit 0 when finished, 130 on a signal, 1 on failure."""
-    from grpo.training.dpo_config import DPO_FIELDS, dpo_config_from_dict
+    from grpo.training.dpo_config import DPO_FIELDS, DpoConfig
     from grpo.training.recipes.dpo import dpo, dry_run_dpo
-    from grpo.training.run import RunStopped
+    from grpo.training.sft_config import recipe_config_from_dict
 
-    values = flags.explicit_flags(args, fields=DPO_FIELDS)
-    if args.resume is not None:
-        saved = run_files.read_config(Path(args.resume))
-        saved.pop("recipe", None)
-        values = {**saved, **values, "run_dir": str(args.resume)}
-    config = dpo_config_from_dict(values, where="grpo dpo")
-    if args.dry_run:
-        for line in dry_run_dpo(config, resume=args.resume is not None):
-            print(line)
-        return 0
-    try:
-        dpo(config, resume=args.resume is not None)
-    except RunStopped as stopped:
-        print(f"[grpo] {stopped}", file=sys.stderr)
-        return stopped.exit_code
-    return 0
+    def config_of(values: dict[str, Any]) -> DpoConfig:
+        return recipe_config_from_dict(DpoConfig, "dpo", values, where="grpo dpo")
+
+    return _run_data_recipe(args, DPO_FIELDS, config_of, dry_run_dpo, dpo)
 
 
 def run_distill(args: argparse.Namespace) -> int:

@@ -132,19 +132,6 @@ class DpoConfig:
 DPO_FIELDS: dict[str, "attrs.Attribute[Any]"] = attrs.fields_dict(DpoConfig)
 
 
-def dpo_config_from_dict(values: dict[str, Any], *, where: str) -> DpoConfig:
-    """A DpoConfig from flag values; ConfigError naming an unknown key and `where`."""
-    unknown = sorted(set(values) - set(DPO_FIELDS))
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown dpo flag {unknown[0]!r}; see `grpo dpo --help` for the flags"
-        )
-    try:
-        return DpoConfig(**values)
-    except ConfigError as error:
-        raise ConfigError(f"{where}: {error}") from None
-
-
 def dpo_to_dict(config: DpoConfig) -> dict[str, Any]:
     """The config as config.json holds it: its fields and ``recipe: "dpo"``."""
     return {**attrs.asdict(config), RECIPE_KEY: "dpo"}

@@ -35,6 +35,7 @@ from grpo.core.usage import Prices, TokenUsage, cost, usage_from_row, usage_metr
 from grpo.training import run_files
 from grpo.training.config import ConfigError
 from grpo.training.faults import fault_point
+from grpo.training.init_from import init_training_client
 from grpo.training.recipe import Recipe, Session
 from grpo.training.state import RunState
 from grpo.training.timing import timed
@@ -94,6 +95,27 @@ def finished_result(run_dir: Path, echo: Callable[[str], None], hint: str) -> Ru
         final_metrics=dict(summary.get("final", {})),
         sampler_path=summary.get("sampler_path"),
     )
+
+
+def open_training_client(
+    service: Any,
+    config: Any,
+    run_dir: Path,
+    checkpoint: run_files.Checkpoint | None,
+    init_state: str | None,
+    note: Callable[[str], None],
+) -> tuple[Any, run_files.Checkpoint | None]:
+    """A run's training client: from its checkpoint (`load_checkpoint`, with the fallback),
+    else on the ``init_state`` weights (--init-from), else a fresh LoRA of the config's base
+    model, rank and seed; and the checkpoint it came from (None for the other two)."""
+    if checkpoint is not None:
+        return load_checkpoint(service, run_dir, checkpoint, note)
+    if init_state is not None:
+        return init_training_client(service, config, init_state), None
+    client = service.create_lora_training_client(
+        base_model=config.base_model, rank=config.lora_rank, seed=config.seed
+    )
+    return client, None
 
 
 def load_checkpoint(

@@ -21,15 +21,15 @@ from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION, ServiceDivisor, s
 from grpo.training import run_files
 from grpo.training.ahead import load_ahead
 from grpo.training.config import ConfigError, TrainConfig, resolve_run, to_dict
-from grpo.training.init_from import init_state_path, init_training_client
+from grpo.training.init_from import init_state_path
 from grpo.training.lifecycle import (
     NonFiniteUpdate,
     RunResult,
     RunStopped,
     check_run_status,
     finished_result,
-    load_checkpoint,
     open_run,
+    open_training_client,
     run_steps,
     sampler_weights_name,
     start_state,
@@ -147,14 +147,9 @@ def _train_in(
             note(distill_warning)
     probe = normalization_probe(config, service, note)
     divisor = run_divisor(config, probe, note, service)
-    if checkpoint is not None:
-        training_client, checkpoint = load_checkpoint(service, run_dir, checkpoint, note)
-    elif init_path is not None:
-        training_client = init_training_client(service, config, init_path)
-    else:
-        training_client = service.create_lora_training_client(
-            base_model=config.base_model, rank=config.lora_rank, seed=config.seed
-        )
+    training_client, checkpoint = open_training_client(
+        service, config, run_dir, checkpoint, init_path, note
+    )
     # Every check has passed: only now does the directory become (or continue as) a run.
     start_step = open_run(run_dir, checkpoint, scrub_secrets(to_dict(config)), note)
     if probe is not None:

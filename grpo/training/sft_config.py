@@ -12,7 +12,7 @@ No `from __future__ import annotations` here: the field transformer reads each f
 
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -109,17 +109,29 @@ RECIPE_KEY = "recipe"
 """config.json of an SFT run names its recipe (``"sft"``), so `grpo train` can tell it apart."""
 
 
-def sft_config_from_dict(values: dict[str, Any], *, where: str) -> SftConfig:
-    """An SftConfig from flag values; ConfigError naming an unknown key and `where`."""
-    unknown = sorted(set(values) - set(SFT_FIELDS))
+RecipeConfig = TypeVar("RecipeConfig")
+
+
+def recipe_config_from_dict(
+    config_class: type[RecipeConfig], command: str, values: dict[str, Any], *, where: str
+) -> RecipeConfig:
+    """A recipe's config (SftConfig, DpoConfig) from flag values; ConfigError naming an
+    unknown key, `grpo <command> --help` and `where`."""
+    unknown = sorted(set(values) - set(attrs.fields_dict(config_class)))
     if unknown:
         raise ConfigError(
-            f"{where}: unknown sft flag {unknown[0]!r}; see `grpo sft --help` for the flags"
+            f"{where}: unknown {command} flag {unknown[0]!r}; see `grpo {command} --help` for "
+            "the flags"
         )
     try:
-        return SftConfig(**values)
+        return config_class(**values)
     except ConfigError as error:
         raise ConfigError(f"{where}: {error}") from None
+
+
+def sft_config_from_dict(values: dict[str, Any], *, where: str) -> SftConfig:
+    """An SftConfig from flag values; ConfigError naming an unknown key and `where`."""
+    return recipe_config_from_dict(SftConfig, "sft", values, where=where)
 
 
 def sft_to_dict(config: SftConfig) -> dict[str, Any]:

@@ -47,13 +47,12 @@ from grpo.tasks.sft_data import SftDataError, load_examples
 from grpo.training import run_files
 from grpo.training.config import FIELDS as TRAIN_FIELDS
 from grpo.training.fields import ConfigError
-from grpo.training.init_from import init_training_client
 from grpo.training.lifecycle import (
     RunResult,
     check_run_status,
     finished_result,
-    load_checkpoint,
     open_run,
+    open_training_client,
     retry,
     run_steps,
     start_state,
@@ -307,14 +306,9 @@ def open_recipe_session(
     def note(message: str) -> None:
         echo(f"[grpo] {message}")
 
-    if checkpoint is not None:
-        client, checkpoint = load_checkpoint(service, run_dir, checkpoint, note)
-    elif init_state is not None:
-        client = init_training_client(service, config, init_state)
-    else:
-        client = service.create_lora_training_client(
-            base_model=config.base_model, rank=config.lora_rank, seed=config.seed
-        )
+    client, checkpoint = open_training_client(
+        service, config, run_dir, checkpoint, init_state, note
+    )
     start = open_run(run_dir, checkpoint, scrub_secrets(saved_config), note)
     session = Session(
         run_dir=run_dir,
