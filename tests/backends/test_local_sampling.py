@@ -132,6 +132,33 @@ def test_logprobs_stay_exact_when_finished_rows_leave_the_batch(service, any_bla
     assert_same_samples(few.sequences, response.sequences[:2])
 
 
+def test_rows_of_other_prompt_lengths_keep_their_own_cache_when_the_batch_shrinks(service):
+    """Finished rows leave the decode batch by moving active rows from its end into freed
+    slots (``DecodeCache.compact``): a moved row must take its keys, values and mask along.
+    Rows are sorted by prompt length, so the movers are the long prompt's rows and the
+    slots they land in held the short prompt's, whose mask hides 20 more positions."""
+    client = trained_client(service, steps=1)
+    sampler = client.save_weights_and_get_sampling_client()
+    short, long = prompt_tokens(9, 31), prompt_tokens(30, 32)
+    sampling = params(5, 24, stop=list(range(4, 40)))  # rows stop at scattered steps
+    gate = threading.Event()
+    held = sampler._engine.worker.call(lambda: gate.wait(30))
+    futures = [
+        sampler.sample(ModelInput.from_ints(prompt), 24, sampling) for prompt in (short, long)
+    ]
+    gate.set()
+    assert held.result() is True
+    for prompt, future in zip((short, long), futures, strict=True):
+        sequences = future.result().sequences
+        lengths = [len(sequence.tokens) for sequence in sequences]
+        assert min(lengths) < 4 and max(lengths) > 12
+        forward = client.forward([as_datum(prompt, seq.tokens) for seq in sequences]).result()
+        for sequence, output in zip(sequences, forward.loss_fn_outputs, strict=True):
+            np.testing.assert_allclose(
+                sequence.logprobs, output["logprobs"].data[len(prompt) - 1 :], atol=1e-4
+            )
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_seeded_request_is_identical_alone_and_batched_with_others(
     service, monkeypatch, threads, any_blas

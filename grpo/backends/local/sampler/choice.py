@@ -24,7 +24,10 @@ def choose_tokens(
     """
     logits = logits_RV.to(torch.float64)
     greedy = temperature_R == 0
-    scaled = logits / torch.where(greedy, 1.0, temperature_R).unsqueeze(-1)
+    if bool((temperature_R == 1).all()):
+        scaled = logits  # x / 1 = x exactly: one pass over the logits saved
+    else:
+        scaled = logits / torch.where(greedy, 1.0, temperature_R).unsqueeze(-1)
     vocab = logits.shape[-1]
     filtered = (top_k_R < vocab) | (top_p_R < 1)
     plain = (~greedy & ~filtered).nonzero().squeeze(-1)
@@ -68,11 +71,17 @@ def _inverse_cdf(log_weights: Tensor, uniform: Tensor) -> tuple[Tensor, Tensor]:
     weights = shifted.exp()
     cdf = weights.cumsum(dim=-1)
     total = cdf[:, -1]
-    index = torch.searchsorted(cdf, (uniform * total).unsqueeze(-1), right=True).squeeze(-1)
-    # Rounding can put u·total at the very top; never land on a zero-probability tail token.
-    last_positive = weights.shape[-1] - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(dim=-1)
-    index = torch.minimum(index, last_positive)
-    return index, shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) - total.log()
+    index = torch.searchsorted(cdf, (uniform * total).unsqueeze(-1), right=True)
+    index = index.clamp_(max=weights.shape[-1] - 1)
+    picked = shifted.gather(-1, index)
+    # Rounding can put u·total at the very top, past the last token of positive weight: the
+    # first cumulative weight above u·total always has a positive weight of its own, so a
+    # picked weight of 0 (log-weight -inf) is that case; move it to the last positive token.
+    if bool(torch.isneginf(picked).any()):
+        last_positive = weights.shape[-1] - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+        index = torch.minimum(index.squeeze(-1), last_positive).unsqueeze(-1)
+        picked = shifted.gather(-1, index)
+    return index.squeeze(-1), picked.squeeze(-1) - total.log()
 
 
 def _uniforms(seed: int, sample_index: int, count: int) -> np.ndarray:

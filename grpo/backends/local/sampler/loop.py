@@ -21,6 +21,7 @@ from grpo.backends.local.model import AdapterWeights, ModelHost
 from grpo.backends.local.sample_request import PendingSample, SampleSpec
 from grpo.backends.local.sampler.attention import RowKVCache, _bucket, _padding, _runs
 from grpo.backends.local.sampler.choice import _uniforms, choose_tokens
+from grpo.backends.local.sampler.decode import DecodeCache, decode_logits
 from grpo.backends.local.sampler.merged import _DecodeStep, _merged_step
 
 
@@ -73,8 +74,6 @@ class _Model:
 
     def decode(self, tokens_R: Tensor, positions_R: Tensor, cache: RowKVCache) -> Tensor:
         """Next-token logits [rows, vocab] after one new token per row (rows a ROW_MULTIPLE)."""
-        if self.fast is not None:
-            return self.fast(tokens_R, positions_R, cache)[:, : self.vocab_size].float()
         hidden = self.hidden(tokens_R.unsqueeze(-1), positions_R.unsqueeze(-1), cache)
         return self.logits(hidden[:, -1])
 
@@ -202,6 +201,47 @@ def _prefill(model: _Model, specs: Sequence[SampleSpec]) -> _Prefill:
     return _Prefill(prompts, cache, last_logits, prompt_logprobs, prompt_topk)
 
 
+class _RowCacheSlots:
+    """The decode state of the Hugging Face path: a `RowKVCache`, attended span by span."""
+
+    def __init__(self, model: _Model, cache: RowKVCache) -> None:
+        self.model = model
+        self.cache = cache
+
+    def logits(self, tokens_R: Tensor, positions_R: Tensor) -> Tensor:
+        """Next-token logits [rows, vocab] after one new token per row."""
+        return self.model.decode(tokens_R, positions_R, self.cache)
+
+    def compact(self, active: list[int]) -> list[int] | None:
+        """Drop finished slots once at most half the slots are active (rows stay sorted)."""
+        slots = len(self.cache.prompt_lengths)
+        if len(active) + _padding(len(active)) > slots // 2:
+            return None
+        active_set = set(active)
+        spare = [slot for slot in range(slots) if slot not in active_set]
+        keep = sorted(active + spare[: _padding(len(active))])
+        self.cache = self.cache.select(torch.tensor(keep))
+        return keep
+
+
+class _MergedSlots:
+    """The decode state of the merged step: one attention call per layer (``decode.py``)."""
+
+    def __init__(self, step: _DecodeStep, cache: DecodeCache, vocab_size: int) -> None:
+        self.step = step
+        self.cache = cache
+        self.vocab_size = vocab_size
+
+    def logits(self, tokens_R: Tensor, positions_R: Tensor) -> Tensor:
+        """Next-token logits [rows, vocab] after one new token per row."""
+        logits = decode_logits(self.step, tokens_R, positions_R, self.cache)[:, : self.vocab_size]
+        return logits if logits.dtype == torch.float32 else logits.float()
+
+    def compact(self, active: list[int]) -> list[int] | None:
+        """Drop finished slots whenever a ROW_MULTIPLE of them can go."""
+        return self.cache.compact(active)
+
+
 def _decode(
     model: _Model,
     host: ModelHost,
@@ -226,11 +266,16 @@ def _decode(
         key=lambda row: row.prompt_length
     )  # stable: request and sample order kept within a length
     spec_of = [specs[row.request] for row in rows]
-    slot_rows = torch.tensor(list(range(len(rows))) + [len(rows) - 1] * _padding(len(rows)))
-    filler = [slot >= len(rows) for slot in range(len(slot_rows))]
+    slot_list = list(range(len(rows))) + [len(rows) - 1] * _padding(len(rows))
+    filler = [slot >= len(rows) for slot in range(len(slot_list))]
     prompt_row = {prompt: row for row, prompt in enumerate(prefill.prompts)}
-    source = torch.tensor([prompt_row[spec_of[row].prompt] for row in slot_rows.tolist()])
-    cache = prefill.cache.select(source)
+    source = torch.tensor([prompt_row[spec_of[row].prompt] for row in slot_list])
+    slots: _RowCacheSlots | _MergedSlots
+    if model.fast is not None:
+        cache = DecodeCache(prefill.cache, source, model.fast)
+        slots = _MergedSlots(model.fast, cache, model.vocab_size)
+    else:
+        slots = _RowCacheSlots(model, prefill.cache.select(source))
     logits = prefill.last_logits.index_select(0, source)
 
     temperature = torch.tensor([spec.temperature for spec in spec_of], dtype=torch.float64)
@@ -245,6 +290,7 @@ def _decode(
             ]
         )
     )
+    slot_rows = torch.tensor(slot_list)
     for step in range(horizon):
         if stopping.is_set():
             raise RuntimeError("the local service stopped while this request was sampling")
@@ -255,7 +301,7 @@ def _decode(
             top_p[slot_rows],
             uniforms[slot_rows, step],
         )
-        slot_list = slot_rows.tolist()
+        active = []
         for slot, (token, logprob) in enumerate(
             zip(tokens.tolist(), logprobs.tolist(), strict=True)
         ):
@@ -265,25 +311,19 @@ def _decode(
             row.tokens.append(token)
             row.logprobs.append(logprob)
             row.stop_reason = _stop_reason(row, spec_of[slot_list[slot]], host)
-        active = [
-            slot
-            for slot, row in enumerate(slot_list)
-            if not filler[slot] and rows[row].stop_reason is None
-        ]
+            if row.stop_reason is None:
+                active.append(slot)
         if not active:
             break
-        if len(active) + _padding(len(active)) <= len(slot_rows) // 2:
-            # Drop finished rows, keeping a ROW_MULTIPLE of slots (finished ones become filler).
+        order = slots.compact(active)
+        if order is not None:  # finished rows dropped (kept slots that are not active: filler)
             active_set = set(active)
-            spare = [slot for slot in range(len(slot_rows)) if slot not in active_set]
-            keep = sorted(active + spare[: _padding(len(active))])
-            cache = cache.select(torch.tensor(keep))
-            slot_rows = slot_rows[keep]
-            slot_list = slot_rows.tolist()
-            filler = [slot not in active_set for slot in keep]
+            slot_list = [slot_list[old] for old in order]
+            filler = [old not in active_set for old in order]
+            slot_rows = torch.tensor(slot_list)
         next_tokens = torch.tensor([rows[row].tokens[-1] for row in slot_list])
         positions = torch.tensor([rows[row].prompt_length + step for row in slot_list])
-        logits = model.decode(next_tokens, positions, cache)
+        logits = slots.logits(next_tokens, positions)
     return rows
 
 

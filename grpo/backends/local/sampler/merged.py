@@ -1,7 +1,8 @@
 """The merged decode step: the sampler's forward as plain tensor ops over LoRA-merged weights.
 
-For the architectures ``_DecodeStep`` knows (Qwen3, Qwen2, Llama), prefill and decode run
-fused matmuls over the weights with the active LoRA merged in; ``_merged_step`` builds it
+For the architectures ``_DecodeStep`` knows (Qwen3, Qwen2, Llama), prefill (``hidden``)
+and decode (``decode.decode_logits``, the same math) run fused matmuls over the weights
+with the active LoRA merged in; ``_merged_step`` builds it
 once per sampler weights and keeps it on the host until other weights are sampled (None
 for other architectures, which run the Hugging Face forward). The trainer's shared-prefix
 forward (``grpo.backends.local.shared_prefix``) runs the same step over packed rows, built
@@ -18,7 +19,6 @@ import torch
 from torch import Tensor
 
 from grpo.backends.local.model import AdapterWeights, ModelHost
-from grpo.backends.local.sampler.attention import RowKVCache
 
 # Decoders whose layers are RMSNorm -> attention (optional q/k RMSNorm, RoPE) -> RMSNorm ->
 # SiLU-gated MLP, as `_DecodeStep` computes them.
@@ -82,13 +82,14 @@ class _LayerWeights:
 
 @attrs.frozen
 class _DecodeStep:
-    """The sampler's forward (prefill and KV-cached decode) as plain tensor ops over merged weights.
+    """The sampler's forward (the prefill; ``decode.decode_logits`` decodes with its weights)
+    as plain tensor ops over merged weights.
 
     Per layer: 4 matmuls (q|k|v, o, gate|up, down) instead of 7 (plus two per LoRA
     adapter), RMSNorm as one fused op, q and k heads normed and rotated in one pass;
-    attention goes through the same `RowKVCache`, so a row's result never depends on the
-    batch. Same math as the Hugging Face forward, different rounding (merged LoRA, fused
-    norm): log-probs agree to ~1e-6.
+    attention goes through a `StepAttention` (the sampler's `RowKVCache`), so a row's
+    result never depends on the batch. Same math as the Hugging Face forward, different
+    rounding (merged LoRA, fused norm): log-probs agree to ~1e-6.
     """
 
     embed: Tensor
@@ -163,11 +164,6 @@ class _DecodeStep:
             eps=backbone.norm.variance_epsilon,
             scaling=first.scaling,
         )
-
-    def __call__(self, tokens_R: Tensor, positions_R: Tensor, cache: RowKVCache) -> Tensor:
-        """Logits [rows, embedding rows] after feeding one token per row at its position."""
-        hidden_R = self.hidden(tokens_R.unsqueeze(-1), positions_R.unsqueeze(-1), cache)[:, 0]
-        return self.unembedding(hidden_R)
 
     def hidden(self, tokens_RT: Tensor, positions_RT: Tensor, cache: StepAttention) -> Tensor:
         """Final-normed hidden states [rows, T, hidden] after feeding T tokens per row."""
