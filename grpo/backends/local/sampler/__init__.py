@@ -6,15 +6,18 @@ weights; all their sequences decode together. Results do not depend on what else
 - Each sequence owns its random stream: sample ``i`` of a request with seed ``s`` draws
   its uniforms from ``numpy.random.default_rng([s, i])`` and picks a token by inverse CDF
   of the (filtered) distribution, so no draw depends on another sequence.
-- Attention never depends on the batch: prompts are left-padded into one tensor, but a
-  row attends over a span fixed by its own prompt length (rounded up to `SPAN_BUCKET`,
-  the extra positions masked); rows with equal spans share one masked attention call.
+- Attention never reads another row: prompts are left-padded into one tensor; in the
+  prefill a row attends over a span fixed by its own prompt length (rounded up to
+  `SPAN_BUCKET`, the extra positions masked), rows with equal spans in one masked call;
+  in the decode every row attends in one call, the positions before its prompt carrying
+  a -inf bias (exact zeros in its softmax).
 - Linear layers compute each row on its own when a call has a multiple of
   `ROW_MULTIPLE` rows, so every call is padded to one.
 
-So a request with an explicit seed gives bit-identical tokens and log-probs alone or
-batched with any other requests, with one thread or several (measured on this CPU build
-of PyTorch; the tests check it).
+So a request with an explicit seed samples the same tokens alone or batched with any
+other requests, with one thread or several, and log-probs equal to 1e-5; bit for bit
+where the BLAS computes a row independently of the row count (docs/DESIGN.md,
+"Reproducibility"; the tests check it).
 
 Speed: for the architectures `_DecodeStep` knows (Qwen3, Qwen2, Llama), prefill and
 decode run plain tensor ops over the weights with the active LoRA merged in, built once
@@ -37,7 +40,9 @@ Semantics (documented for users of the local backend):
   end-of-turn token.
 - Prompt log-probs use the raw (temperature 1) distribution; the first entry is None.
 
-Modules: ``validation`` (requests to ``SampleSpec``), ``attention`` (the per-row KV cache
-and attention), ``merged`` (the merged decode step), ``choice`` (random streams and token
-choice), ``loop`` (prefill, the decode loop, responses).
+Modules: ``validation`` (requests to ``SampleSpec``), ``attention`` (the prefill's per-row
+KV cache and attention, also the Hugging Face path's decode), ``merged`` (the merged step),
+``decode`` (its decode step: one attention call per layer, the batch shrinking as rows
+finish), ``choice`` (random streams and token choice), ``loop`` (prefill, the decode loop,
+responses).
 """

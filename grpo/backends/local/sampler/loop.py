@@ -251,8 +251,9 @@ def _decode(
 ) -> list[_Row]:
     """The KV-cached decode loop over every sequence of every generating request.
 
-    Batch slot ``s`` decodes row ``slot_rows[s]``; filler slots (``filler[s]``) only pad the
-    batch to a ROW_MULTIPLE and their tokens are discarded.
+    Batch slot ``s`` decodes row ``slot_list[s]`` while ``s`` is in ``live``; the other
+    slots (filler: finished rows, or copies that pad the batch to a ROW_MULTIPLE) compute
+    outputs nobody reads.
     """
     rows = [
         _Row(request, sample_index, len(spec.prompt))
@@ -267,7 +268,6 @@ def _decode(
     )  # stable: request and sample order kept within a length
     spec_of = [specs[row.request] for row in rows]
     slot_list = list(range(len(rows))) + [len(rows) - 1] * _padding(len(rows))
-    filler = [slot >= len(rows) for slot in range(len(slot_list))]
     prompt_row = {prompt: row for row, prompt in enumerate(prefill.prompts)}
     source = torch.tensor([prompt_row[spec_of[row].prompt] for row in slot_list])
     slots: _RowCacheSlots | _MergedSlots
@@ -281,6 +281,7 @@ def _decode(
     temperature = torch.tensor([spec.temperature for spec in spec_of], dtype=torch.float64)
     top_k = torch.tensor([spec.top_k if spec.top_k > 0 else host.vocab_size for spec in spec_of])
     top_p = torch.tensor([spec.top_p for spec in spec_of], dtype=torch.float64)
+    prompt_lengths = torch.tensor([row.prompt_length for row in rows])
     horizon = max(spec.max_tokens for spec in spec_of)
     uniforms = torch.from_numpy(
         np.stack(
@@ -290,40 +291,41 @@ def _decode(
             ]
         )
     )
+    # Per slot, for the current slot layout: each row's sampling parameters and prompt length.
     slot_rows = torch.tensor(slot_list)
+    layout = [tensor[slot_rows] for tensor in (temperature, top_k, top_p, uniforms, prompt_lengths)]
+    live = list(range(len(rows)))  # the slots after them are filler
     for step in range(horizon):
         if stopping.is_set():
             raise RuntimeError("the local service stopped while this request was sampling")
+        temperature_S, top_k_S, top_p_S, uniforms_S, prompt_lengths_S = layout
         tokens, logprobs = choose_tokens(
-            logits,
-            temperature[slot_rows],
-            top_k[slot_rows],
-            top_p[slot_rows],
-            uniforms[slot_rows, step],
+            logits, temperature_S, top_k_S, top_p_S, uniforms_S[:, step]
         )
+        token_list, logprob_list = tokens.tolist(), logprobs.tolist()
         active = []
-        for slot, (token, logprob) in enumerate(
-            zip(tokens.tolist(), logprobs.tolist(), strict=True)
-        ):
-            row = rows[slot_list[slot]]
-            if filler[slot] or row.stop_reason is not None:
-                continue
-            row.tokens.append(token)
-            row.logprobs.append(logprob)
-            row.stop_reason = _stop_reason(row, spec_of[slot_list[slot]], host)
+        for slot in live:
+            index = slot_list[slot]
+            row = rows[index]
+            row.tokens.append(token_list[slot])
+            row.logprobs.append(logprob_list[slot])
+            row.stop_reason = _stop_reason(row, spec_of[index], host)
             if row.stop_reason is None:
                 active.append(slot)
         if not active:
             break
         order = slots.compact(active)
-        if order is not None:  # finished rows dropped (kept slots that are not active: filler)
+        if order is None:
+            live = active
+        else:  # finished rows dropped (kept slots that are not active: filler)
             active_set = set(active)
+            live = [new for new, old in enumerate(order) if old in active_set]
             slot_list = [slot_list[old] for old in order]
-            filler = [old not in active_set for old in order]
-            slot_rows = torch.tensor(slot_list)
-        next_tokens = torch.tensor([rows[row].tokens[-1] for row in slot_list])
-        positions = torch.tensor([rows[row].prompt_length + step for row in slot_list])
-        logits = slots.logits(next_tokens, positions)
+            moved = torch.tensor(order)
+            tokens = tokens[moved]
+            layout = [tensor[moved] for tensor in layout]
+        # A filler slot feeds whatever token it drew; its output is never read.
+        logits = slots.logits(tokens, layout[4] + step)
     return rows
 
 
