@@ -13,10 +13,12 @@ gets a fresh service created under that setting.
 Then, on one thread, the sampler against its compute limit: the model's FLOPs per
 generated token (2 per weight of every matmul a decode step runs, plus attention over the
 mean context), the machine's measured matmul throughput (the decode step's largest
-matmul, and a 1024 x 1024 x 1024 one), and three samplers on the same 64 sequences: the
-backend's merged decode step, the backend with the Hugging Face forward (the previous
-decode path, `_DecodeStep` off), and transformers' `generate` on the base model (KV
-cache, no LoRA, top-k off).
+matmul, and a 1024 x 1024 x 1024 one), and four samplers on the same 64 sequences: the
+backend's merged step with its one-call decode (`sampler/decode.py`, the default), the
+same step decoding span by span through the prefill's cache (`ModelHost.one_call_decode`
+off: the decode before issue 39; the two alternated twice, best of each), the backend with
+the Hugging Face forward (`_DecodeStep` off), and transformers' `generate` on the base
+model (KV cache, no LoRA, top-k off).
 """
 
 from __future__ import annotations
@@ -88,12 +90,12 @@ def training_datums(count: int, vocab_size: int, seed: int = 0) -> list[Datum]:
 
 
 def time_backend(
-    num_sequences: int, *, repeats: int, train: bool = True
+    num_sequences: int, *, repeats: int, train: bool = True, one_call_decode: bool = True
 ) -> tuple[Timing, int, Timing | None, int]:
     """(sampling timing, tokens per call, forward_backward timing, positions per call).
 
     Each call gets a fresh service; without `train` only sampling is timed (forward_backward
-    timing None).
+    timing None). `one_call_decode` False decodes span by span, as before issue 39.
     """
     with (
         tempfile.TemporaryDirectory(prefix="grpo-bench-local-") as root,
@@ -102,6 +104,7 @@ def time_backend(
         training_client = service.create_lora_training_client(
             base_model=TINY_MODEL_NAME, rank=32, seed=0
         )
+        training_client._host.one_call_decode = one_call_decode
         tokenizer = training_client.get_tokenizer()
         sampler = training_client.save_weights_and_get_sampling_client()
         prompts = sampling_prompts(tokenizer, num_sequences // SAMPLES_PER_PROMPT)
@@ -193,7 +196,14 @@ def limit_table(num_sequences: int, *, repeats: int, threads: int = 1) -> tuple[
     """
     label = "1 thread" if threads == 1 else f"{threads} threads"
     with torch_threads(threads):
-        fast, generated_fast, _, _ = time_backend(num_sequences, repeats=repeats, train=False)
+        # The one-call decode and the span-by-span one (before issue 39), alternated twice.
+        runs = [
+            time_backend(num_sequences, repeats=repeats, train=False, one_call_decode=one_call)
+            for _ in range(2)
+            for one_call in (True, False)
+        ]
+        fast, generated_fast, _, _ = min(runs[0::2], key=lambda run: run[0].best_s)
+        span, generated_span, _, _ = min(runs[1::2], key=lambda run: run[0].best_s)
         build = local_sampling._DecodeStep.build
         hugging_face_only = classmethod(lambda cls, model: None)
         local_sampling._DecodeStep.build = hugging_face_only  # type: ignore[method-assign]
@@ -217,10 +227,13 @@ def limit_table(num_sequences: int, *, repeats: int, threads: int = 1) -> tuple[
         f"{config.hidden_size} x {2 * config.intermediate_size} (the decode step's largest), "
         f"{peak_gflops:.1f} GFLOP/s at 1024^3",
         f"limit at the decode-step matmul rate: {decode_gflops * 1e9 / flops:,.0f} tokens/s",
+        f"one-call decode against span by span (before issue 39), same run: "
+        f"{(generated_fast / fast.best_s) / (generated_span / span.best_s):.2f}x tokens/s",
     ]
     rows = []
     for sampler, timing, generated in (
-        ("local sampler, merged decode step", fast, generated_fast),
+        ("local sampler, merged step, one-call decode", fast, generated_fast),
+        ("local sampler, merged step, span-by-span decode", span, generated_span),
         ("local sampler, Hugging Face forward", slow, generated_slow),
         ("transformers generate (base model)", generate, generated_by_generate),
     ):

@@ -159,6 +159,31 @@ def test_rows_of_other_prompt_lengths_keep_their_own_cache_when_the_batch_shrink
             )
 
 
+def test_the_one_call_decode_samples_what_the_span_by_span_decode_samples(service, any_blas):
+    """``decode.decode_logits`` (every row in one attention call, a -inf bias before each
+    row's prompt) against the span-by-span decode through the prefill's cache, on a batch
+    of five prompt lengths (four spans) whose rows stop at scattered steps."""
+    client = trained_client(service, steps=1)
+    sampler = client.save_weights_and_get_sampling_client()
+    prompts = [ModelInput.from_ints(prompt_tokens(n, 40 + n)) for n in (5, 9, 17, 30, 41)]
+    sampling = params(8, 20, stop=list(range(4, 40)))
+
+    def sample_all() -> list[object]:
+        gate = threading.Event()
+        held = sampler._engine.worker.call(lambda: gate.wait(30))
+        futures = [sampler.sample(prompt, 6, sampling) for prompt in prompts]
+        gate.set()
+        assert held.result() is True
+        return [future.result() for future in futures]
+
+    one_call = sample_all()
+    client._host.one_call_decode = False
+    span_by_span = sample_all()
+    lengths = [len(seq.tokens) for response in one_call for seq in response.sequences]
+    assert min(lengths) < 4 and max(lengths) > 12  # the batch shrank as rows finished
+    assert_same_samples(one_call, span_by_span)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_seeded_request_is_identical_alone_and_batched_with_others(
     service, monkeypatch, threads, any_blas

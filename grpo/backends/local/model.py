@@ -196,6 +196,10 @@ class ModelHost:
         # Whether the trainer may share datums' common prefixes (grpo.backends.local.
         # shared_prefix, for the decoders it knows); benchmarks turn it off to time without.
         self.shared_prefix_forward = True
+        # Whether the sampler's merged step decodes all rows in one attention call a layer
+        # (grpo.backends.local.sampler.decode) or span by span through the prefill's
+        # RowKVCache, as before issue 39; benchmarks and tests compare the two.
+        self.one_call_decode = True
 
     # --- adapters -------------------------------------------------------------------
 

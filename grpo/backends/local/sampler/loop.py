@@ -74,6 +74,8 @@ class _Model:
 
     def decode(self, tokens_R: Tensor, positions_R: Tensor, cache: RowKVCache) -> Tensor:
         """Next-token logits [rows, vocab] after one new token per row (rows a ROW_MULTIPLE)."""
+        if self.fast is not None:
+            return self.fast(tokens_R, positions_R, cache)[:, : self.vocab_size].float()
         hidden = self.hidden(tokens_R.unsqueeze(-1), positions_R.unsqueeze(-1), cache)
         return self.logits(hidden[:, -1])
 
@@ -202,7 +204,8 @@ def _prefill(model: _Model, specs: Sequence[SampleSpec]) -> _Prefill:
 
 
 class _RowCacheSlots:
-    """The decode state of the Hugging Face path: a `RowKVCache`, attended span by span."""
+    """The decode state of the Hugging Face path (or of the merged step with
+    ``host.one_call_decode`` off): a `RowKVCache`, attended span by span."""
 
     def __init__(self, model: _Model, cache: RowKVCache) -> None:
         self.model = model
@@ -271,7 +274,7 @@ def _decode(
     prompt_row = {prompt: row for row, prompt in enumerate(prefill.prompts)}
     source = torch.tensor([prompt_row[spec_of[row].prompt] for row in slot_list])
     slots: _RowCacheSlots | _MergedSlots
-    if model.fast is not None:
+    if model.fast is not None and host.one_call_decode:
         cache = DecodeCache(prefill.cache, source, model.fast)
         slots = _MergedSlots(model.fast, cache, model.vocab_size)
     else:

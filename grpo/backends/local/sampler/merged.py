@@ -82,8 +82,8 @@ class _LayerWeights:
 
 @attrs.frozen
 class _DecodeStep:
-    """The sampler's forward (the prefill; ``decode.decode_logits`` decodes with its weights)
-    as plain tensor ops over merged weights.
+    """The sampler's forward (prefill and a span-by-span decode; ``decode.decode_logits``
+    decodes all rows at once with its weights) as plain tensor ops over merged weights.
 
     Per layer: 4 matmuls (q|k|v, o, gate|up, down) instead of 7 (plus two per LoRA
     adapter), RMSNorm as one fused op, q and k heads normed and rotated in one pass;
@@ -164,6 +164,12 @@ class _DecodeStep:
             eps=backbone.norm.variance_epsilon,
             scaling=first.scaling,
         )
+
+    def __call__(self, tokens_R: Tensor, positions_R: Tensor, cache: StepAttention) -> Tensor:
+        """Logits [rows, embedding rows] after feeding one token per row at its position
+        (the span-by-span decode; ``decode.decode_logits`` is the one-call one)."""
+        hidden_R = self.hidden(tokens_R.unsqueeze(-1), positions_R.unsqueeze(-1), cache)[:, 0]
+        return self.unembedding(hidden_R)
 
     def hidden(self, tokens_RT: Tensor, positions_RT: Tensor, cache: StepAttention) -> Tensor:
         """Final-normed hidden states [rows, T, hidden] after feeding T tokens per row."""
