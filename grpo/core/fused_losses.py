@@ -66,6 +66,13 @@ def _ratio_statistics(ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     }
 
 
+def _count(selected: Tensor) -> Tensor:
+    """How many entries are True, as an int32 sum: one 16-lane accumulator in the compiled
+    loop where an int64 count takes two and a widening per vector (the caller runs the
+    eager kernel on batches of 2**31 positions and more, which would overflow it)."""
+    return selected.sum(dtype=torch.int32)
+
+
 def _no_clips(ratio: Tensor) -> dict[str, Tensor]:
     zero = ratio.new_zeros(())
     return {"clip_fraction": zero, "clip_low_fraction": zero, "clip_high_fraction": zero}
@@ -136,9 +143,9 @@ def fused_ppo(
     clipped_side = ((advantages > 0) & above) | (negative & below)
     statistics = {
         **_ratio_statistics(ratio, mask),
-        "clip_fraction": (clipped_side | (negative & (ratio > dual_clip))).sum(),
-        "clip_low_fraction": (mask & below).sum(),
-        "clip_high_fraction": (mask & above).sum(),
+        "clip_fraction": _count(clipped_side | (negative & (ratio > dual_clip))),
+        "clip_low_fraction": _count(mask & below),
+        "clip_high_fraction": _count(mask & above),
     }
     slope = torch.where(clipped_side | dual_active, 0.0, unclipped)
     total, gradient = _finish(objective, slope, derivative, mask, want_gradient, probe)
@@ -161,11 +168,13 @@ def fused_cispo(
     above = mask & (ratio > clip_high_threshold)
     clipped_ratio = ratio.clamp(clip_low_threshold, clip_high_threshold)
     weight = clipped_ratio * advantages
+    clipped_low, clipped_high = _count(below), _count(above)
     statistics = {
         **_ratio_statistics(ratio, mask),
-        "clip_fraction": (below | above).sum(),
-        "clip_low_fraction": below.sum(),
-        "clip_high_fraction": above.sum(),
+        # r < lo and r > hi never both hold (lo <= hi): the clipped count is their sum.
+        "clip_fraction": clipped_low + clipped_high,
+        "clip_low_fraction": clipped_low,
+        "clip_high_fraction": clipped_high,
         "clipped_ratio_mean": torch.where(mask, clipped_ratio, 0.0).sum(),
     }
     probe = log_ratio + advantages

@@ -364,6 +364,10 @@ Its first call in a process compiles for a few seconds (per kernel, dtype and va
 noise in a training run, but not worth it for the small calls of tests and notebooks.
 """
 
+FUSED_MAX_TOKENS = 1 << 31
+"""Positions from which even ``fused=True`` runs the eager kernel: the compiled forms count
+clipped positions in int32 (``fused_losses._count``)."""
+
 # Forms whose compilation failed in this process: they run eagerly from then on. A cache
 # like torch's own compile cache (results never depend on it, only speed).
 _UNCOMPILABLE_FORMS: set[Callable[..., FusedTerms]] = set()
@@ -385,10 +389,10 @@ def _run_fused(
 ) -> tuple[Tensor, dict[str, float]] | None:
     """The kernel through its compiled single-pass form; None (run eagerly) if it does not
     compile here or its sums overflowed on finite inputs."""
-    if form in _UNCOMPILABLE_FORMS:
-        return None
     values, old, advantages, selected, count, lengths, _ = inputs
     num_positions = values.numel()
+    if form in _UNCOMPILABLE_FORMS or num_positions >= FUSED_MAX_TOKENS:
+        return None
     if selected is None:
         # One graph for masked and unmasked batches: an all-true mask costs a byte a token.
         selected = torch.ones(num_positions, dtype=torch.bool, device=values.device)
@@ -427,7 +431,9 @@ def _run_fused(
             stacklevel=3,
         )
         return None
-    if not bool(terms.total.isfinite()):  # a non-finite input, or a sum that overflowed
+    # A non-finite input, or a sum that overflowed (math.isfinite: a 0-d tensor's
+    # isfinite is five operations, ~35 us, 5% of a call at 256k positions).
+    if not math.isfinite(float(terms.total)):
         error = nonfinite_error(inputs)
         if error is not None:
             raise error
@@ -520,10 +526,11 @@ class LossKernel:
         The loss is differentiable w.r.t. ``logprobs`` only (lp_old, A and the mask are
         constants); its gradient is computed here, in closed form, with the loss.
         ``fused``: None runs the compiled single-pass form on CPU batches of at least
-        ``FUSED_MIN_TOKENS`` positions (where it wins), True runs it at any size and
-        device, False never; the eager kernel runs otherwise, and whenever the batch
-        selects nothing or torch.compile fails here (with a warning). A non-finite
-        masked-in value or a non-binary mask raises ValueError naming the tensor and index.
+        ``FUSED_MIN_TOKENS`` positions (where it wins), True runs it at any size (under
+        ``FUSED_MAX_TOKENS``) and device, False never; the eager kernel runs otherwise, and
+        whenever the batch selects nothing or torch.compile fails here (with a warning). A
+        non-finite masked-in value or a non-binary mask raises ValueError naming the tensor
+        and index.
         """
         resolved = self.resolve(config)
         validate_reduction(reduction, norm_length)
