@@ -15,10 +15,15 @@ def test_a_draw_rounded_past_the_last_token_lands_on_the_last_positive_one() -> 
     # u·total at the very top of the CDF: searchsorted points past every token; the tail
     # holds tokens of weight 0 (filtered out), so the draw must move back to the last
     # token of positive weight, with a finite log-prob.
-    log_weights = torch.tensor([[0.0, 0.0, -math.inf, -math.inf], [0.0, math.log(3), 0.0, 0.0]])
-    index, logprob = _inverse_cdf(log_weights.double(), torch.tensor([1.0, 1.0]).double())
-    assert index.tolist() == [1, 3]
-    assert torch.allclose(logprob, torch.tensor([math.log(0.5), math.log(1 / 6)]).double())
+    # The third row's tail weight underflows to 0 (exp(-1000)) with a finite log-weight.
+    log_weights = torch.tensor(
+        [[0.0, 0.0, -math.inf, -math.inf], [0.0, math.log(3), 0.0, 0.0], [0.0, 0.0, 0.0, -1e3]],
+        dtype=torch.float64,
+    )
+    index, logprob = _inverse_cdf(log_weights, torch.ones(3, dtype=torch.float64))
+    assert index.tolist() == [1, 3, 2]
+    expected = torch.tensor([math.log(0.5), math.log(1 / 6), math.log(1 / 3)]).double()
+    assert torch.allclose(logprob, expected)
 
 
 @settings(max_examples=40, deadline=None)

@@ -73,15 +73,14 @@ def _inverse_cdf(log_weights: Tensor, uniform: Tensor) -> tuple[Tensor, Tensor]:
     total = cdf[:, -1]
     index = torch.searchsorted(cdf, (uniform * total).unsqueeze(-1), right=True)
     index = index.clamp_(max=weights.shape[-1] - 1)
-    picked = shifted.gather(-1, index)
     # Rounding can put u·total at the very top, past the last token of positive weight: the
     # first cumulative weight above u·total always has a positive weight of its own, so a
-    # picked weight of 0 (log-weight -inf) is that case; move it to the last positive token.
-    if bool(torch.isneginf(picked).any()):
+    # picked weight of 0 (excluded, or exp underflowed) is that case; move it back to the
+    # last token of positive weight.
+    if bool((weights.gather(-1, index) == 0).any()):
         last_positive = weights.shape[-1] - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(dim=-1)
         index = torch.minimum(index.squeeze(-1), last_positive).unsqueeze(-1)
-        picked = shifted.gather(-1, index)
-    return index.squeeze(-1), picked.squeeze(-1) - total.log()
+    return index.squeeze(-1), shifted.gather(-1, index).squeeze(-1) - total.log()
 
 
 def _uniforms(seed: int, sample_index: int, count: int) -> np.ndarray:

@@ -301,7 +301,7 @@ def _decode(
     for step in range(horizon):
         if stopping.is_set():
             raise RuntimeError("the local service stopped while this request was sampling")
-        temperature_S, top_k_S, top_p_S, uniforms_S, prompt_lengths_S = layout
+        temperature_S, top_k_S, top_p_S, uniforms_S, _ = layout
         tokens, logprobs = choose_tokens(
             logits, temperature_S, top_k_S, top_p_S, uniforms_S[:, step]
         )
@@ -328,7 +328,8 @@ def _decode(
             tokens = tokens[moved]
             layout = [tensor[moved] for tensor in layout]
         # A filler slot feeds whatever token it drew; its output is never read.
-        logits = slots.logits(tokens, layout[4] + step)
+        prompt_lengths_S = layout[4]
+        logits = slots.logits(tokens, prompt_lengths_S + step)
     return rows
 
 

@@ -2,9 +2,9 @@
 
 For the architectures ``_DecodeStep`` knows (Qwen3, Qwen2, Llama), prefill (``hidden``)
 and decode (``decode.decode_logits``, the same math) run fused matmuls over the weights
-with the active LoRA merged in; ``_merged_step`` builds it
-once per sampler weights and keeps it on the host until other weights are sampled (None
-for other architectures, which run the Hugging Face forward). The trainer's shared-prefix
+with the active LoRA merged in; ``_merged_step`` builds it once per sampler weights and
+keeps it on the host until other weights are sampled (None for other architectures,
+which run the Hugging Face forward). The trainer's shared-prefix
 forward (``grpo.backends.local.shared_prefix``) runs the same step over packed rows, built
 under autograd so that the merge is differentiated into the adapter's parameters.
 """
