@@ -88,7 +88,7 @@ class DecodeCache:
     def __init__(self, prefill: RowKVCache, source: Tensor, step: _DecodeStep) -> None:
         width, capacity = prefill.width, prefill.capacity
         self.length = prefill.length
-        # Whole contiguous buffers: a gather of the filled part alone is a strided copy, ~3x slower.
+        # Whole contiguous buffers: gathering only the filled part is a strided copy, slower.
         self.keys = [prefill.keys[layer].index_select(0, source) for layer in sorted(prefill.keys)]
         self.values = [
             prefill.values[layer].index_select(0, source) for layer in sorted(prefill.values)
