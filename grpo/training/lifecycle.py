@@ -28,6 +28,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+from pytrio.types import AdamParams
 
 from grpo.backends.datums import output_logprobs
 from grpo.backends.pytrio import call_with_retries
@@ -459,3 +460,16 @@ def stop_on_signals() -> Iterator[threading.Event]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def adam_params(config: Any, learning_rate: float) -> AdamParams:
+    """PyTRIO's AdamParams at ``learning_rate`` with a run config's --beta1, --beta2, --eps,
+    --weight-decay and --grad-clip-norm (`grpo train`, `sft` and `dpo` share these flags)."""
+    return AdamParams(
+        learning_rate=learning_rate,
+        beta1=config.beta1,
+        beta2=config.beta2,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        grad_clip_norm=config.grad_clip_norm,
+    )

@@ -14,8 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pytrio.types import AdamParams
-
 from grpo.backends.pytrio import make_service_client
 from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION, ServiceDivisor, service_divisor
 from grpo.training import run_files
@@ -26,6 +24,7 @@ from grpo.training.lifecycle import (
     NonFiniteUpdate,
     RunResult,
     RunStopped,
+    adam_params,
     check_run_status,
     finished_result,
     open_run,
@@ -162,14 +161,7 @@ def _train_in(
         tokenizer=pre.tokenizer,
         train_problems=pre.train_problems,
         test_problems=pre.test_problems,
-        adam=AdamParams(
-            learning_rate=config.learning_rate,
-            beta1=config.beta1,
-            beta2=config.beta2,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-            grad_clip_norm=config.grad_clip_norm,
-        ),
+        adam=adam_params(config, config.learning_rate),
         pool=ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="rollout"),
         ref_sampler=pre.base_sampler if config.kl_coef > 0 else None,
         logger=RunLogger.of_run(run_dir, to_dict(config), config),

@@ -17,8 +17,6 @@ summary.json (what `grpo train --init-from` reads), and a dry run that writes no
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,12 +24,12 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
-from pytrio.types import AdamParams, Datum, ModelInput, TensorData
+from pytrio.types import Datum, ModelInput, TensorData
 
 from grpo.backends.datums import output_logprobs
 from grpo.core.dpo import PreferencePair, pair_batches, steps_of_one_pass
-from grpo.core.sft import SftExample, heldout_split, lr_multiplier
-from grpo.core.usage import Prices, TokenUsage, cost
+from grpo.core.sft import SftExample, heldout_split
+from grpo.core.usage import Prices, TokenUsage
 from grpo.tasks.preference_data import load_pairs
 from grpo.tasks.sft_data import SftDataError
 from grpo.training import run_files
@@ -50,10 +48,11 @@ from grpo.training.lifecycle import (
 from grpo.training.prices import prices_for
 from grpo.training.recipe import Session
 from grpo.training.recipes.sft import (
+    DataRecipe,
     check_run_dir,
-    evaluates,
+    evaluations,
+    finish_dry_run,
     open_recipe_session,
-    recipe_divisor,
     recipe_service,
     saves,
 )
@@ -180,11 +179,7 @@ def planned_usage(plan: DpoPlan, start_step: int = 0, cached: int = 0) -> TokenU
     positions = [pair.num_positions for pair in plan.train]
     per_step = [sum(positions[i] for i in batch) for batch in plan.batches]
     trained = sum(per_step[start_step:])
-    evals = sum(
-        evaluates(plan.config, done, plan.steps, bool(plan.eval))
-        for done in range(start_step, plan.steps + 1)
-        if done > start_step or done == 0
-    )
+    evals = evaluations(plan.config, start_step, plan.steps, bool(plan.eval))
     checks = sum(
         per_step[done - 1]
         for done in range(start_step + 1, plan.steps + 1)
@@ -225,13 +220,7 @@ def dry_run_dpo(
         f"  trained tokens (positions) {usage.trained_tokens:>12,}  exact",
         f"  forward-only tokens        {usage.forward_tokens:>12,}  exact",
     ]
-    if plan.prices is None:
-        lines.append("  cost: no prices given (--price-file or --price-* flags)")
-    else:
-        lines.append(f"  cost {cost(usage, plan.prices):.4f} {plan.prices.currency}")
-    if service_client is None and hasattr(plan.service, "close"):
-        plan.service.close()
-    return lines
+    return finish_dry_run(lines, usage, plan, service_client)
 
 
 def dpo(
@@ -278,19 +267,19 @@ def dpo(
         return run_steps(recipe, state, echo, progress)
 
 
-class DpoRecipe:
+class DpoRecipe(DataRecipe):
     """Preference optimization as the lifecycle drives it: --batch-size pairs a step."""
 
     command = "dpo"
     progress_label = "dpo"
     steps_word = "DPO steps"
+    plan: DpoPlan
 
     def __init__(
         self, plan: DpoPlan, session: Session, ref_train_P2: np.ndarray, ref_eval_P2: np.ndarray
     ) -> None:
-        self.plan, self.config, self.session = plan, plan.config, session
+        super().__init__(plan, session)
         self.ref_train_P2, self.ref_eval_P2 = ref_train_P2, ref_eval_P2
-        self.divisor = recipe_divisor(self.config, plan.service, session.note)
 
     def step(self, state: RunState, step: int) -> dict[str, float]:
         """One batch of pairs: forward_backward_custom (the DPO loss), then optim_step."""
@@ -313,21 +302,7 @@ class DpoRecipe:
                 f"the DPO loss of step {step + 1} is {metrics['dpo/loss']}: the trainer's "
                 "log-probs are not finite (diverged weights?); lower --learning-rate"
             )
-        rate = config.learning_rate * lr_multiplier(  # 5. optim_step at the step's rate
-            step,
-            total_steps=plan.steps,
-            warmup_steps=config.warmup_steps,
-            schedule=config.lr_schedule,
-        )
-        adam = AdamParams(
-            learning_rate=rate,
-            beta1=config.beta1,
-            beta2=config.beta2,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-            grad_clip_norm=config.grad_clip_norm,
-        )
-        optim = retry(self.session, lambda: client.optim_step(adam).result(), "optim_step")
+        rate, optim = self.optim_step(step)  # 5. optim_step at the step's learning rate
         state.probe_datums = datums  # a checkpoint checks these are finite
         positions = sum(pair.num_positions for pair in pairs)
         trained = sum(pair.chosen.num_trained + pair.rejected.num_trained for pair in pairs)
@@ -343,10 +318,6 @@ class DpoRecipe:
             "positions": float(positions),
             "grad_norm": float(optim.metrics.get("grad_norm", float("nan"))),
         }
-
-    def evaluates_after(self, done: int) -> bool:
-        """Before training, every --eval-every steps and at the end, when pairs are held out."""
-        return evaluates(self.config, done, self.plan.steps, bool(self.plan.eval))
 
     def evaluate(self, state: RunState) -> dict[str, float]:
         """eval/dpo/*: the kernel's loss and metrics over every held-out pair (forward only)."""
@@ -367,14 +338,6 @@ class DpoRecipe:
             )
         return {f"eval/{key}": value for key, value in metrics.items()}
 
-    def baseline(self, state: RunState) -> dict[str, float]:
-        """The held-out metrics before training."""
-        return self.evaluate(state)
-
-    def saves_after(self, done: int) -> bool:
-        """Every --save-every steps before the last."""
-        return saves(self.config, done, self.plan.steps) and done < self.plan.steps
-
     def console_line(self, step: int, metrics: dict[str, float]) -> str:
         """Step, loss, accuracy and margin (train and held-out), learning rate and cost."""
         parts = [f"step {step}/{self.plan.steps}"]
@@ -388,16 +351,6 @@ class DpoRecipe:
             parts.append(f"cost={metrics['cost/cum']:.4f}")
         return " | ".join(parts)
 
-    def save_beside(self, state: RunState, state_path: str) -> None:
-        """The reference cache is written once, before the first step: nothing per checkpoint."""
-
-    def saved(self, state: RunState) -> None:
-        """Nothing to prune."""
-
-    def calls(self, stop: threading.Event) -> contextlib.AbstractContextManager[Any]:
-        """No reward workers."""
-        return contextlib.nullcontext()
-
     def summary(self, state: RunState) -> dict[str, Any]:
         """The recipe, its reference and its final held-out accuracy and margin."""
         last = state.last_metrics
@@ -406,6 +359,3 @@ class DpoRecipe:
             "reference": self.plan.reference,
             **{key: last.get(key) for key in ("eval/dpo/accuracy", "eval/dpo/margin")},
         }
-
-    def close(self, state: RunState) -> None:
-        """Nothing in flight."""

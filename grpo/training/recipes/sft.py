@@ -29,7 +29,7 @@ from typing import Any
 
 import attrs
 import numpy as np
-from pytrio.types import AdamParams, Datum, ModelInput, TensorData
+from pytrio.types import Datum, ModelInput, TensorData
 
 from grpo.backends.datums import datum_totals, forward_only, output_logprobs, scale_weights
 from grpo.backends.pytrio import make_service_client
@@ -49,6 +49,7 @@ from grpo.training.config import FIELDS as TRAIN_FIELDS
 from grpo.training.fields import ConfigError
 from grpo.training.lifecycle import (
     RunResult,
+    adam_params,
     check_run_status,
     finished_result,
     open_run,
@@ -200,15 +201,21 @@ def saves(config: Any, done: int, steps: int) -> bool:
     return done == steps or (config.save_every > 0 and done % config.save_every == 0)
 
 
+def evaluations(config: Any, start_step: int, steps: int, has_eval: bool) -> int:
+    """How many evaluations a run makes from ``start_step`` (the one before training only
+    when it starts at step 0: a resume has logged it)."""
+    return sum(
+        evaluates(config, done, steps, has_eval)
+        for done in range(start_step, steps + 1)
+        if done > start_step or done == 0
+    )
+
+
 def planned_usage(plan: SftPlan, start_step: int = 0) -> TokenUsage:
     """The run's exact trained positions and eval forward positions from ``start_step``."""
     positions = [example.num_positions for example in plan.train]
     trained = sum(positions[i] for batch in plan.batches[start_step:] for i in batch)
-    evals = sum(
-        evaluates(plan.config, done, plan.steps, bool(plan.eval))
-        for done in range(start_step, plan.steps + 1)
-        if done > start_step or done == 0
-    )
+    evals = evaluations(plan.config, start_step, plan.steps, bool(plan.eval))
     per_eval = sum(example.num_positions for example in plan.eval)
     return TokenUsage(trained_tokens=trained, forward_tokens=evals * per_eval)
 
@@ -237,6 +244,14 @@ def dry_run_sft(
         f"  trained tokens (positions) {usage.trained_tokens:>12,}  exact",
         f"  forward-only tokens (eval) {usage.forward_tokens:>12,}  exact",
     ]
+    return finish_dry_run(lines, usage, plan, service_client)
+
+
+def finish_dry_run(
+    lines: list[str], usage: TokenUsage, plan: Any, service_client: Any
+) -> list[str]:
+    """A data recipe's dry-run lines with the plan's cost added (or why there is none); the
+    service closed unless the caller passed it in."""
     if plan.prices is None:
         lines.append("  cost: no prices given (--price-file or --price-* flags)")
     else:
@@ -323,20 +338,71 @@ def open_recipe_session(
     return session, start
 
 
-class SftRecipe:
+class DataRecipe:
+    """What the data recipes (SFT, DPO) share as the lifecycle drives them: planned batches
+    of a data file, the learning rate warmed up and decayed by --lr-schedule, the held-out
+    evaluation before training, every --eval-every steps and at the end, a checkpoint every
+    --save-every steps with nothing beside the weights, no reward workers, nothing in flight.
+    A subclass gives ``step``, ``evaluate``, ``console_line`` and ``summary``."""
+
+    def __init__(self, plan: Any, session: Session) -> None:
+        self.plan, self.config, self.session = plan, plan.config, session
+        self.divisor = recipe_divisor(self.config, plan.service, session.note)
+
+    def optim_step(self, step: int) -> tuple[float, Any]:
+        """optim_step at step ``step``'s scheduled learning rate: (the rate, the call's result)."""
+        config, client = self.config, self.session.training_client
+        rate = config.learning_rate * lr_multiplier(
+            step,
+            total_steps=self.plan.steps,
+            warmup_steps=config.warmup_steps,
+            schedule=config.lr_schedule,
+        )
+        adam = adam_params(config, rate)
+        return rate, retry(self.session, lambda: client.optim_step(adam).result(), "optim_step")
+
+    def evaluate(self, state: RunState) -> dict[str, float]:
+        """The held-out metrics of the current weights (the subclass's)."""
+        raise NotImplementedError
+
+    def evaluates_after(self, done: int) -> bool:
+        """Before training, every --eval-every steps and at the end, when data is held out."""
+        return evaluates(self.config, done, self.plan.steps, bool(self.plan.eval))
+
+    def baseline(self, state: RunState) -> dict[str, float]:
+        """The held-out metrics before training."""
+        return self.evaluate(state)
+
+    def saves_after(self, done: int) -> bool:
+        """Every --save-every steps before the last."""
+        return saves(self.config, done, self.plan.steps) and done < self.plan.steps
+
+    def save_beside(self, state: RunState, state_path: str) -> None:
+        """Nothing goes with a checkpoint but the weights (DPO's reference log-probs are
+        cached once, before the first step)."""
+
+    def saved(self, state: RunState) -> None:
+        """Nothing to prune."""
+
+    def calls(self, stop: threading.Event) -> contextlib.AbstractContextManager[Any]:
+        """No reward workers."""
+        return contextlib.nullcontext()
+
+    def close(self, state: RunState) -> None:
+        """Nothing in flight."""
+
+
+class SftRecipe(DataRecipe):
     """Supervised fine-tuning as the lifecycle drives it: one batch of rows a step."""
 
     command = "sft"
     progress_label = "sft"
     steps_word = "SFT steps"
-
-    def __init__(self, plan: SftPlan, session: Session) -> None:
-        self.plan, self.config, self.session = plan, plan.config, session
-        self.divisor = recipe_divisor(self.config, plan.service, session.note)
+    plan: SftPlan
 
     def step(self, state: RunState, step: int) -> dict[str, float]:
         """One batch: forward_backward (cross_entropy), then optim_step at the step's rate."""
-        config, plan, client = self.config, self.plan, self.session.training_client
+        plan, client = self.plan, self.session.training_client
         examples = [plan.train[i] for i in plan.batches[step]]
         datums = batch_datums(examples)  # 1. the step's rows, weighted for a token mean
         # pre-scaled by the service's divisor D, so the gradient applied is the token mean's
@@ -347,22 +413,8 @@ class SftRecipe:
             lambda: client.forward_backward(sent, loss_fn="cross_entropy").result(),
             "forward_backward",
         )
-        rate = config.learning_rate * lr_multiplier(  # 3. the step's learning rate
-            step,
-            total_steps=plan.steps,
-            warmup_steps=config.warmup_steps,
-            schedule=config.lr_schedule,
-        )
-        adam = AdamParams(
-            learning_rate=rate,
-            beta1=config.beta1,
-            beta2=config.beta2,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-            grad_clip_norm=config.grad_clip_norm,
-        )
         state.weights_dirty = True  # the weights move past the logged step until it is logged
-        optim = retry(self.session, lambda: client.optim_step(adam).result(), "optim_step")
+        rate, optim = self.optim_step(step)  # 3. optim_step at the step's learning rate
         state.probe_datums = forward_only(datums)  # a checkpoint checks these are finite
         positions = sum(example.num_positions for example in examples)
         state.usage += TokenUsage(trained_tokens=positions)
@@ -376,10 +428,6 @@ class SftRecipe:
             "positions": float(positions),
             "grad_norm": float(optim.metrics.get("grad_norm", float("nan"))),
         }
-
-    def evaluates_after(self, done: int) -> bool:
-        """Before training, every --eval-every steps and at the end, when rows are held out."""
-        return evaluates(self.config, done, self.plan.steps, bool(self.plan.eval))
 
     def evaluate(self, state: RunState) -> dict[str, float]:
         """eval/loss: the token-mean cross-entropy over every held-out row (forward only)."""
@@ -405,14 +453,6 @@ class SftRecipe:
             "eval/loss": token_mean_cross_entropy(np.concatenate(logprobs), np.concatenate(masks))
         }
 
-    def baseline(self, state: RunState) -> dict[str, float]:
-        """The eval loss before training."""
-        return self.evaluate(state)
-
-    def saves_after(self, done: int) -> bool:
-        """Every --save-every steps before the last."""
-        return saves(self.config, done, self.plan.steps) and done < self.plan.steps
-
     def console_line(self, step: int, metrics: dict[str, float]) -> str:
         """Step, loss, eval loss, learning rate and cost."""
         parts = [f"step {step}/{self.plan.steps}"]
@@ -423,19 +463,6 @@ class SftRecipe:
             parts.append(f"cost={metrics['cost/cum']:.4f}")
         return " | ".join(parts)
 
-    def save_beside(self, state: RunState, state_path: str) -> None:
-        """Nothing goes with an SFT checkpoint but the weights."""
-
-    def saved(self, state: RunState) -> None:
-        """Nothing to prune."""
-
-    def calls(self, stop: threading.Event) -> contextlib.AbstractContextManager[Any]:
-        """No reward workers."""
-        return contextlib.nullcontext()
-
     def summary(self, state: RunState) -> dict[str, Any]:
         """The recipe and its final eval loss."""
         return {"recipe": "sft", "eval/loss": state.last_metrics.get("eval/loss")}
-
-    def close(self, state: RunState) -> None:
-        """Nothing in flight."""
