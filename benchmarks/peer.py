@@ -42,9 +42,9 @@ from benchmarks.common import argument_parser, markdown_table, print_header, tor
 from grpo.backends.local.model import ATTENTION_MODULES, LORA_ALPHA, MLP_MODULES
 from grpo.backends.local.tiny import load_tiny_model
 from grpo.core.rewards import grade
-from grpo.tasks.data import columns_of, load_run_problems
+from grpo.tasks.data import load_run_problems
 from grpo.training.config import TrainConfig
-from grpo.training.rollouts import build_problems, step_problems
+from grpo.training.rollouts import run_problems, step_problems
 from grpo.training.run import train
 from grpo.training.run_files import read_metrics
 
@@ -81,16 +81,8 @@ def trl_prompts(steps: int) -> tuple[list[dict[str, str]], int]:
     and how many of them re-tokenize to other ids than grpo samples from."""
     config = grpo_config(steps, "unused")
     _model, tokenizer = load_tiny_model()
-    problems = build_problems(
-        tokenizer,
-        load_run_problems(config, "train"),
-        fewshot=config.use_fewshot,
-        max_tokens=config.max_tokens,
-        max_len=None,
-        split="train",
-        template=config.prompt_template,
-        columns=columns_of(config),
-    )
+    dataset_rows = load_run_problems(config, "train")
+    problems = run_problems(tokenizer, dataset_rows, config, "train", max_len=None)
     rows, differing = [], 0
     for step in range(steps):
         for problem in step_problems(problems, config.batch_size, step, config.seed):

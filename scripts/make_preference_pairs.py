@@ -22,11 +22,11 @@ from pathlib import Path
 from pytrio.types import SamplingParams
 
 from grpo.backends.local import LocalServiceClient
-from grpo.tasks.data import columns_of, load_run_problems
+from grpo.tasks.data import load_run_problems
 from grpo.tasks.prompts import build_messages
 from grpo.training.config import TrainConfig
 from grpo.training.evaluation import correctness
-from grpo.training.rollouts import Sampling, build_problems, grade_rollouts, tokenizer_max_len
+from grpo.training.rollouts import Sampling, grade_rollouts, run_problems, tokenizer_max_len
 from grpo.training.seeds import Purpose, sampling_seed
 
 
@@ -37,16 +37,7 @@ def make_pairs(problems: int, samples: int, seed: int) -> tuple[list[dict], int]
     with LocalServiceClient(seed=seed, threads=1) as service:
         sampler = service.create_sampling_client(base_model=config.base_model)
         tokenizer = sampler.get_tokenizer()
-        built = build_problems(
-            tokenizer,
-            rows,
-            fewshot=config.use_fewshot,
-            max_tokens=config.max_tokens,
-            max_len=tokenizer_max_len(tokenizer),
-            split="train",
-            template=config.prompt_template,
-            columns=columns_of(config),
-        )
+        built = run_problems(tokenizer, rows, config, "train", max_len=tokenizer_max_len(tokenizer))
 
         def params(index: int) -> SamplingParams:
             return SamplingParams(

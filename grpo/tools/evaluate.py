@@ -249,7 +249,7 @@ def evaluate_report(
     from grpo.core.evaluation import seed_summary
     from grpo.tasks.data import SPLITS, columns_of, load_run_problems
     from grpo.training.evaluation import Decoding, evaluate_policy
-    from grpo.training.rollouts import build_problems, tokenizer_max_len
+    from grpo.training.rollouts import run_problems, tokenizer_max_len
 
     if run_dir is not None and checkpoint is not None:
         raise ConfigError("give --run-dir or --checkpoint, not both")
@@ -291,16 +291,7 @@ def evaluate_report(
     service = make_service_client(config.backend, local_root=local_root, seed=seed)
     sampler = sampling_client(service, config.base_model, model_path)
     tokenizer = sampler.get_tokenizer()
-    problems = build_problems(
-        tokenizer,
-        rows,
-        fewshot=config.use_fewshot,
-        max_tokens=config.max_tokens,
-        max_len=tokenizer_max_len(tokenizer),
-        split=split,
-        template=config.prompt_template,
-        columns=columns_of(config),
-    )
+    problems = run_problems(tokenizer, rows, config, split, max_len=tokenizer_max_len(tokenizer))
     if temperature == 0.0 and (samples > 1 or seeds > 1):
         echo(
             "note: at --temperature 0 every sample is the greedy one, so pass@k = avg@n and the "

@@ -20,12 +20,12 @@ import attrs
 
 from grpo.backends.pytrio import CapabilityError, check_capabilities
 from grpo.core.usage import Prices, TokenUsage, cost, planned_episode_tokens, planned_usage
-from grpo.tasks.data import columns_of, load_run_problems
+from grpo.tasks.data import load_run_problems
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig, check_user_inputs
 from grpo.training.judge import check_judge, resolve_judge
 from grpo.training.prices import prices_for
-from grpo.training.rollouts import Problem, build_problems, tokenizer_max_len
+from grpo.training.rollouts import Problem, run_problems, tokenizer_max_len
 from grpo.training.schedule import evaluates_after, evaluates_at_start, saves_after
 from grpo.training.seeds import extra_batch, pick_batch
 
@@ -67,16 +67,7 @@ def preflight(
     tokenizer = base_sampler.get_tokenizer()
     max_len = tokenizer_max_len(tokenizer)
     problems = {
-        split: build_problems(
-            tokenizer,
-            rows,
-            fewshot=config.use_fewshot,
-            max_tokens=config.max_tokens,
-            max_len=max_len,
-            split=split,
-            template=config.prompt_template,
-            columns=columns_of(config),
-        )
+        split: run_problems(tokenizer, rows, config, split, max_len=max_len)
         for split, rows in (("train", train_rows), ("test", test_rows))
     }
     if hasattr(service, "get_server_capabilities"):  # test doubles may not have it

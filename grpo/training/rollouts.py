@@ -25,6 +25,7 @@ from grpo.core.usage import TokenUsage, sample_usage
 from grpo.reward_calls import active_caller
 from grpo.reward_scores import RewardScores, score_completions
 from grpo.rewards import RewardFn
+from grpo.tasks.data import columns_of
 from grpo.tasks.prompts import DEFAULT_TEMPLATE, PromptTemplate, build_prompt_tokens
 from grpo.training.config import ConfigError
 from grpo.training.seeds import pick_batch
@@ -111,6 +112,23 @@ def build_problems(
             )
         )
     return problems
+
+
+def run_problems(
+    tokenizer: Any, rows: Any, config: Any, split: str, *, max_len: int | None
+) -> list[Problem]:
+    """`build_problems` with a run config's prompt settings: --fewshot, --max-tokens,
+    --prompt-template and the dataset's columns (`grpo.tasks.data.columns_of`)."""
+    return build_problems(
+        tokenizer,
+        rows,
+        fewshot=config.use_fewshot,
+        max_tokens=config.max_tokens,
+        max_len=max_len,
+        split=split,
+        template=config.prompt_template,
+        columns=columns_of(config),
+    )
 
 
 def step_problems(
