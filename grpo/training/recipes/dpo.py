@@ -28,7 +28,7 @@ from pytrio.types import Datum, ModelInput, TensorData
 
 from grpo.backends.datums import output_logprobs
 from grpo.core.dpo import PreferencePair, pair_batches, steps_of_one_pass
-from grpo.core.sft import SftExample, heldout_split
+from grpo.core.sft import SftExample
 from grpo.core.usage import Prices, TokenUsage
 from grpo.tasks.preference_data import load_pairs
 from grpo.tasks.sft_data import SftDataError
@@ -49,7 +49,9 @@ from grpo.training.prices import prices_for
 from grpo.training.recipe import Session
 from grpo.training.recipes.sft import (
     DataRecipe,
+    check_data_files,
     check_run_dir,
+    encoded_split,
     evaluations,
     finish_dry_run,
     open_recipe_session,
@@ -57,7 +59,6 @@ from grpo.training.recipes.sft import (
     saves,
 )
 from grpo.training.reference_cache import reference_logprobs
-from grpo.training.rollouts import tokenizer_max_len
 from grpo.training.state import RunState
 from grpo.training.teacher import is_run_dir, weights_sampler
 
@@ -149,22 +150,11 @@ def preflight_dpo(config: DpoConfig, make_service: Callable[[], Any]) -> DpoPlan
     """Prices, --init-from, the pairs (read, encoded, split, batched), the reference's sampler:
     all before the first training call."""
     prices = prices_for(config)  # type: ignore[arg-type]  # reads base_model and price_*
-    for path in (config.data, config.eval_data):
-        if path is not None and not Path(path).exists():
-            raise ConfigError(f"data file {path} not found; check --data / --eval-data")
+    check_data_files(config)
     init_state = init_state_path(config) if config.init_from else None  # type: ignore[arg-type]
     service = make_service()
     tokenizer = service.create_sampling_client(base_model=config.base_model).get_tokenizer()
-    max_len = tokenizer_max_len(tokenizer)
-    pairs = _encoded(tokenizer, str(config.data), max_len)
-    if config.eval_data is not None:
-        train, held = pairs, _encoded(tokenizer, config.eval_data, max_len)
-    else:
-        try:
-            train_rows, eval_rows = heldout_split(len(pairs), config.eval_fraction, config.seed)
-        except ValueError as error:
-            raise ConfigError(f"--eval-fraction: {error}") from None
-        train, held = [pairs[i] for i in train_rows], [pairs[i] for i in eval_rows]
+    train, held = encoded_split(config, tokenizer, _encoded)
     steps = config.steps or steps_of_one_pass(len(train), config.batch_size)
     batches = pair_batches(len(train), batch_size=config.batch_size, steps=steps, seed=config.seed)
     reference, ref_sampler = resolve_reference(config, service)

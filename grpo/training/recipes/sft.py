@@ -25,7 +25,7 @@ import contextlib
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import numpy as np
@@ -157,24 +157,41 @@ def _encoded(tokenizer: Any, path: str, max_len: int | None) -> list[SftExample]
     return examples
 
 
-def preflight_sft(config: SftConfig, make_service: Callable[[], Any]) -> SftPlan:
-    """Prices, the data (read, encoded, split, batched), all before the first training call."""
-    prices = prices_for(config)  # type: ignore[arg-type]  # reads base_model and price_*
+def check_data_files(config: Any) -> None:
+    """ConfigError unless --data and --eval-data (when given) exist."""
     for path in (config.data, config.eval_data):
         if path is not None and not Path(path).exists():
             raise ConfigError(f"data file {path} not found; check --data / --eval-data")
+
+
+Item = TypeVar("Item")
+
+
+def encoded_split(
+    config: Any,
+    tokenizer: Any,
+    encode: Callable[[Any, str, int | None], list[Item]],
+) -> tuple[list[Item], list[Item]]:
+    """(train, held-out) items of a data recipe, each file encoded by ``encode(tokenizer,
+    path, max_len)``: --eval-data when given, else --eval-fraction of --data (by --seed)."""
+    max_len = tokenizer_max_len(tokenizer)
+    items = encode(tokenizer, str(config.data), max_len)
+    if config.eval_data is not None:
+        return items, encode(tokenizer, config.eval_data, max_len)
+    try:
+        train_rows, eval_rows = heldout_split(len(items), config.eval_fraction, config.seed)
+    except ValueError as error:
+        raise ConfigError(f"--eval-fraction: {error}") from None
+    return [items[i] for i in train_rows], [items[i] for i in eval_rows]
+
+
+def preflight_sft(config: SftConfig, make_service: Callable[[], Any]) -> SftPlan:
+    """Prices, the data (read, encoded, split, batched), all before the first training call."""
+    prices = prices_for(config)  # type: ignore[arg-type]  # reads base_model and price_*
+    check_data_files(config)
     service = make_service()
     tokenizer = service.create_sampling_client(base_model=config.base_model).get_tokenizer()
-    max_len = tokenizer_max_len(tokenizer)
-    rows = _encoded(tokenizer, str(config.data), max_len)
-    if config.eval_data is not None:
-        train, held = rows, _encoded(tokenizer, config.eval_data, max_len)
-    else:
-        try:
-            train_rows, eval_rows = heldout_split(len(rows), config.eval_fraction, config.seed)
-        except ValueError as error:
-            raise ConfigError(f"--eval-fraction: {error}") from None
-        train, held = [rows[i] for i in train_rows], [rows[i] for i in eval_rows]
+    train, held = encoded_split(config, tokenizer, _encoded)
     lengths = [example.tokens_T.size for example in train]
     batches, epochs = [], []
     for epoch in range(config.epochs):
