@@ -32,6 +32,7 @@ from pytrio.types import AdamParams
 
 from grpo.backends.datums import output_logprobs
 from grpo.backends.pytrio import call_with_retries
+from grpo.core.normalization import ServiceDivisor, service_divisor
 from grpo.core.usage import Prices, TokenUsage, cost, usage_from_row, usage_metrics
 from grpo.training import run_files
 from grpo.training.config import ConfigError
@@ -473,3 +474,40 @@ def adam_params(config: Any, learning_rate: float) -> AdamParams:
         weight_decay=config.weight_decay,
         grad_clip_norm=config.grad_clip_norm,
     )
+
+
+def run_divisor(
+    config: Any,
+    probe: dict[str, Any] | None,
+    note: Callable[[str], None],
+    service: Any = None,
+) -> ServiceDivisor:
+    """What the service divides a loss's gradient by (`service_divisor`: the local backend's
+    own, the flag, the probe's verdict, or the documented default), noted on a service; a
+    flag the probe contradicts is noted too (the flag wins). Every recipe's: `grpo train`
+    passes its probe, `sft` and `dpo` none."""
+    probed = None if probe is None else probe.get("convention")
+    reported = getattr(service, "service_normalization", None)
+    divisor = service_divisor(
+        config.backend,
+        config.service_normalization,
+        probed,
+        reported if isinstance(reported, str) else None,
+    )
+    if config.backend == "local":
+        return divisor
+    source = {
+        "flag": "--service-normalization",
+        "probe": "the normalization probe",
+        "default": "not measured: the documented default, docs/FORMULAS.md",
+    }[divisor.source]
+    note(
+        f"the service divides a loss's gradient by: {divisor.convention} ({source}); each "
+        "request's datums are pre-scaled for it, so the gradient applied is the loss's own"
+    )
+    if divisor.source == "flag" and probed is not None and probed != divisor.convention:
+        note(
+            f"the normalization probe measured {probed}, but --service-normalization says "
+            f"{divisor.convention}; the run follows the flag (drop it to follow the probe)"
+        )
+    return divisor

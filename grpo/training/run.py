@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.backends.pytrio import make_service_client
-from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION, ServiceDivisor, service_divisor
+from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION
 from grpo.training import run_files
 from grpo.training.ahead import load_ahead
 from grpo.training.config import ConfigError, TrainConfig, resolve_run, to_dict
@@ -29,6 +29,7 @@ from grpo.training.lifecycle import (
     finished_result,
     open_run,
     open_training_client,
+    run_divisor,
     run_steps,
     sampler_weights_name,
     start_state,
@@ -214,42 +215,6 @@ def normalization_probe(
         f"service's gradient scale is {result.verdict.describe()}"
     )
     return result.to_record()
-
-
-def run_divisor(
-    config: TrainConfig,
-    probe: dict[str, Any] | None,
-    note: Callable[[str], None],
-    service: Any = None,
-) -> ServiceDivisor:
-    """What the service divides a loss's gradient by (`service_divisor`: the local backend's
-    own, the flag, the probe's verdict, or the documented default), noted on a service; a
-    flag the probe contradicts is noted too (the flag wins)."""
-    probed = None if probe is None else probe.get("convention")
-    reported = getattr(service, "service_normalization", None)
-    divisor = service_divisor(
-        config.backend,
-        config.service_normalization,
-        probed,
-        reported if isinstance(reported, str) else None,
-    )
-    if config.backend == "local":
-        return divisor
-    source = {
-        "flag": "--service-normalization",
-        "probe": "the normalization probe",
-        "default": "not measured: the documented default, docs/FORMULAS.md",
-    }[divisor.source]
-    note(
-        f"the service divides a loss's gradient by: {divisor.convention} ({source}); each "
-        "request's datums are pre-scaled for it, so the gradient applied is the loss's own"
-    )
-    if divisor.source == "flag" and probed is not None and probed != divisor.convention:
-        note(
-            f"the normalization probe measured {probed}, but --service-normalization says "
-            f"{divisor.convention}; the run follows the flag (drop it to follow the probe)"
-        )
-    return divisor
 
 
 def sampling_mismatch_note(config: TrainConfig) -> str | None:

@@ -33,7 +33,7 @@ from pytrio.types import Datum, ModelInput, TensorData
 
 from grpo.backends.datums import datum_totals, forward_only, output_logprobs, scale_weights
 from grpo.backends.pytrio import make_service_client
-from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION, service_divisor
+from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION
 from grpo.core.sft import (
     SftExample,
     heldout_split,
@@ -55,6 +55,7 @@ from grpo.training.lifecycle import (
     open_run,
     open_training_client,
     retry,
+    run_divisor,
     run_steps,
     start_state,
 )
@@ -117,29 +118,6 @@ def recipe_service(config: Any, run_dir: Path) -> Any:
         threads=config.threads,
         service_normalization=config.service_normalization or LOCAL_TRAIN_NORMALIZATION,
     )
-
-
-def recipe_divisor(config: Any, service: Any, note: Callable[[str], None]) -> str:
-    """What the recipe's service divides a loss's gradient by (`service_divisor`: the flag,
-    else what the local backend reports, else the documented default), said on a service."""
-    reported = getattr(service, "service_normalization", None)
-    divisor = service_divisor(
-        config.backend,
-        config.service_normalization,
-        None,
-        reported if isinstance(reported, str) else None,
-    ).convention
-    if config.backend != "local":
-        source = (
-            "--service-normalization"
-            if config.service_normalization
-            else "the documented default, docs/FORMULAS.md"
-        )
-        note(
-            f"the service divides a loss's gradient by: {divisor} ({source}); each "
-            "request's loss is pre-scaled for it"
-        )
-    return divisor
 
 
 def _encoded(tokenizer: Any, path: str, max_len: int | None) -> list[SftExample]:
@@ -364,7 +342,7 @@ class DataRecipe:
 
     def __init__(self, plan: Any, session: Session) -> None:
         self.plan, self.config, self.session = plan, plan.config, session
-        self.divisor = recipe_divisor(self.config, plan.service, session.note)
+        self.divisor = run_divisor(self.config, None, session.note, plan.service).convention
 
     def optim_step(self, step: int) -> tuple[float, Any]:
         """optim_step at step ``step``'s scheduled learning rate: (the rate, the call's result)."""
