@@ -11,8 +11,7 @@ them:
   exact zeros to the softmax;
 - the rotary cos/sin come from a table built once per batch (each entry is a position
   times a frequency, then cos/sin: the values ``_DecodeStep`` computes step by step), and
-  q and k rotate together as ``x·cos + roll(x)·sin±``, with ``sin±`` the sine whose first
-  half is negated (``rotate_half(x)·sin = roll(x)·sin±``, the same products);
+  q and k rotate together (``merged._rotate``);
 - finished rows leave the batch as soon as a multiple of ``ROW_MULTIPLE`` slots can go, by
   moving the few active rows that sit past the new end into freed slots, not by copying
   the whole cache.
@@ -32,7 +31,7 @@ import torch
 from torch import Tensor
 
 from grpo.backends.local.sampler.attention import RowKVCache, _padding
-from grpo.backends.local.sampler.merged import _DecodeStep, _head_norm
+from grpo.backends.local.sampler.merged import _DecodeStep, _head_norm, _rotate, signed_sine
 
 
 def decode_logits(
@@ -57,7 +56,7 @@ def decode_logits(
             if layer.k_norm is not None:
                 k = rms_norm(k, (dim,), layer.k_norm, eps)
             qk = torch.cat([q, k], dim=1)
-        qk = qk * cos + qk.roll(dim // 2, -1) * sin
+        qk = _rotate(qk, cos, sin)
         value = qkv[:, qk_width:].view(rows, kv_heads, dim)
         attended = cache.attend(index, qk[:, :heads], qk[:, heads:], value, step.scaling)
         x = x + linear(attended, layer.o, layer.o_bias)
@@ -71,9 +70,7 @@ def rotary_table(step: _DecodeStep, positions: int) -> tuple[Tensor, Tensor]:
     """(cos, sin±) [positions, head_dim] at positions 0..positions-1; sin± = (−sin₁, sin₂)."""
     ids = torch.arange(positions).unsqueeze(0)
     cos, sin = step.rotary(step.embed[:1].unsqueeze(0), ids)
-    half = step.head_dim // 2
-    signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
-    return cos[0].contiguous(), signed.contiguous()
+    return cos[0].contiguous(), signed_sine(sin[0]).contiguous()
 
 
 class DecodeCache:

@@ -176,7 +176,7 @@ class _DecodeStep:
         rows, length, dim = tokens_RT.shape[0], tokens_RT.shape[1], self.head_dim
         x = torch.nn.functional.embedding(tokens_RT, self.embed)
         cos, sin = self.rotary(x, positions_RT)  # [rows, T, head_dim]
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
+        cos, sin = cos.unsqueeze(2), signed_sine(sin).unsqueeze(2)  # broadcast over heads
         sizes = [self.heads * dim, self.kv_heads * dim, self.kv_heads * dim]
         rms_norm, linear = torch.nn.functional.rms_norm, torch.nn.functional.linear
         for index, layer in enumerate(self.layers):
@@ -237,7 +237,14 @@ def _merged_step(host: ModelHost, weights: AdapterWeights | None) -> _DecodeStep
     return step
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding of [rows, heads, head_dim] (halves rotated, as Hugging Face's)."""
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-second, first], dim=-1) * sin
+def signed_sine(sin: Tensor) -> Tensor:
+    """sin± = (−sin₁, sin₂) over the last axis's halves: rotate_half(x)·sin = roll(x)·sin±."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """Rotary embedding over the last axis (halves rotated, as Hugging Face's): x·cos +
+    rotate_half(x)·sin, written x·cos + roll(x, d/2)·sin± (`signed_sine`): the same
+    products, four operations instead of six."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
