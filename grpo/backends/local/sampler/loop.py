@@ -237,8 +237,8 @@ class _MergedSlots:
 
     def logits(self, tokens_R: Tensor, positions_R: Tensor) -> Tensor:
         """Next-token logits [rows, vocab] after one new token per row."""
-        logits = decode_logits(self.step, tokens_R, positions_R, self.cache)[:, : self.vocab_size]
-        return logits if logits.dtype == torch.float32 else logits.float()
+        logits = decode_logits(self.step, tokens_R, positions_R, self.cache)
+        return logits[:, : self.vocab_size].float()
 
     def compact(self, active: list[int]) -> list[int] | None:
         """Drop finished slots whenever a ROW_MULTIPLE of them can go."""
