@@ -382,11 +382,8 @@ def _compiled_form(form: Callable[..., FusedTerms]) -> Callable[..., FusedTerms]
 @functools.lru_cache(maxsize=256)
 def _scalar(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``value`` as a 0-d tensor, made once per (value, dtype, device): the compiled forms
-    only read their inputs, and building one takes ~5 us, ~1% of a call at 256k positions.
-    Made outside inference mode, so a first call under it does not leave an inference tensor
-    for later calls."""
-    with torch.inference_mode(False):
-        return torch.tensor(value, dtype=dtype, device=device)
+    only read their inputs, and building one takes ~5 us, ~1% of a call at 256k positions."""
+    return torch.tensor(value, dtype=dtype, device=device)
 
 
 def _run_fused(

@@ -257,3 +257,22 @@ def test_a_form_that_does_not_compile_warns_once_and_falls_back_to_the_eager_ker
         warnings.simplefilter("error", RuntimeWarning)
         _call("cispo", batch, fused=True)  # no second attempt, no second warning
     assert attempts == ["fused_cispo"]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("compiler", "fallback_is_an_error")
+def test_compiled_config_inputs_follow_each_call_and_survive_inference_mode() -> None:
+    """The 0-d config inputs are made once per value: each call's thresholds take effect,
+    and one first made under inference_mode serves a later call that needs a gradient."""
+    batch = _batch(40, seed=5)
+    clipped = []
+    for high in (1.1, 1.05):
+        with torch.inference_mode():
+            forward_only = _call(
+                "cispo", batch, fused=True, with_gradient=False, clip_high_threshold=high
+            )
+        eager = _call("cispo", batch, fused=False, clip_high_threshold=high)
+        _assert_same(forward_only, (eager[0], None, eager[2]))
+        _assert_same(_call("cispo", batch, fused=True, clip_high_threshold=high), eager)
+        clipped.append(forward_only[2]["clip_high_fraction"])
+    assert clipped[1] > clipped[0]  # the lower bound clipped more: it was not the cached 1.1
