@@ -379,11 +379,22 @@ def _compiled_form(form: Callable[..., FusedTerms]) -> Callable[..., FusedTerms]
     return torch.compile(form, dynamic=True)
 
 
-@functools.lru_cache(maxsize=256)
+# The compiled forms' 0-d inputs by (value, dtype, device): the forms only read them, and
+# building one takes ~5 us, ~1% of a call at 256k positions.
+_SCALARS: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
+_MAX_SCALARS = 256
+
+
 def _scalar(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``value`` as a 0-d tensor, made once per (value, dtype, device): the compiled forms
-    only read their inputs, and building one takes ~5 us, ~1% of a call at 256k positions."""
-    return torch.tensor(value, dtype=dtype, device=device)
+    """``value`` as a 0-d tensor, made once per (value, dtype, device); one made under a
+    tensor mode (a fake or traced tensor, not a plain one) is never kept."""
+    key = (value, dtype, device)
+    tensor = _SCALARS.get(key)
+    if tensor is None:
+        tensor = torch.tensor(value, dtype=dtype, device=device)
+        if type(tensor) is Tensor and len(_SCALARS) < _MAX_SCALARS:
+            _SCALARS[key] = tensor
+    return tensor
 
 
 def _run_fused(

@@ -276,3 +276,16 @@ def test_compiled_config_inputs_follow_each_call_and_survive_inference_mode() ->
         _assert_same(_call("cispo", batch, fused=True, clip_high_threshold=high), eager)
         clipped.append(forward_only[2]["clip_high_fraction"])
     assert clipped[1] > clipped[0]  # the lower bound clipped more: it was not the cached 1.1
+
+
+def test_a_config_input_made_under_a_tensor_mode_is_not_kept() -> None:
+    """A fake tensor (tracing, export) cached as a threshold would poison every later call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cpu = torch.device("cpu")
+    with FakeTensorMode():
+        fake = losses._scalar(0.625, torch.float32, cpu)
+    assert type(fake) is not torch.Tensor
+    real = losses._scalar(0.625, torch.float32, cpu)
+    assert type(real) is torch.Tensor and real.item() == 0.625
+    assert losses._scalar(0.625, torch.float32, cpu) is real  # kept once plain
