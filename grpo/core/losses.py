@@ -380,7 +380,8 @@ def _compiled_form(form: Callable[..., FusedTerms]) -> Callable[..., FusedTerms]
 
 
 # The compiled forms' 0-d inputs by (value, dtype, device): the forms only read them, and
-# building one takes ~5 us, ~1% of a call at 256k positions.
+# building one takes ~5 us, ~1% of a call at 256k positions. A cache, as `_compiled_form`'s
+# and `_UNCOMPILABLE_FORMS` are: results never depend on it, only speed.
 _SCALARS: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
 _MAX_SCALARS = 256
 
