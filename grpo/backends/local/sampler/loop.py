@@ -100,7 +100,10 @@ def sample_batch(
         # The merged step holds its own weights; only the Hugging Face path needs the
         # adapter loaded into the model.
         loaded = host.sampling_weights(weights) if fast is None else contextlib.nullcontext()
-        with loaded, reduced:
+        # Inference mode for the forward passes only (the adapter is loaded and the merged
+        # step built before): its tensors skip autograd's version counters, ~1.06-1.10x the
+        # whole batch here (benchmarks/README.md, issue 39); none of them leaves this call.
+        with loaded, reduced, torch.inference_mode():
             model = _Model(host, fast)
             prefill = _prefill(model, specs)
             rows = _decode(model, host, specs, prefill, stopping)
