@@ -101,7 +101,7 @@ def sample_batch(
         # adapter loaded into the model.
         loaded = host.sampling_weights(weights) if fast is None else contextlib.nullcontext()
         # Inference mode for the forward passes only (the adapter is loaded and the merged
-        # step built before): its tensors skip autograd's version counters, ~1.06-1.10x the
+        # step built before): its tensors skip autograd's version counters, ~1.05-1.08x the
         # whole batch here (benchmarks/README.md, issue 39); none of them leaves this call.
         with loaded, reduced, torch.inference_mode():
             model = _Model(host, fast)
