@@ -9,12 +9,18 @@ docs/FORMULAS.md, "Judge rewards"; the parsing and the rank rule are `grpo.core.
   variable `--judge-api-key-env`), checked reachable; the rubric read and checked.
 - `Judge.score_groups` / `Judge.rank_groups`: every completion (every group) judged on the
   judge's own pool (`--judge-concurrency`), each request bounded by `--judge-timeout` and
-  retried (`--max-retries`); a reply is cached in the run directory
-  (`judge_cache.jsonl`, keyed by judge, rubric, prompt and completions), so a resumed run
-  does not ask twice. A reply that does not parse, or a call that kept failing, is returned
-  as an exception for that completion: the reward caller counts it (`--reward-errors`).
+  retried (`--max-retries`). Each prompt fences its completions with a fence drawn from
+  `secrets` for that request (`grpo.core.judging.judge_prompt`), so the policy can neither
+  guess nor forge it; a judge on the run's backend also encodes the prompt with its special
+  tokens split (a `<|im_end|>` a completion writes is text, not a turn). A reply is cached
+  in the run directory (`judge_cache.jsonl`, keyed by judge, rubric, prompt and completions
+  without the fence), so a resumed run does not ask twice. A reply that does not parse, or
+  a call that kept failing, is returned as an exception for that completion: the reward
+  caller counts it (`--reward-errors`).
 - `Judge.take_metrics`: the tokens and counts since the last take (`usage/judge_*`,
-  `judge/calls`, `judge/cache_hits`, `judge/parse_errors`, `judge/errors`).
+  `judge/calls`, `judge/cache_hits`, `judge/parse_errors`, `judge/errors`). An endpoint's
+  `usage` field that is no token count (`grpo.core.judging.reported_tokens`) counts 0, with
+  one warning naming the endpoint and the field.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import secrets
 import socket
 import threading
 import urllib.error
@@ -39,16 +46,19 @@ from grpo.backends.pytrio import RetriesExhaustedError, call_with_retries
 from grpo.core.judging import (
     DEFAULT_RANK_RUBRIC,
     DEFAULT_SCORE_RUBRIC,
+    FENCE_CHARS,
     MAX_REPLY_CHARS,
+    MAX_REPORTED_TOKENS,
     NO_REFERENCE,
     JudgeFormatError,
     JudgeGroup,
     cache_key,
-    format_group,
+    json_int,
+    judge_prompt,
     parse_ranking,
     parse_score,
     rank_rewards,
-    render_rubric,
+    reported_tokens,
 )
 from grpo.core.usage import TokenUsage, sample_usage
 from grpo.training.config import ConfigError, TrainConfig
@@ -107,15 +117,32 @@ class SamplerJudge:
         self.temperature = temperature
         self.timeout_s = timeout_s
 
-    def ask(self, prompt: str) -> JudgeReply:
-        """The judge's reply to ``prompt`` (a TimeoutError past --judge-timeout: retried)."""
+    def _encode(self, prompt: str) -> list[int]:
+        """``prompt`` as the one user message of the chat template, its own text encoded with
+        special tokens split, so a `<|im_end|>` inside it is text and never ends the turn."""
+        sentinel = _fresh_token(prompt)
         text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
+            [{"role": "user", "content": sentinel}],
             tokenize=False,
             add_generation_prompt=True,
             enable_thinking=False,
         )
-        tokens = list(self.tokenizer.encode(text, add_special_tokens=False))
+        before, found, after = text.partition(sentinel)
+        if not found or sentinel in after:
+            raise JudgeCallError(
+                "the judge model's chat template does not show the user message once as "
+                "written; use a --judge-model whose template does, or a --judge-url endpoint"
+            )
+        encode = self.tokenizer.encode
+        return [
+            *encode(before, add_special_tokens=False),
+            *encode(prompt, add_special_tokens=False, split_special_tokens=True),
+            *encode(after, add_special_tokens=False),
+        ]
+
+    def ask(self, prompt: str) -> JudgeReply:
+        """The judge's reply to ``prompt`` (a TimeoutError past --judge-timeout: retried)."""
+        tokens = self._encode(prompt)
         params = SamplingParams(
             max_tokens=self.max_tokens, temperature=self.temperature, seed=JUDGE_SEED
         )
@@ -157,6 +184,7 @@ class EndpointJudge:
         max_tokens: int,
         temperature: float,
         timeout_s: float,
+        log: Log = print,
     ) -> None:
         self.url = url.rstrip("/")
         self.model = model
@@ -165,6 +193,9 @@ class EndpointJudge:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.timeout_s = timeout_s
+        self.log = log
+        self._warned: set[str] = set()
+        self._warned_lock = threading.Lock()
 
     def __repr__(self) -> str:  # never the key
         return f"EndpointJudge({self.url!r}, model={self.model!r})"
@@ -198,7 +229,7 @@ class EndpointJudge:
         if len(raw) > MAX_RESPONSE_BYTES:
             raise JudgeCallError(f"{self.url}{path} answered more than {MAX_RESPONSE_BYTES} bytes")
         try:
-            return json.loads(raw)
+            return json.loads(raw, parse_int=json_int)
         except ValueError:
             raise JudgeCallError(
                 f"{self.url}{path} answered {raw[:120]!r}, not JSON (is it an OpenAI-compatible "
@@ -239,10 +270,34 @@ class EndpointJudge:
         return JudgeReply(
             text=text,
             usage=TokenUsage(
-                judge_prompt_tokens=_count(usage.get("prompt_tokens")),
-                judge_completion_tokens=_count(usage.get("completion_tokens")),
+                judge_prompt_tokens=self._reported(usage, "prompt_tokens"),
+                judge_completion_tokens=self._reported(usage, "completion_tokens"),
             ),
         )
+
+    def _reported(self, usage: Mapping[str, Any], field: str) -> int:
+        """``usage[field]`` as a token count; 0 where absent, and 0 with one warning (per
+        field) where it is no count: a run never stops, now or on resume, on a judge's
+        bookkeeping."""
+        value = usage.get(field)
+        if value is None:
+            return 0
+        count = reported_tokens(value)
+        if count is not None:
+            return count
+        with self._warned_lock:
+            first = field not in self._warned
+            self._warned.add(field)
+        if first:
+            shown = repr(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            self.log(
+                f"warning: the judge endpoint {self.url} reported usage.{field} = {shown}, "
+                f"which is no token count (an integer 0..{MAX_REPORTED_TOKENS:,}); such "
+                f"replies count 0 judge {field.replace('_', ' ')} (said once); the rewards "
+                "are unaffected"
+            )
+        return 0
 
 
 def _result(future: Any, timeout_s: float) -> Any:
@@ -254,8 +309,12 @@ def _result(future: Any, timeout_s: float) -> Any:
     return future.result(timeout=timeout_s) if takes_timeout else future.result()
 
 
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+def _fresh_token(*texts: str) -> str:
+    """``FENCE_CHARS`` random hex digits (from `secrets`) found in none of ``texts``."""
+    while True:
+        token = secrets.token_hex(FENCE_CHARS // 2)
+        if not any(token in text for text in texts):
+            return token
 
 
 class Judge:
@@ -335,8 +394,13 @@ class Judge:
 
         def one(group: JudgeGroup, completion: str) -> float | Exception:
             question, reference = self._values(group)
-            prompt = render_rubric(
-                rubric, {"question": question, "completion": completion, "reference": reference}
+            prompt = judge_prompt(
+                rubric,
+                question=question,
+                reference=reference,
+                completions=[completion],
+                fence=_fresh_token(rubric, question, reference, completion),
+                rank=False,
             )
             key = cache_key(self.backend.identity, rubric, f"{question}\n{reference}", [completion])
             try:
@@ -362,13 +426,13 @@ class Judge:
             size = len(group.completions)
             if size < 2:  # nothing to rank against: the all-tied value, no call
                 return [0.5] * size
-            prompt = render_rubric(
+            prompt = judge_prompt(
                 rubric,
-                {
-                    "question": question,
-                    "completions": format_group(group.completions),
-                    "reference": reference,
-                },
+                question=question,
+                reference=reference,
+                completions=group.completions,
+                fence=_fresh_token(rubric, question, reference, *group.completions),
+                rank=True,
             )
             key = cache_key(
                 self.backend.identity, rubric, f"{question}\n{reference}", group.completions
@@ -505,6 +569,7 @@ def resolve_judge(
             max_tokens=config.judge_max_tokens,
             temperature=config.judge_temperature,
             timeout_s=config.judge_timeout,
+            log=log,
         )
         endpoint.check()
         backend = endpoint
