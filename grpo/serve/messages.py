@@ -14,6 +14,14 @@ from grpo.serve.openai_wire import OPENAI_PREFIX, openai_error_body
 from grpo.serve.wire import ServeError
 
 Model = TypeVar("Model", bound=pydantic.BaseModel)
+_JSON_KINDS = {
+    type(None): "null",
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    str: "a string",
+    list: "an array",
+}
 
 
 @attrs.define
@@ -28,22 +36,27 @@ class Request:
 
     def json(self) -> dict[str, Any]:
         """The body as a JSON object at most `MAX_JSON_DEPTH` deep (400 if it is not one)."""
+        too_deep = ServeError(
+            400,
+            "validation.invalid_request",
+            f"body is JSON nested more than {MAX_JSON_DEPTH} levels deep",
+        )
         try:
             data = json.loads(self.body or b"{}")
-        except RecursionError:
-            data = None  # nested past the parser's stack: refused below, as too deep
+        except RecursionError:  # nested past the parser's stack
+            raise too_deep from None
         except ValueError as error:
             raise ServeError(
                 400, "validation.invalid_request", f"body is not JSON: {error}"
             ) from None
-        if data is None or json_depth(data) > MAX_JSON_DEPTH:
+        if not isinstance(data, dict):
             raise ServeError(
                 400,
                 "validation.invalid_request",
-                f"body is JSON nested more than {MAX_JSON_DEPTH} levels deep",
+                f"body must be a JSON object ({{...}}), got {_JSON_KINDS[type(data)]}",
             )
-        if not isinstance(data, dict):
-            raise ServeError(400, "validation.invalid_request", "body must be a JSON object")
+        if json_depth(data) > MAX_JSON_DEPTH:
+            raise too_deep
         return data
 
     def model(self, model: type[Model]) -> Model:

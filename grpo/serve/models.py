@@ -3,11 +3,14 @@
 A training run's ``model_id`` is the directory holding its tokenizer (for the built-in
 model, a copy written under ``<root>/tokenizers/``): pytrio's ``get_tokenizer`` loads
 ``AutoTokenizer.from_pretrained(model_id, local_files_only=True)``, so this finds it
-offline; the same files go into ``<root>/hub-cache`` for older clients, which look the
-tokenizer up by name (`grpo.serve.compat`). The catalogue and ``get_supported_models``
-keep the model's name first, and list the model under its ``model_id`` too once a run has
-used it (as the service's catalogue holds every run's ``model_id``). A program may
-also name a local Hugging Face model directory, or an alias (``--model-alias``).
+offline; the same files go into ``<root>/hub-cache`` for older clients and harnesses,
+which look the tokenizer up by name (`grpo.serve.compat`). Both are written for every served
+model when the server starts, before it prints where they are: a harness may load the
+tokenizer by name (lm-eval's ``local-completions``) before its first request. The
+catalogue and ``get_supported_models`` keep the model's name first, and list the model
+under its ``model_id`` too once a run has used it (as the service's catalogue holds every
+run's ``model_id``). A program may also name a local Hugging Face model directory, or an
+alias (``--model-alias``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class ModelCatalogue:
         for alias, name in self.aliases.items():
             if name not in names:
                 raise ValueError(f"--model-alias {alias}={name}: {name!r} is not one of {names}")
+        # Every served tokenizer, under its name and its aliases, before anything asks.
+        self._tokenizers = {name: self._write_tokenizer(name) for name in names}
 
     def models(self, limit: int, offset: int) -> dict[str, Any]:
         """`ModelListResponse`: the served models with their real limits, then each under its
@@ -86,37 +91,62 @@ class ModelCatalogue:
         base_model = self.aliases.get(base_model, base_model)
         if base_model in names:
             return base_model, self._tokenizer_directory(base_model)
-        directory = Path(base_model).expanduser()
-        if _is_model_directory(directory):
-            resolved = str(directory.resolve())
+        if _is_model_directory(base_model):
+            resolved = str(Path(base_model).expanduser().resolve())
             return resolved, resolved
         raise ServeError(
             404,
             "model_not_found",
-            f"base_model {base_model!r} is not served here; use one of "
+            f"base_model {base_model!r:.200} is not served here{path_problem(base_model)}; "
+            "use one of "
             f"{names + list(self.aliases)} or the path of a local Hugging Face model directory "
             "(or map the name: grpo serve --model-alias NAME=SERVED_MODEL)",
         )
 
     def _tokenizer_directory(self, name: str) -> str:
-        """A directory with `name`'s tokenizer files (written once), for pytrio's get_tokenizer."""
+        """The directory with served model `name`'s tokenizer files, for pytrio's
+        get_tokenizer; from now on the catalogue lists the model under it too."""
         with self._lock:
-            if name in self._model_ids:
-                return self._model_ids[name]
+            return self._model_ids.setdefault(name, self._tokenizers[name])
+
+    def _write_tokenizer(self, name: str) -> str:
+        """Write `name`'s tokenizer files under ``<root>/tokenizers`` and into the hub caches
+        under `name` and its aliases; returns the directory. ValueError naming the directory
+        when it cannot be written."""
         directory = self.root / "tokenizers" / name.replace("/", "--")
         tokenizer = self.local.create_sampling_client(name).get_tokenizer()
-        tokenizer.save_pretrained(str(directory))
-        # pytrio before 0.2.9 looks the tokenizer up by the name asked for, on a hub.
+        # pytrio before 0.2.9, and harnesses, look the tokenizer up by the name asked for.
         names = [name, *(alias for alias, served in self.aliases.items() if served == name)]
-        write_hub_caches(self.root, directory, names)
-        with self._lock:
-            self._model_ids[name] = str(directory.resolve())
-            return self._model_ids[name]
+        try:
+            tokenizer.save_pretrained(str(directory))
+            write_hub_caches(self.root, directory, names)
+        except OSError as error:
+            raise ValueError(
+                f"cannot write the tokenizer of {name} under {self.root}: {error}; give a "
+                "writable --root"
+            ) from None
+        return str(directory.resolve())
 
 
-def _is_model_directory(directory: Path) -> bool:
-    """Whether `directory` holds a Hugging Face model; False for a name no path can have."""
+def path_problem(name: str) -> str:
+    """Why `name`, when it names an existing path, is not a model directory (`` ('/x' is a
+    file, not a model directory)``), else ""."""
     try:
+        directory = Path(name).expanduser()
+        if directory.is_file():
+            return f" ({str(directory)!r:.200} is a file, not a model directory)"
+        if directory.is_dir():
+            return f" ({str(directory)!r:.200} is a directory without a config.json)"
+    except (OSError, ValueError, RuntimeError):  # too long, a NUL byte, ~ of no user
+        pass
+    return ""
+
+
+def _is_model_directory(name: str) -> bool:
+    """Whether `name` is a directory holding a Hugging Face model; False for a name no path
+    can have."""
+    try:
+        directory = Path(name).expanduser()
         return directory.is_dir() and (directory / "config.json").is_file()
-    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+    except (OSError, ValueError, RuntimeError):  # too long, a NUL byte, ~ of no user
         return False

@@ -56,7 +56,7 @@ def chat_completions(state: ServeState, request: Request) -> Reply:
     if generation.max_tokens is None:  # the default, within the positions the prompt leaves
         room = max(sampler.max_positions - len(prompt), 1)
         generation = attrs.evolve(generation, max_tokens=min(DEFAULT_CHAT_MAX_TOKENS, room))
-    choices = _complete(sampler, [prompt], generation, echo=False)
+    choices = _complete(sampler, [prompt], generation, echo=False, score_end=False)
     return Reply(200, chat_completion_body(chat.generation.model, choices, len(prompt)))
 
 
@@ -69,7 +69,9 @@ def completions(state: ServeState, request: Request) -> Reply:
         list(prompt) if isinstance(prompt, tuple) else _encode(tokenizer, prompt)
         for prompt in completion.prompts
     ]
-    choices = _complete(sampler, prompts, completion.generation, echo=completion.echo)
+    choices = _complete(
+        sampler, prompts, completion.generation, echo=completion.echo, score_end=True
+    )
     total = sum(len(prompt) for prompt in prompts)
     return Reply(200, completion_body(completion.generation.model, choices, total))
 
@@ -91,7 +93,14 @@ def _render(tokenizer: Any, chat: ChatRequest) -> str:
             tokenize=False,
             **chat.template_kwargs,
         )
-    except (jinja2.TemplateError, ValueError, TypeError, KeyError) as error:
+    except (
+        jinja2.TemplateError,  # the sandbox's SecurityError included
+        ValueError,
+        TypeError,
+        LookupError,
+        ArithmeticError,
+        AttributeError,
+    ) as error:  # the served model's own template, failing on what the client sent
         raise ServeError(
             400,
             "invalid_request_error",
@@ -108,9 +117,18 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def _complete(
-    sampler: LocalSamplingClient, prompts: Sequence[list[int]], generation: Generation, echo: bool
+    sampler: LocalSamplingClient,
+    prompts: Sequence[list[int]],
+    generation: Generation,
+    echo: bool,
+    score_end: bool,
 ) -> list[Choice]:
-    """`generation.n` choices per prompt, prompt by prompt (every request queued at once)."""
+    """`generation.n` choices per prompt, prompt by prompt (every request queued at once).
+
+    With `score_end` (``/v1/completions``) the log-probs cover every generated token, an
+    end-of-turn token included: one per token charged in ``usage``, so that a harness's sum
+    over ``token_logprobs`` is exact (lm-eval takes the last entry as the generated token).
+    Without it (a chat) they cover the tokens the message's text shows, as OpenAI's do."""
     params = SamplingParams(
         max_tokens=max(generation.max_tokens or 1, 1),
         temperature=generation.temperature,
@@ -143,11 +161,12 @@ def _complete(
             cuts = [text.find(stop) for stop in generation.stop if stop in text]
             if cuts:
                 text, reason = text[: min(cuts)], "stop"
-            drafts.append(_Draft(prompt, shown, prefix + text, reason, len(sequence.tokens)))
+            tokens = list(sequence.tokens) if score_end else shown
+            drafts.append(_Draft(prompt, tokens, prefix + text, reason, len(sequence.tokens)))
     if generation.top_logprobs is None:
         return [Choice(d.text, d.reason, d.count, None) for d in drafts]
     scored = _logprobs(
-        sampler, [(d.prompt, d.shown) for d in drafts], generation.top_logprobs, echo
+        sampler, [(d.prompt, d.scored) for d in drafts], generation.top_logprobs, echo
     )
     return [
         Choice(d.text, d.reason, d.count, logprobs)
@@ -157,11 +176,12 @@ def _complete(
 
 @attrs.frozen
 class _Draft:
-    """A sampled completion before its log-probs: its prompt, the tokens its text shows, the
-    text (after the echoed prompt), why it ended, and how many tokens it generated."""
+    """A sampled completion before its log-probs: its prompt, the tokens whose log-probs it
+    reports, the text (after the echoed prompt), why it ended, and how many tokens it
+    generated."""
 
     prompt: list[int]
-    shown: list[int]
+    scored: list[int]
     text: str
     reason: str
     count: int

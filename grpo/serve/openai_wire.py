@@ -2,7 +2,8 @@
 records, and the response bodies built from what was sampled (no state, no I/O).
 
 ``POST /v1/chat/completions`` takes ``messages`` (rendered by the model's chat template,
-``tools`` and ``chat_template_kwargs`` passed to it); ``POST /v1/completions`` takes a
+``tools`` and ``chat_template_kwargs`` passed to it as data: a client's own template is
+refused, `TEMPLATE_CALL_ARGUMENTS`); ``POST /v1/completions`` takes a
 ``prompt`` (a string, a list of strings, a list of token ids or a list of those). Both take
 ``model``, ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``seed``, ``stop`` and log-probs
 (chat: ``logprobs`` + ``top_logprobs``; completions: ``logprobs`` = the top count, and
@@ -62,6 +63,36 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "store": (None, False),
     "service_tier": (None, "auto", "default"),
 }
+# apply_chat_template's own parameters (a test checks the installed transformers' list), and
+# the name the template gets the messages under: in chat_template_kwargs they would pick the
+# template or steer the call instead of filling in one of the template's variables. A
+# client's `chat_template` would run its Jinja on the server: two nested loops of the
+# sandbox's largest range held a core long after the client gave up (docs/RELIABILITY.md,
+# "The server").
+TEMPLATE_CALL_ARGUMENTS = frozenset(
+    {
+        "add_generation_prompt",
+        "chat_template",
+        "continue_final_message",
+        "conversation",
+        "documents",
+        "max_length",
+        "messages",
+        "padding",
+        "return_assistant_tokens_mask",
+        "return_dict",
+        "return_tensors",
+        "sanitize_control_tokens",
+        "tokenize",
+        "tokenizer_kwargs",
+        "tools",
+        "truncation",
+    }
+)
+_CLIENT_TEMPLATE = (
+    "a client's own chat template is refused: the server renders every chat with the served "
+    "model's template; leave chat_template out and send the messages"
+)
 _CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
     **_NEUTRAL,
     "response_format": (None, {"type": "text"}),
@@ -175,6 +206,16 @@ def _number(body: dict[str, Any], field: str, default: float, low: float, high: 
     return float(value)
 
 
+def _flag(body: dict[str, Any], field: str) -> bool:
+    """A true/false field (absent or null: false; 0 and 1 taken as vLLM's pydantic does)."""
+    value = body.get(field)
+    if value is not None and not (
+        isinstance(value, bool) or (type(value) is int and value in (0, 1))
+    ):
+        raise _invalid(f"{field} must be true or false, got {value!r:.40}")
+    return bool(value)
+
+
 def _stop(value: Any) -> tuple[str, ...]:
     items = [] if value is None else [value] if isinstance(value, str) else value
     if (
@@ -199,6 +240,10 @@ def _generation(
         )
     n = _int(body, "n", 1, 1, MAX_CHOICES)
     assert n is not None
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _invalid(f"user must be a string (an end user's id), got {user!r:.40}")
+    check_name("user", user or "")
     return Generation(
         model=check_name("model", model),
         max_tokens=max_tokens,
@@ -238,8 +283,17 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
     message["content"] = _text_content(raw.get("content"), f"{where}.content")
     if message["role"] == "developer":  # OpenAI's newer name for the system turn
         message["role"] = "system"
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") if isinstance(call, dict) else None
+    calls = message.get("tool_calls")
+    if calls is not None and not (
+        isinstance(calls, list) and all(isinstance(call, dict) for call in calls)
+    ):
+        raise _invalid(
+            f"{where}.tool_calls must be a list of tool call objects "
+            "({'type': 'function', 'function': {'name': ..., 'arguments': ...}}), "
+            f"got {calls!r:.80}"
+        )
+    for call in calls or []:
+        function = call.get("function")
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
             try:  # chat templates (Qwen3's) render the arguments as a mapping
                 function["arguments"] = json.loads(function["arguments"])
@@ -250,6 +304,8 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
     """A checked `ChatRequest` from a ``/v1/chat/completions`` body (400 naming the field)."""
+    if "chat_template" in body:  # vLLM's field for a client's own template
+        raise _invalid(f"chat_template: {_CLIENT_TEMPLATE}")
     _check_fields(body, _CHAT, _CHAT_NEUTRAL)
     messages = body.get("messages")
     if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
@@ -260,24 +316,50 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)
     ):
         raise _invalid("tools must be a list of tool objects ({'type': 'function', ...})")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict) or {"messages", "tools"} & set(kwargs):
-        raise _invalid(
-            "chat_template_kwargs must be an object of extra template arguments "
-            "(e.g. {'enable_thinking': false}), without messages or tools"
-        )
-    size = sum(len(message["content"]) for message in parsed) + len(json.dumps(tools or []))
+    _flag(body, "parallel_tool_calls")
+    kwargs = _template_kwargs(body.get("chat_template_kwargs"))
+    size = (
+        sum(len(message["content"]) for message in parsed)
+        + sum(len(json.dumps({**message, "content": ""})) for message in parsed)
+        + len(json.dumps(tools or []))
+        + len(json.dumps(kwargs))
+    )
     if size > MAX_PROMPT_CHARS:
-        raise _invalid(f"messages and tools hold {size} characters; at most {MAX_PROMPT_CHARS}")
+        raise _invalid(
+            f"messages, tools and chat_template_kwargs hold {size} characters; "
+            f"at most {MAX_PROMPT_CHARS}"
+        )
     top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if body.get("logprobs") not in (None, True, False):
-        raise _invalid(f"logprobs must be true or false, got {body['logprobs']!r:.40}")
-    if top is not None and not body.get("logprobs"):
+    logprobs = _flag(body, "logprobs")
+    if top is not None and not logprobs:
         raise _invalid("top_logprobs needs logprobs=true")
     max_tokens = _int(body, "max_completion_tokens", None, 1, 2**31)
     max_tokens = _int(body, "max_tokens", max_tokens, 1, 2**31)
-    generation = _generation(body, max_tokens, (top or 0) if body.get("logprobs") else None)
+    generation = _generation(body, max_tokens, (top or 0) if logprobs else None)
     return ChatRequest(generation, parsed, tuple(tools) if tools is not None else None, kwargs)
+
+
+def _template_kwargs(value: Any) -> dict[str, Any]:
+    """``chat_template_kwargs``: the template's own variables, as data (400 naming a key
+    that would choose the template or steer `apply_chat_template`)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _invalid(
+            "chat_template_kwargs must be an object of the chat template's variables "
+            f"(e.g. {{'enable_thinking': false}}), got {value!r:.80}"
+        )
+    if "chat_template" in value:
+        raise _invalid(f"chat_template_kwargs.chat_template: {_CLIENT_TEMPLATE}")
+    steering = sorted(TEMPLATE_CALL_ARGUMENTS & set(value))
+    if steering:
+        raise _invalid(
+            f"chat_template_kwargs {steering} are arguments of apply_chat_template, not "
+            "variables of the chat template; the server renders the messages and tools with "
+            "add_generation_prompt=true. Send the template's own variables only "
+            "(e.g. {'enable_thinking': false})"
+        )
+    return value
 
 
 def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
@@ -311,17 +393,16 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     _check_fields(body, _COMPLETION, _NEUTRAL)
     if body.get("suffix") not in (None, ""):
         raise _invalid("suffix is not supported by grpo serve (no fill-in-the-middle)")
-    if body.get("echo") not in (None, True, False):
-        raise _invalid(f"echo must be true or false, got {body['echo']!r:.40}")
+    echo = _flag(body, "echo")
     prompts = _prompts(body.get("prompt"))
     top = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     generation = _generation(
         body, _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, 0, 2**31), top
     )
-    best_of = body.get("best_of")
-    if best_of not in (None, generation.n):
+    best_of = _int(body, "best_of", generation.n, 1, MAX_CHOICES)
+    if best_of != generation.n:
         raise _invalid(f"best_of must equal n ({generation.n}) here, got {best_of!r:.40}")
-    return CompletionRequest(generation, prompts, bool(body.get("echo")))
+    return CompletionRequest(generation, prompts, echo)
 
 
 # --- responses ------------------------------------------------------------------------------

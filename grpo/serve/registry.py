@@ -38,7 +38,7 @@ from grpo.backends.local import (
     resolve_checkpoint,
 )
 from grpo.serve.access import DownloadTokens
-from grpo.serve.models import ModelCatalogue
+from grpo.serve.models import ModelCatalogue, path_problem
 from grpo.serve.wire import (
     CheckpointRecord,
     SamplingRun,
@@ -395,7 +395,8 @@ class RunRegistry:
                 raise ServeError(
                     404,
                     "model_not_found",
-                    f"model {model!r:.200} is neither a served model nor sampler weights; "
+                    f"model {model!r:.200} is neither a served model nor sampler weights"
+                    f"{path_problem(model)}; "
                     f"use one of {self.catalogue.names()}, a path that save_weights_for_sampler "
                     "returned (local://...), or a local Hugging Face model directory",
                 ) from error

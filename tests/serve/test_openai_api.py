@@ -75,7 +75,8 @@ def test_chat_answers_from_a_trained_checkpoint_with_its_logprobs(served: Any) -
 
 
 def test_completions_echo_scores_the_prompt_as_compute_logprobs_does(served: Any) -> None:
-    """lm-eval's log-likelihood request: ``max_tokens=0, echo=True, logprobs=1``."""
+    """Older harnesses' log-likelihood request: ``max_tokens=0, echo=True, logprobs=1``
+    (lm-eval 0.4's ``max_tokens=1`` one: tests/serve/test_openai_harness.py)."""
     prompts = ["12+34=46", [5, 6, 7, 8]]
     reply = _client(served).completions.create(
         model=TINY_MODEL_NAME, prompt=prompts, max_tokens=0, echo=True, logprobs=1, n=2

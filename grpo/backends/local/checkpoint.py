@@ -60,7 +60,13 @@ def resolve(path: str) -> Path:
             f"checkpoint path must be a non-empty string, got {path!r}",
             code="validation.checkpoint_not_found",
         )
-    directory = Path(path[len(URI_SCHEME) :] if path.startswith(URI_SCHEME) else path).expanduser()
+    try:
+        directory = Path(path.removeprefix(URI_SCHEME)).expanduser()
+    except RuntimeError:  # "~name/..." where no user is called name
+        raise ValidationError(
+            f"no local checkpoint at {path!r}: its ~ names no user of this machine",
+            code="validation.checkpoint_not_found",
+        ) from None
     if not (directory / METADATA_FILE).is_file():
         raise ValidationError(
             f"no local checkpoint at {path!r}: pass a path returned by save_state or "

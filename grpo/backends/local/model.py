@@ -369,10 +369,21 @@ def load_host(base_model: str) -> ModelHost:
     directory = Path(base_model).expanduser()
     if directory.is_dir() and (directory / "config.json").is_file():
         resolved = str(directory.resolve())
-        tokenizer = AutoTokenizer.from_pretrained(resolved, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            resolved, local_files_only=True, dtype=torch.float32
-        )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(resolved, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                resolved, local_files_only=True, dtype=torch.float32
+            )
+        except Exception as error:  # noqa: BLE001 - OSError, ValueError, tokenizers', safetensors'
+            # The directory was named by the caller (a request, a --model): its damage is a
+            # validation error naming it, not a crash of the backend (a 500 on `grpo serve`).
+            raise ValidationError(
+                f"model directory {resolved!r} cannot be loaded "
+                f"({type(error).__name__}: {str(error)[:300]}); it needs a JSON config.json, "
+                "the tokenizer files and the weights (model.safetensors or pytorch_model.bin), "
+                "as save_pretrained writes them",
+                code="validation.unsupported_model",
+            ) from error
         return ModelHost(resolved, model, tokenizer)
     raise ValidationError(
         f"unknown base model {base_model!r}: the local backend supports "
