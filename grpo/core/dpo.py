@@ -53,6 +53,15 @@ class PreferencePair:
         """Tokens of its two sequences (what the reference's compute_logprobs reads)."""
         return int(self.chosen.tokens_T.size + self.rejected.tokens_T.size)
 
+    @property
+    def is_degenerate(self) -> bool:
+        """Chosen and rejected encode to the same tokens and mask: their margin is 0 under
+        any weights, so the pair teaches no preference (its loss stays log 2)."""
+        chosen, rejected = self.chosen, self.rejected
+        return np.array_equal(chosen.tokens_T, rejected.tokens_T) and np.array_equal(
+            chosen.mask_T, rejected.mask_T
+        )
+
 
 @attrs.frozen
 class DpoSettings:

@@ -15,8 +15,6 @@ the resumed run samples those steps again from the checkpoint's weights, and say
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -96,7 +94,8 @@ def save_ahead(
             "state_path": run_files.stored_state_path(run_dir, state_path),
             "jobs": records,
         }
-        run_files.write_json_atomic(path, {**payload, "checksum": _checksum(payload)})
+        checksum = run_files.payload_checksum(payload)  # it names the checkpoint's state path
+        run_files.write_json_atomic(path, {**payload, "checksum": checksum})
 
 
 def prune_ahead(run_dir: Path, step: int) -> None:
@@ -146,7 +145,7 @@ def load_ahead(
         note(f"{path} belongs to another checkpoint of step {step}; {resample}")
         return {}
     checksum = payload.pop("checksum", None)
-    if checksum != _checksum(payload):
+    if checksum != run_files.payload_checksum(payload):
         note(
             f"{path} does not match its checksum (edited or damaged since the checkpoint of "
             f"step {step} wrote it); {resample}"
@@ -171,13 +170,6 @@ def load_ahead(
 
 
 # --- records -------------------------------------------------------------------------------
-
-
-def _checksum(payload: Mapping[str, Any]) -> str:
-    """SHA-256 of the payload's canonical JSON; the payload names its checkpoint's state
-    path, so the checksum ties the rollouts to that checkpoint."""
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _plain(value: Any) -> Any:

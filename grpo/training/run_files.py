@@ -14,6 +14,8 @@ time and holds:
   the run directory is stored relative to it, so a moved run directory still resumes);
 - ``ahead/step-N.json``: under --max-steps-off-policy, the rollouts already sampled for
   the steps after checkpoint N, saved with it (`grpo.training.ahead`);
+- ``reference_logprobs.json``: `grpo dpo`'s reference log-probs, under a checksum of its
+  contents (`grpo.training.reference_cache`);
 - ``service_probe.json``: with --backend pytrio, what the loss-normalization probe measured
   at the start of the latest launch (its verdict, evidence, or why it failed);
 - ``summary.json``: written when the run finished (its sampler path is read back inside
@@ -27,6 +29,7 @@ Read errors name the file, the line and the fix.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -83,6 +86,14 @@ def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
     fsync_path(path.parent)
+
+
+def payload_checksum(payload: Mapping[str, Any]) -> str:
+    """SHA-256 of ``payload``'s canonical JSON: what a file written by grpo stores so that a
+    file edited by hand (or damaged) is not trusted (`grpo.training.ahead`,
+    `grpo.training.reference_cache`)."""
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _jsonable(value: Any) -> Any:

@@ -81,6 +81,8 @@ class DpoPlan:
     init_state: str | None
     """The --init-from run's final training state (None: a fresh LoRA)."""
     prices: Prices | None
+    notes: tuple[str, ...] = ()
+    """What the pre-flight warns of (pairs left out); the run and the dry run say them."""
 
     @property
     def steps(self) -> int:
@@ -111,7 +113,9 @@ def pair_loss(
     return as_dpo_loss(config.settings, masks, ref_P2[:, 0], ref_P2[:, 1], divisor)
 
 
-def _encoded(tokenizer: Any, path: str, max_len: int | None) -> list[PreferencePair]:
+def _encoded(
+    tokenizer: Any, path: str, max_len: int | None, notes: list[str]
+) -> list[PreferencePair]:
     try:
         pairs = load_pairs(tokenizer, path)
     except SftDataError as error:
@@ -124,7 +128,30 @@ def _encoded(tokenizer: Any, path: str, max_len: int | None) -> list[PreferenceP
                     f"{example.tokens_T.size} tokens, more than the model's context of "
                     f"{max_len}; shorten it or drop the row"
                 )
-    return pairs
+    return _without_degenerate(pairs, path, notes)
+
+
+def _without_degenerate(
+    pairs: list[PreferencePair], path: str, notes: list[str]
+) -> list[PreferencePair]:
+    """The pairs whose chosen and rejected differ once encoded; ConfigError when none do,
+    a note of how many (and which rows) are left out when some do not."""
+    rows = [number for number, pair in enumerate(pairs, start=1) if pair.is_degenerate]
+    same = "the chosen completion identical to the rejected one once encoded"
+    if not rows:
+        return pairs
+    if len(rows) == len(pairs):
+        raise ConfigError(
+            f"{path}: all {len(pairs)} pairs have {same}: there is no preference to learn "
+            "(the loss would stay at log 2); check that 'chosen' and 'rejected' hold "
+            "different completions"
+        )
+    shown = ", ".join(map(str, rows[:10])) + (", ..." if len(rows) > 10 else "")
+    notes.append(
+        f"{path}: {len(rows)} of {len(pairs)} pairs have {same} (rows {shown}): they teach "
+        "no preference and are left out"
+    )
+    return [pair for pair in pairs if not pair.is_degenerate]
 
 
 def resolve_reference(config: DpoConfig, service: Any) -> tuple[str, Any]:
@@ -154,12 +181,24 @@ def preflight_dpo(config: DpoConfig, make_service: Callable[[], Any]) -> DpoPlan
     init_state = init_state_path(config) if config.init_from else None  # type: ignore[arg-type]
     service = make_service()
     tokenizer = service.create_sampling_client(base_model=config.base_model).get_tokenizer()
-    train, held = encoded_split(config, tokenizer, _encoded)
+    notes: list[str] = []
+    train, held = encoded_split(
+        config, tokenizer, lambda tok, path, max_len: _encoded(tok, path, max_len, notes)
+    )
     steps = config.steps or steps_of_one_pass(len(train), config.batch_size)
     batches = pair_batches(len(train), batch_size=config.batch_size, steps=steps, seed=config.seed)
     reference, ref_sampler = resolve_reference(config, service)
     return DpoPlan(
-        config, service, train, held, batches, reference, ref_sampler, init_state, prices
+        config,
+        service,
+        train,
+        held,
+        batches,
+        reference,
+        ref_sampler,
+        init_state,
+        prices,
+        tuple(notes),
     )
 
 
@@ -209,6 +248,7 @@ def dry_run_dpo(
         f"  reference tokens (prompt)  {usage.prompt_tokens:>12,}  exact, paid once (cached)",
         f"  trained tokens (positions) {usage.trained_tokens:>12,}  exact",
         f"  forward-only tokens        {usage.forward_tokens:>12,}  exact",
+        *(f"  note: {note}" for note in plan.notes),
     ]
     return finish_dry_run(lines, usage, plan, service_client)
 
@@ -241,6 +281,8 @@ def dpo(
             echo,
             init_state=plan.init_state,
         )
+        for note in plan.notes:
+            session.note(note)
         ref_N, sent = reference_logprobs(  # once per sequence; a resume reads the cache
             run_dir,
             plan.reference,
