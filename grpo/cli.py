@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from grpo.backends.pytrio import BackendUnavailableError
+from grpo.backends.pytrio import BackendUnavailableError, error_reason, is_pytrio_error
 from grpo.training import flags, run_files
 from grpo.training.config import (
     BACKENDS,
@@ -62,9 +62,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """`grpo train`: one GRPO run; exit 0 when finished, 130 on a signal, 1 on failure."""
+    from grpo.training.inputs import read_paths, refuse_run_dir_over_inputs
     from grpo.training.run import RunStopped, train
 
     config, resume = flags.config_from_args(args)
+    refuse_run_dir_over_inputs(resolve_run(config), read_paths("--config", args.config_file))
     check_user_inputs(config)  # before anything, as a dry run makes its service client first
     if args.dry_run:
         from grpo.training.run import dry_run
@@ -262,6 +264,21 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     add_force_argument(parser, "--out file")
 
 
+def eval_reads(args: argparse.Namespace) -> list[Any]:
+    """What `grpo eval` reads on this machine: --run-dir (its weights, and the files its
+    config names), --checkpoint, and the data, reward, env and model files of the flags."""
+    from grpo.training.inputs import config_read_paths, read_paths
+
+    reads = [*read_paths("--run-dir", args.run_dir), *read_paths("--checkpoint", args.checkpoint)]
+    if args.run_dir and (Path(args.run_dir) / run_files.CONFIG_FILE).is_file():
+        try:
+            saved = run_files.read_config(Path(args.run_dir))
+        except run_files.RunDirError:
+            saved = {}  # evaluate_report names the damage
+        reads += config_read_paths(saved, owner=f"the run {args.run_dir}'s ")
+    return reads + config_read_paths(vars(args))
+
+
 def run_eval(args: argparse.Namespace) -> int:
     """`grpo eval`: avg@n, pass@k, cons@n, format and truncation rates, with intervals."""
     from grpo.tools.evaluate import evaluate_report, write_record
@@ -271,7 +288,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if out is not None:
         if out.suffix != ".json":
             raise ValueError(f"--out {out} must be a .json file; e.g. --out eval.json")
-        check_out(out, force=args.force, sources=[Path(args.run_dir)] if args.run_dir else [])
+        check_out(out, force=args.force, reads=eval_reads(args))
     report = evaluate_report(
         args.run_dir,
         checkpoint=args.checkpoint,
@@ -449,11 +466,6 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _short(error: BaseException) -> str:
-    """An exception's message without PyTRIO's hint and request suffixes."""
-    return str(error).split(" | Hint:")[0]
-
-
 def _free_space(path: Path) -> str:
     """The free space of the file system holding `path` (its nearest existing ancestor)."""
     for parent in (path, *path.parents):
@@ -477,11 +489,11 @@ def describe_error(error: BaseException) -> tuple[str, int]:
         ), EXIT_BAD_INPUT
     if isinstance(error, PermissionError):
         return f"permission denied: {error.filename}; choose a path you can write", EXIT_FAILED
-    if isinstance(error, (ValueError, ConnectionError)):
-        return _short(error), EXIT_BAD_INPUT
-    if type(error).__module__.startswith("pytrio"):
+    if is_pytrio_error(error):  # its message and hint, not its request and details
         bad_input = type(error).__name__ == "ValidationError"
-        return _short(error), EXIT_BAD_INPUT if bad_input else EXIT_FAILED
+        return error_reason(error, hint=True), EXIT_BAD_INPUT if bad_input else EXIT_FAILED
+    if isinstance(error, (ValueError, ConnectionError)):  # ours: whole, the fix at its end
+        return str(error), EXIT_BAD_INPUT
     if isinstance(error, BackendUnavailableError):
         return str(error), EXIT_BAD_INPUT
     if isinstance(error, OSError):
@@ -539,10 +551,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(arguments).parse_args(arguments)
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
-        return int(args.handler(args))
+        code = int(args.handler(args))
     except KeyboardInterrupt:
         print(f"grpo {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        code = EXIT_INTERRUPTED
     except Exception as error:  # noqa: BLE001 - every error ends in one line (traceback with --debug)
         if debug:
             traceback.print_exc()
@@ -556,3 +568,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"grpo {args.command}: error: {message}{hint}", file=sys.stderr)
         return code
+    if code == EXIT_INTERRUPTED and argv is None:  # the process's own command, about to exit
+        from grpo.interrupts import exit_without_collecting
+
+        exit_without_collecting()  # stopped within seconds, also on a loaded machine
+    return code

@@ -22,10 +22,12 @@ from pathlib import Path
 from pytrio.types import SamplingParams
 
 from grpo.backends.local import LocalServiceClient
+from grpo.backends.local.tiny import TINY_MODEL_DIR
 from grpo.tasks.data import load_run_problems
 from grpo.tasks.prompts import build_messages
 from grpo.training.config import TrainConfig
 from grpo.training.evaluation import correctness
+from grpo.training.inputs import read_paths, refuse_overlap
 from grpo.training.rollouts import Sampling, grade_rollouts, run_problems, tokenizer_max_len
 from grpo.training.seeds import Purpose, sampling_seed
 
@@ -73,6 +75,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="completions per problem")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    # Before any sampling: --out never is, lies in or holds the model it samples from.
+    try:
+        refuse_overlap(args.out, "--out", read_paths("the built-in model", TINY_MODEL_DIR))
+    except ValueError as error:
+        parser.error(str(error))  # exit 2, one line, no traceback
     pairs, sampled = make_pairs(args.problems, args.samples, args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", encoding="utf-8") as out:

@@ -32,6 +32,24 @@ class CapabilityError(ValueError):
     """The run asks more of the model than the service allows; the message names the fix."""
 
 
+def is_pytrio_error(error: BaseException) -> bool:
+    """Whether `error` is one of pytrio's own (its `str` appends `| Hint:`, `| Request:` ...)."""
+    return type(error).__module__.startswith("pytrio") and isinstance(
+        getattr(error, "message", None), str
+    )
+
+
+def error_reason(error: BaseException, *, hint: bool = False) -> str:
+    """An error's text for a message of ours: a pytrio error's own message (with its hint
+    when `hint`) without the request, context and details it appends; any other error's
+    first line (its type when it has no text)."""
+    if is_pytrio_error(error):
+        text, advice = str(getattr(error, "message")), str(getattr(error, "hint", "") or "")
+        return f"{text} (hint: {advice})" if hint and advice else text
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
 def make_service_client(
     backend: str,
     *,

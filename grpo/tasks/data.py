@@ -207,21 +207,27 @@ def columns_of(config: Any) -> tuple[str, str, str]:
     return config.prompt_column, config.answer_column, config.gold_rule
 
 
+def run_problem_source(config: Any, split: str, *, limit: int | None = None) -> dict[str, Any]:
+    """The keyword arguments of `load_problems` for a run's TrainConfig: its --dataset,
+    columns, gold rule and splits (what the rows depend on, so also a key to share them)."""
+    prompt_column, answer_column, gold_rule = columns_of(config)
+    return {
+        "source": config.dataset,
+        "split": split,
+        "limit": limit,
+        "seed": config.seed,
+        "difficulty": config.difficulty,
+        "prompt_column": prompt_column,
+        "answer_column": answer_column,
+        "gold_rule": gold_rule,
+        "hub_config": config.dataset_config,
+        "hub_split": config.train_split if split == "train" else config.test_split,
+    }
+
+
 def load_run_problems(config: Any, split: str, *, limit: int | None = None) -> datasets.Dataset:
     """`load_problems` of a run's TrainConfig: its --dataset, columns, gold rule and splits."""
-    prompt_column, answer_column, gold_rule = columns_of(config)
-    return load_problems(
-        config.dataset,
-        split,
-        limit=limit,
-        seed=config.seed,
-        difficulty=config.difficulty,
-        prompt_column=prompt_column,
-        answer_column=answer_column,
-        gold_rule=gold_rule,
-        hub_config=config.dataset_config,
-        hub_split=config.train_split if split == "train" else config.test_split,
-    )
+    return load_problems(**run_problem_source(config, split, limit=limit))
 
 
 def max_operand(difficulty: int) -> int:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from grpo.backends.pytrio import error_reason
 from grpo.core.evaluation import BOOTSTRAP_RESAMPLES
+from grpo.interrupts import dropping_pool
 from grpo.training import run_files
 from grpo.training.config import (
     ConfigError,
@@ -86,7 +87,7 @@ def sampling_client(service: Any, base_model: str, model_path: str | None) -> An
     try:
         training = service.create_training_client_from_state(model_path)
     except Exception as error:  # noqa: BLE001 - the message below says what the path must be
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = error_reason(error)
         raise ConfigError(
             f"--checkpoint {model_path}: neither sampler weights nor a training state "
             f"({reason}); give the sampler_path of a run's {run_files.SUMMARY_FILE} or "
@@ -297,9 +298,14 @@ def evaluate_report(
             "note: at --temperature 0 every sample is the greedy one, so pass@k = avg@n and the "
             "seeds agree; pass e.g. --temperature 1.0 (or 0.6 --top-p 0.95) to sample"
         )
+    label = model_path or f"base model {config.base_model}"
+    echo(
+        f"{label}: {len(problems)} {split} problems, {samples} sample(s) x {seeds} seed(s), "
+        f"temperature {temperature}, top-p {top_p}, max tokens {config.max_tokens}"
+    )
     decoding = Decoding(temperature=temperature, top_p=top_p, max_tokens=config.max_tokens)
     seed_list = [seed + offset for offset in range(seeds)]
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+    with dropping_pool(concurrency, "eval") as pool:  # Ctrl-C: queued requests dropped
         results = tuple(
             evaluate_policy(
                 sampler,
@@ -347,11 +353,6 @@ def evaluate_report(
         "seeds": seed_list,
         "usage": {**attrs.asdict(usage), "total": usage.total},
     }
-    label = model_path or f"base model {config.base_model}"
-    echo(
-        f"{label}: {len(problems)} {split} problems, {samples} sample(s) x {seeds} seed(s), "
-        f"temperature {temperature}, top-p {top_p}, max tokens {config.max_tokens}"
-    )
     return EvalReport(
         provenance=provenance, problems=tuple(problems), results=results, summary=summary
     )

@@ -21,7 +21,7 @@ What is copied is checked first: `adapter_model.safetensors` must open as a safe
 holding LoRA pairs (`lora_A` / `lora_B`) and `adapter_config.json` must be a JSON object;
 otherwise the error says what the file is instead (a tar archive, say). `--out` is checked by
 `grpo.tools.paths.check_out` (new or empty, outside run and checkpoint directories unless
-`--force`, never inside the source).
+`--force`; never over the source, its weights or a local base model, even with `--force`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from grpo.tools.paths import (
 )
 from grpo.training import run_files
 from grpo.training.config import ConfigError
+from grpo.training.inputs import read_paths, refuse_overlap
 
 
 def _adapter_directory(root: Path, what: str) -> Path:
@@ -108,18 +109,6 @@ def verified_adapter(directory: Path, what: str) -> Path:
             "JSON object of a PEFT adapter config"
         )
     return directory
-
-
-def source_paths(source: str) -> list[Path]:
-    """What exporting `source` reads: its path and, for a run directory, its weights."""
-    path = local_path(source)
-    found = [path]
-    if path.is_dir() and (path / run_files.CONFIG_FILE).is_file():
-        try:
-            found.append(local_path(run_files.eval_weights_path(path)))
-        except run_files.RunDirError:
-            pass  # adapter_source says what is missing
-    return found
 
 
 @contextmanager
@@ -212,10 +201,13 @@ def export(source: str, out: Path, *, merge: bool = False, force: bool = False) 
     """Write `source`'s adapter (with `merge`, the merged model) into the new directory `out`.
 
     `out` must be new or empty and outside run and checkpoint directories (`force` lifts
-    that), and never inside `source`.
+    that), and never be, lie inside or hold `source`, its weights or (`merge`) a local base
+    model.
     """
-    check_out(out, force=force, sources=source_paths(source), empty_dir_ok=True)
+    check_out(out, force=force, reads=read_paths("SOURCE", source), empty_dir_ok=True)
     with adapter_source(source) as adapter:
+        if merge:  # a local base model is read too: never written over
+            refuse_overlap(out, "--out", read_paths("the base model", base_model_of(adapter)))
         out.mkdir(parents=True, exist_ok=True)
         if merge:
             model, tokenizer = merged_model(adapter)

@@ -26,6 +26,7 @@ import attrs
 from grpo.tools import paths
 from grpo.training import run_files
 from grpo.training.config import BACKENDS, ConfigError
+from grpo.training.inputs import read_paths
 
 PAGE = 100
 
@@ -313,8 +314,8 @@ def _list(args: argparse.Namespace) -> int:
 
 def _download(args: argparse.Namespace) -> int:
     item = find_checkpoint(_stores(args), args.checkpoint)
-    read = [paths.local_path(item.checkpoint.path)] if item.store.root is not None else []
-    paths.check_out(Path(args.out), force=args.force, sources=read)
+    read = read_paths("CHECKPOINT", item.checkpoint.path) if item.store.root is not None else []
+    paths.check_out(Path(args.out), force=args.force, reads=read)
     result = item.store.rest.download_checkpoint(item.checkpoint.checkpoint_id, args.out).result()
     print(f"{item.checkpoint.path} -> {result.path} ({human_size(result.file_size_bytes)})")
     return 0

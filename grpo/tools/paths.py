@@ -3,7 +3,9 @@
 A tool writes only what it owns. `check_out` runs before any output is written and refuses,
 in one line naming the flag and the fix:
 
-- a path inside (or equal to) what the tool is reading (`sources`), even with `--force`;
+- a path that is, lies inside or holds what the command reads (`reads`: its run directories,
+  checkpoints, data files, found by `grpo.training.inputs.read_paths`), even with `--force`
+  (`grpo.training.inputs.refuse_overlap`, the rule every command's outputs share);
 - a path that exists, or that lies inside a run directory (`grpo train`'s) or a checkpoint
   directory (a PEFT adapter or a local-backend checkpoint), unless `--force`.
 
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from grpo.training import run_files
 from grpo.training.config import ConfigError
+from grpo.training.inputs import ReadPath, refuse_overlap
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -54,32 +57,22 @@ def owner_of(path: Path) -> tuple[str, Path] | None:
     return None
 
 
-def _inside(path: Path, directory: Path) -> bool:
-    return path == directory or path.is_relative_to(directory)
-
-
 def check_out(
     out: Path,
     *,
     flag: str = "--out",
     force: bool = False,
-    sources: Sequence[Path] = (),
+    reads: Sequence[ReadPath] = (),
     empty_dir_ok: bool = False,
 ) -> None:
     """Refuse `out` (ConfigError naming `flag` and the fix) where writing it could destroy data.
 
-    Never inside one of `sources` (what is being read); without `force`, never an existing
-    path (an empty directory passes when `empty_dir_ok`) nor a path inside a run directory
-    or a checkpoint directory.
+    Never one of `reads` (what the command reads), inside one or holding one, `force` or
+    not; without `force`, never an existing path (an empty directory passes when
+    `empty_dir_ok`) nor a path inside a run directory or a checkpoint directory.
     """
     resolved = out.expanduser().resolve()
-    for source in sources:
-        directory = source.expanduser().resolve()
-        if _inside(resolved, directory):
-            raise ConfigError(
-                f"{flag} {out} lies inside {directory}, which is being read; "
-                f"write outside it (e.g. {flag} {Path.cwd() / resolved.name})"
-            )
+    refuse_overlap(out, flag, reads)
     if force:
         return
     if out.exists() and not (empty_dir_ok and out.is_dir() and not any(out.iterdir())):
@@ -100,8 +93,9 @@ def add_force_argument(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--force",
         action="store_true",
-        help=f"replace an existing {what}, or write inside a run or checkpoint directory "
-        "(never inside what is being read)",
+        help=f"replace an existing {what}, or write inside a run or checkpoint directory; "
+        "never one that is, lies inside or holds anything this command reads (a run "
+        "directory, a checkpoint, a data file), symlinks followed",
     )
 
 

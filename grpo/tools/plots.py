@@ -30,6 +30,7 @@ import numpy as np
 from grpo.core.evaluation import t_interval
 from grpo.tools import paths
 from grpo.training import run_files
+from grpo.training.inputs import read_paths
 from grpo.training.run_files import STEP_KEY
 
 if TYPE_CHECKING:
@@ -461,7 +462,8 @@ def run_plot(args: argparse.Namespace) -> int:
                 f"nothing to plot: no run logged any of {', '.join(DEFAULT_PLOT_METRICS)}"
             )
         if args.out:
-            paths.check_out(Path(args.out), force=args.force)
+            reads = [read for run_dir in args.run_dirs for read in read_paths("RUN_DIR", run_dir)]
+            paths.check_out(Path(args.out), force=args.force, reads=reads)
         figure = metrics_figure(runs, metrics)
     except (FileNotFoundError, ValueError) as error:
         print(f"grpo plot: error: {error}", file=sys.stderr)

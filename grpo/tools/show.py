@@ -22,6 +22,7 @@ from typing import Any
 
 from grpo.tools import paths
 from grpo.training import run_files
+from grpo.training.inputs import read_paths
 
 _PROMPT_TAIL = 400
 """Characters of a prompt the terminal shows (its end: the question; --full for all)."""
@@ -52,7 +53,8 @@ def run_show(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     run_files.read_config(run_dir)  # a clear error when this is no run directory
     if args.html:
-        paths.check_out(Path(args.html), flag="--html", force=args.force, sources=[run_dir])
+        reads = read_paths("RUN_DIR", run_dir)
+        paths.check_out(Path(args.html), flag="--html", force=args.force, reads=reads)
     groups = run_files.read_rollouts(run_dir)
     if not groups:
         raise ValueError(

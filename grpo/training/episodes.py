@@ -44,6 +44,7 @@ from grpo.envs.base import (
     initial_messages,
     make_group,
 )
+from grpo.interrupts import request_result
 from grpo.tasks.prompts import build_messages
 from grpo.training.rollouts import Problem, tokenizer_max_len
 from grpo.training.run_log import clip_text
@@ -187,9 +188,11 @@ def _play(
             seed=seed_for(index),
         )
         response = call_with_retries(
-            lambda prompt=prompt, params=params: sampler.sample(
-                prompt=prompt, num_samples=1, sampling_params=params, return_text=True
-            ).result(),
+            lambda prompt=prompt, params=params: request_result(
+                sampler.sample(
+                    prompt=prompt, num_samples=1, sampling_params=params, return_text=True
+                )
+            ),
             what=f"sample (episode turn {index})",
             max_retries=max_retries,
             on_retry=log,
@@ -403,7 +406,7 @@ def reference_episode_logprobs(
     def one(episode: Episode) -> np.ndarray:
         tokens = episode.tokens.tolist()
         values = call_with_retries(
-            lambda: run.ref_sampler.compute_logprobs(ModelInput.from_ints(tokens)).result(),
+            lambda: request_result(run.ref_sampler.compute_logprobs(ModelInput.from_ints(tokens))),
             what="reference compute_logprobs",
             max_retries=run.config.max_retries,
             on_retry=run.note,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from grpo.backends.pytrio import error_reason
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig
 
@@ -50,5 +51,5 @@ def init_training_client(service: Any, config: TrainConfig, state_path: str) -> 
     except Exception as error:  # noqa: BLE001 - every backend has its own not-found error
         raise ConfigError(
             f"--init-from {config.init_from}: its final state {state_path} cannot be loaded: "
-            f"{error}"
+            f"{error_reason(error)}; restore those weights, or start from another run"
         ) from error

@@ -31,7 +31,7 @@ import numpy as np
 from pytrio.types import AdamParams
 
 from grpo.backends.datums import output_logprobs
-from grpo.backends.pytrio import call_with_retries
+from grpo.backends.pytrio import call_with_retries, error_reason
 from grpo.core.normalization import ServiceDivisor, service_divisor
 from grpo.core.usage import Prices, TokenUsage, cost, usage_from_row, usage_metrics
 from grpo.training import run_files
@@ -135,8 +135,7 @@ def load_checkpoint(
         ), checkpoint
     except Exception as error:  # noqa: BLE001 - every backend has its own not-found error
         failure = error
-    # PyTRIO's own hint would make the CLI drop the fix below (it keeps the text before it).
-    reason = str(failure).split(" | Hint:")[0]
+    reason = error_reason(failure)  # pytrio's message alone: the fix is ours, below
     earlier = [
         candidate
         for candidate in run_files.intact_checkpoints(run_dir)
@@ -154,11 +153,17 @@ def load_checkpoint(
             f"{checkpoint.step} are redone"
         )
         return client, candidate
+    backend_dir = run_dir / run_files.BACKEND_DIR
+    local = checkpoint.state_path.startswith(f"local://{backend_dir.resolve()}")
+    keeper = (
+        f"the local backend keeps it under {backend_dir}"
+        if local
+        else "it lives on the service that saved it"
+    )
     raise ConfigError(
         f"--resume {run_dir}: the checkpoint of step {checkpoint.step} "
         f"({checkpoint.state_path}) cannot be loaded: {reason}; no intact earlier checkpoint "
-        f"was found. Restore it (the local backend keeps it under "
-        f"{run_dir / run_files.BACKEND_DIR}), or delete "
+        f"was found. Restore it ({keeper}), or delete "
         f"{run_dir / run_files.CHECKPOINT_FILE} and "
         f"{run_dir / run_files.METRICS_FILE} to rerun from the start"
     ) from failure

@@ -20,12 +20,17 @@ import attrs
 
 from grpo.backends.pytrio import CapabilityError, check_capabilities
 from grpo.core.usage import Prices, TokenUsage, cost, planned_episode_tokens, planned_usage
-from grpo.tasks.data import load_run_problems
+from grpo.tasks.data import load_problems, run_problem_source
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig, check_user_inputs
 from grpo.training.judge import check_judge, resolve_judge
 from grpo.training.prices import prices_for
-from grpo.training.rollouts import Problem, run_problems, tokenizer_max_len
+from grpo.training.rollouts import (
+    Problem,
+    build_problems,
+    run_problem_options,
+    tokenizer_max_len,
+)
 from grpo.training.schedule import evaluates_after, evaluates_at_start, saves_after
 from grpo.training.seeds import extra_batch, pick_batch
 
@@ -50,24 +55,58 @@ class Preflight:
     """The judge of the judge rewards (`grpo.training.judge.Judge`), resolved (else None)."""
 
 
+class SharedInputs:
+    """What the pre-flights of an experiment's runs share: a split's rows and the problems
+    built from them, each kept under every argument that makes it, so a run gets only what
+    it would have built itself (a sweep over --learning-rate loads and tokenizes once)."""
+
+    def __init__(self) -> None:
+        self._rows: dict[tuple[Any, ...], Any] = {}
+        self._problems: dict[tuple[Any, ...], tuple[Any, Any, list[Problem]]] = {}
+
+    def rows(self, config: TrainConfig, split: str, *, limit: int | None = None) -> Any:
+        """`load_run_problems(config, split, limit=limit)`, loaded once per distinct source."""
+        source = run_problem_source(config, split, limit=limit)
+        key = tuple(sorted(source.items()))
+        if key not in self._rows:
+            self._rows[key] = load_problems(**source)
+        return self._rows[key]
+
+    def problems(
+        self, tokenizer: Any, rows: Any, config: TrainConfig, split: str, max_len: int | None
+    ) -> list[Problem]:
+        """`run_problems(tokenizer, rows, config, split, max_len=max_len)`, built once."""
+        options = run_problem_options(config, split, max_len=max_len)
+        key = (id(tokenizer), id(rows), *sorted(options.items()))
+        if key not in self._problems:  # the value keeps tokenizer and rows (and so their ids)
+            built = build_problems(tokenizer, rows, **options)
+            self._problems[key] = (tokenizer, rows, built)
+        return self._problems[key][2]
+
+
 def preflight(
-    config: TrainConfig, make_service: Callable[[], Any], log: Callable[[str], None] = print
+    config: TrainConfig,
+    make_service: Callable[[], Any],
+    log: Callable[[str], None] = print,
+    shared: SharedInputs | None = None,
 ) -> Preflight:
-    """Check rewards, few-shot file, prices and data (before any service call), then prompts."""
+    """Check rewards, few-shot file, prices and data (before any service call), then prompts.
+
+    `shared` lets the runs of an experiment share their rows and problems (None: this run's own).
+    """
+    shared = SharedInputs() if shared is None else shared
     check_user_inputs(config)
     check_judge(config)
     prices = prices_for(config)
-    train_rows = load_run_problems(config, "train")
-    test_rows = (
-        load_run_problems(config, "test", limit=config.eval_limit) if config.eval_every else []
-    )
+    train_rows = shared.rows(config, "train")
+    test_rows = shared.rows(config, "test", limit=config.eval_limit) if config.eval_every else ()
     steps = math.ceil(len(train_rows) / config.batch_size) if config.all_data else config.steps
     service = make_service()
     base_sampler = service.create_sampling_client(base_model=config.base_model)
     tokenizer = base_sampler.get_tokenizer()
     max_len = tokenizer_max_len(tokenizer)
     problems = {
-        split: run_problems(tokenizer, rows, config, split, max_len=max_len)
+        split: shared.problems(tokenizer, rows, config, split, max_len)
         for split, rows in (("train", train_rows), ("test", test_rows))
     }
     if hasattr(service, "get_server_capabilities"):  # test doubles may not have it
@@ -374,8 +413,9 @@ def plan_experiment(
 ) -> tuple[list[tuple[TrainConfig, TokenUsage, Prices | None]], list[str]]:
     """Every run's pre-flight and plan, and the report lines with the experiment's totals."""
     planned = []
+    shared = SharedInputs()
     for config in configs:
-        pre = preflight(config, lambda config=config: make_service(config))
+        pre = preflight(config, lambda config=config: make_service(config), shared=shared)
         planned.append((config, plan_usage(pre), pre.prices))
     lines = [
         f"dry run of {len(planned)} run(s): every check passed; nothing was started "

@@ -22,6 +22,7 @@ from grpo.core.advantages import group_advantages
 from grpo.core.records import Completion, ScoredGroup
 from grpo.core.rewards import RewardInput, extract_gold
 from grpo.core.usage import TokenUsage, sample_usage
+from grpo.interrupts import request_result
 from grpo.reward_calls import active_caller
 from grpo.reward_scores import RewardScores, score_completions
 from grpo.rewards import RewardFn
@@ -114,21 +115,24 @@ def build_problems(
     return problems
 
 
+def run_problem_options(config: Any, split: str, *, max_len: int | None) -> dict[str, Any]:
+    """The keyword arguments of `build_problems` for a run config: --fewshot, --max-tokens,
+    --prompt-template and the dataset's columns (`grpo.tasks.data.columns_of`)."""
+    return {
+        "fewshot": config.use_fewshot,
+        "max_tokens": config.max_tokens,
+        "max_len": max_len,
+        "split": split,
+        "template": config.prompt_template,
+        "columns": columns_of(config),
+    }
+
+
 def run_problems(
     tokenizer: Any, rows: Any, config: Any, split: str, *, max_len: int | None
 ) -> list[Problem]:
-    """`build_problems` with a run config's prompt settings: --fewshot, --max-tokens,
-    --prompt-template and the dataset's columns (`grpo.tasks.data.columns_of`)."""
-    return build_problems(
-        tokenizer,
-        rows,
-        fewshot=config.use_fewshot,
-        max_tokens=config.max_tokens,
-        max_len=max_len,
-        split=split,
-        template=config.prompt_template,
-        columns=columns_of(config),
-    )
+    """`build_problems` with a run config's prompt settings (`run_problem_options`)."""
+    return build_problems(tokenizer, rows, **run_problem_options(config, split, max_len=max_len))
 
 
 def step_problems(
@@ -172,12 +176,14 @@ class RolloutJob:
         def sample_one(index: int) -> list[Completion]:
             prompt = ModelInput.from_ints(list(self.problems[index].prompt_tokens))
             response = call_with_retries(
-                lambda: sampler.sample(
-                    prompt=prompt,
-                    num_samples=num_samples,
-                    sampling_params=params_for(index),
-                    return_text=True,
-                ).result(),
+                lambda: request_result(
+                    sampler.sample(
+                        prompt=prompt,
+                        num_samples=num_samples,
+                        sampling_params=params_for(index),
+                        return_text=True,
+                    )
+                ),
                 what=f"sample (problem {index})",
                 max_retries=max_retries,
                 on_retry=log,
@@ -319,7 +325,7 @@ def reference_logprobs(
     def one(prompt_tokens: tuple[int, ...], completion: Completion) -> np.ndarray:
         tokens = [*prompt_tokens, *completion.tokens.tolist()]
         values = call_with_retries(
-            lambda: ref_sampler.compute_logprobs(ModelInput.from_ints(tokens)).result(),
+            lambda: request_result(ref_sampler.compute_logprobs(ModelInput.from_ints(tokens))),
             what="reference compute_logprobs",
             max_retries=max_retries,
             on_retry=log,

@@ -20,6 +20,7 @@ from grpo.training import run_files
 from grpo.training.ahead import load_ahead
 from grpo.training.config import ConfigError, TrainConfig, resolve_run, to_dict
 from grpo.training.init_from import init_state_path
+from grpo.training.inputs import refuse_run_dir_over_inputs
 from grpo.training.lifecycle import (
     NonFiniteUpdate,
     RunResult,
@@ -64,6 +65,7 @@ def train(
     already holds one, and resuming a finished run changes nothing unless more steps are asked.
     """
     config = resolve_run(config)
+    refuse_run_dir_over_inputs(config)
     run_dir = Path(str(config.run_dir))
     with run_files.owned(run_dir):
         checkpoint = _check_run_dir(run_dir, config, resume)
@@ -78,6 +80,7 @@ def dry_run(config: TrainConfig, *, resume: bool = False, service_client: Any = 
     No training client is created and nothing is written (no run directory, no lock).
     """
     config = resolve_run(config)
+    refuse_run_dir_over_inputs(config)
     run_dir = Path(str(config.run_dir))
     checkpoint = _check_run_dir(run_dir, config, resume)
     if checkpoint is False:

@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 from pytrio.types import ModelInput
 
-from grpo.backends.pytrio import call_with_retries
+from grpo.backends.pytrio import call_with_retries, error_reason
 from grpo.core.distill import distill_advantages, distill_metrics, teacher_logprobs_at
 from grpo.core.episodes import Episode
 from grpo.core.records import Completion, TokenBatch
@@ -98,7 +98,7 @@ def weights_sampler(
             path
         ).save_weights_and_get_sampling_client()
     except Exception as error:  # noqa: BLE001 - the message below says what the path must be
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = error_reason(error)
         raise ConfigError(
             f"{flag} {source}: {path} is neither sampler weights nor a training state on "
             f"{base_model} ({reason}); give a finished run directory, the sampler_path of its "

@@ -45,6 +45,7 @@ from grpo.tools.experiments.stats import (
 )
 from grpo.tools.experiments.sweep import ExperimentPlan, check_distinct, grid_configs, sweep_specs
 from grpo.training.flags import add_train_arguments, explicit_flags, load_toml, train_argv
+from grpo.training.inputs import ReadPath, read_paths
 
 COMPARISON_FILE = "comparison.json"
 FIGURE_FILE = "reward.png"
@@ -188,8 +189,11 @@ def compare(
     last_steps: int = DEFAULT_LAST_STEPS,
     train_command: Sequence[str] = TRAIN_COMMAND,
     echo: Callable[[str], None] = print,
+    reads: Sequence[ReadPath] = (),
 ) -> list[ConfigSummary]:
-    """Run every loss x seed (skip finished, resume unfinished); write the report, JSON, plot."""
+    """Run every loss x seed (skip finished, resume unfinished); write the report, JSON, plot.
+
+    `out` never is, lies inside or holds `reads` (the --config file) or what a run reads."""
     check_positive("--seeds", seeds)
     specs = compare_specs(loss_fns, range(seeds), shared, out)
     command = compare_command(loss_fns, seeds, shared, out)
@@ -224,6 +228,7 @@ def compare(
         last_steps=last_steps,
         train_command=train_command,
         echo=echo,
+        reads=reads,
     )
 
 
@@ -241,9 +246,11 @@ def run_compare(args: argparse.Namespace, *, train_command: Sequence[str] = TRAI
         from_cli = normalize_overrides(
             explicit_flags(args, exclude=MANAGED_FLAGS | {"loss_fn"}), where="command line"
         )
+        reads = read_paths("--config", args.config)
         if args.dry_run:
             shared = {**from_file, **from_cli}
-            dry_run_specs(compare_specs(args.loss_fns, range(args.seeds), shared, out))
+            specs = compare_specs(args.loss_fns, range(args.seeds), shared, out)
+            dry_run_specs(specs, out=out, reads=reads, jobs=args.jobs, last_steps=args.last_steps)
             return 0
         summaries = compare(
             args.loss_fns,
@@ -253,6 +260,7 @@ def run_compare(args: argparse.Namespace, *, train_command: Sequence[str] = TRAI
             jobs=args.jobs,
             last_steps=args.last_steps,
             train_command=train_command,
+            reads=reads,
         )
     except (FileNotFoundError, ValueError) as error:
         print(f"grpo compare: error: {error}", file=sys.stderr)

@@ -18,6 +18,7 @@ from grpo.tools.experiments.runner import (
     DEFAULT_JOBS,
     TRAIN_COMMAND,
     RunSpec,
+    check_run_dirs,
     execute_runs,
     planned_configs,
 )
@@ -32,6 +33,7 @@ from grpo.tools.experiments.stats import (
 )
 from grpo.tools.plots import band_figure, metric_keys, save_figure
 from grpo.training import run_files
+from grpo.training.inputs import ReadPath
 
 LARGE_PLAN = 200
 
@@ -186,22 +188,48 @@ def _stderr(line: str) -> None:
 
 
 def warn_if_large(specs: Sequence[RunSpec], *, what: str, warn: Callable[[str], None]) -> None:
-    """A warning before planning more than LARGE_PLAN runs (each is checked, ~1 s a run)."""
+    """A warning before planning more than LARGE_PLAN runs (each is checked before any starts)."""
     if len(specs) > LARGE_PLAN:
         warn(
             f"warning: {what} of {len(specs)} runs (more than {LARGE_PLAN}): every run is "
-            f"checked first, about {len(specs)} s; progress follows on stderr. Narrow the grid "
-            "or the seeds if that is not meant"
+            "checked first; progress follows on stderr. Narrow the grid or the seeds if that "
+            "is not meant"
         )
+
+
+def check_experiment(
+    specs: Sequence[RunSpec],
+    *,
+    out: Path | None,
+    reads: Sequence[ReadPath],
+    jobs: int,
+    last_steps: int,
+) -> list[TrainConfig]:
+    """Every check an experiment makes before it starts anything, and every run's TrainConfig.
+
+    --jobs and --last-steps, distinct run directories that, where they exist, hold runs of
+    the same settings (`check_run_dirs`), and each run's config and inputs
+    (`planned_configs`). The real run and --dry-run both call this, so a dry run that
+    passes is never refused by the real one for a reason it could have known.
+    """
+    check_positive("--jobs", jobs)
+    check_positive("--last-steps", last_steps)
+    check_run_dirs(specs)
+    return planned_configs(specs, out=out, reads=reads)
 
 
 def dry_run_specs(
     specs: Sequence[RunSpec],
     *,
+    out: Path | None = None,
+    reads: Sequence[ReadPath] = (),
+    jobs: int = DEFAULT_JOBS,
+    last_steps: int = DEFAULT_LAST_STEPS,
     echo: Callable[[str], None] = print,
     progress: Callable[[str], None] = _stderr,
 ) -> None:
-    """`--dry-run`: every planned run's pre-flight and planned tokens (and cost), and the totals.
+    """`--dry-run`: the real run's checks (`check_experiment`), then every planned run's
+    pre-flight and planned tokens (and cost), and the totals.
 
     One service client per backend serves every run's checks; nothing is written or started.
     Past LARGE_PLAN runs a warning comes first; progress goes to `progress` (stderr), every
@@ -225,7 +253,8 @@ def dry_run_specs(
         return services[config.backend]
 
     try:
-        _planned, lines = plan_experiment(planned_configs(specs), service)
+        configs = check_experiment(specs, out=out, reads=reads, jobs=jobs, last_steps=last_steps)
+        _planned, lines = plan_experiment(configs, service)
     finally:
         for client in services.values():
             if hasattr(client, "close"):
@@ -245,15 +274,16 @@ def run_and_report(
     last_steps: int,
     train_command: Sequence[str] = TRAIN_COMMAND,
     echo: Callable[[str], None] = print,
+    reads: Sequence[ReadPath] = (),
 ) -> Any:
     """Validate every run's config, run what is not finished, then write `render`'s report.
 
     Nothing starts unless every planned run's TrainConfig builds (ConfigError names the run
-    and the flag). Returns the report's `result`.
+    and the flag) and `out` is clear of `reads` and of what every run reads. Returns the
+    report's `result`.
     """
-    check_positive("--last-steps", last_steps)
     warn_if_large(specs, what="an experiment", warn=_stderr)
-    planned_configs(specs)
+    check_experiment(specs, out=out, reads=reads, jobs=jobs, last_steps=last_steps)
     execute_runs(specs, jobs=jobs, train_command=train_command, echo=echo)
     runs = [read_run(spec.run_dir) for spec in specs]
     stats = [

@@ -32,6 +32,7 @@ import attrs
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig, check_user_inputs, config_from_dict
 from grpo.training.flags import checked_overrides, train_argv
+from grpo.training.inputs import ReadPath, config_read_paths, refuse_overlap
 from grpo.training.run_files import FINISHED, NEW, UNFINISHED
 
 TRAIN_COMMAND: tuple[str, ...] = (sys.executable, "-m", "grpo", "train")
@@ -71,12 +72,22 @@ def run_dir_name(label: str, seed: int) -> str:
     return re.sub(r"[^A-Za-z0-9._=,+-]", "_", label) + f"-seed{seed}"
 
 
-def planned_configs(specs: Sequence[RunSpec]) -> list[TrainConfig]:
-    """The validated TrainConfig of every planned run; ConfigError naming the run and the flag."""
+def planned_configs(
+    specs: Sequence[RunSpec], *, out: Path | None = None, reads: Sequence[ReadPath] = ()
+) -> list[TrainConfig]:
+    """The validated TrainConfig of every planned run; ConfigError naming the run and the flag.
+
+    The experiment directory `out` (which holds every run directory) is refused when it is,
+    lies inside or holds `reads` (its TOML files) or anything a planned run reads.
+    """
+    if out is not None:
+        refuse_overlap(out, "--out", reads)
     configs = []
     for spec in specs:
         values = {**spec.overrides, "run_dir": str(spec.run_dir)}
         configs.append(config_from_dict(values, where=f"run {spec.run_dir}"))
+        if out is not None:
+            refuse_overlap(out, "--out", config_read_paths(configs[-1], f"run {spec.run_dir}: "))
         check_user_inputs(configs[-1], where=f"run {spec.run_dir}")
     return configs
 
@@ -118,6 +129,25 @@ def check_existing_run(spec: RunSpec) -> None:
             f"{spec.run_dir} holds a run with other settings ({'; '.join(differences)}); "
             "use another --out, or delete that directory to rerun it"
         )
+
+
+def check_run_dirs(specs: Sequence[RunSpec]) -> None:
+    """ValueError when two runs would share a directory (their labels differ only in
+    characters a directory name replaces), or an existing run directory holds a run with
+    other settings; the real experiment and its --dry-run both check this."""
+    first: dict[Path, RunSpec] = {}
+    for spec in specs:
+        other = first.setdefault(spec.run_dir.resolve(), spec)
+        if other is not spec:
+            raise ValueError(
+                f"the configurations {other.label!r} and {spec.label!r} (seed {spec.seed}) "
+                f"would share the run directory {spec.run_dir} (a name keeps A-Z a-z 0-9 and "
+                "._=,+- and turns every other character into '_'); give them names that "
+                "differ in those characters"
+            )
+    for spec in specs:
+        if run_files.run_status(spec.run_dir) != NEW:
+            check_existing_run(spec)
 
 
 @attrs.frozen
@@ -222,17 +252,8 @@ def execute_runs(
     """
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
-    directories = [spec.run_dir.resolve() for spec in specs]
-    shared = sorted({str(path) for path in directories if directories.count(path) > 1})
-    if shared:
-        raise ValueError(
-            f"two runs would share the directory {shared[0]}; "
-            "give the configurations distinct labels"
-        )
+    check_run_dirs(specs)
     statuses = [run_files.run_status(spec.run_dir) for spec in specs]
-    for spec, status in zip(specs, statuses, strict=True):
-        if status != NEW:
-            check_existing_run(spec)
     # Parallel trainers each using every core would oversubscribe the CPUs.
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +21,7 @@ from grpo.tools.experiments.report import (
     Experiment,
     Report,
     add_experiment_arguments,
+    check_positive,
     definitions,
     dry_run_specs,
     experiment_figure,
@@ -49,11 +51,15 @@ from grpo.tools.experiments.stats import (
 from grpo.tools.plots import metric_keys
 from grpo.training.config import FIELD_NAMES
 from grpo.training.flags import read_toml, train_argv
+from grpo.training.inputs import read_paths
 
 SWEEP_FILE = "sweep.json"
 FIGURE_FILE = "curves.png"
 SWEEP_KEYS = ("base", "grid", "runs", "seeds", "rank_by", "rank_order")
 RANK_ORDERS = ("max", "min")
+DEFAULT_MAX_RUNS = 1000
+"""The most runs (configurations x seeds) a sweep plans without --max-runs: every run is
+checked before any starts, and each then trains."""
 
 
 @attrs.frozen
@@ -75,6 +81,12 @@ class SweepPlan(ExperimentPlan):
     path: Path
     rank_by: str
     rank_order: str
+    shape: tuple[int, ...] = ()
+    """The number of values of each [grid] key (empty for [[runs]])."""
+
+    def size(self) -> str:
+        """The plan's size, e.g. "100 x 100 = 10,000 configurations x 1 seed(s) = 10,000 runs"."""
+        return plan_size(self.shape, len(self.configs), len(self.seeds))
 
 
 def _format_setting(value: Any) -> str:
@@ -123,9 +135,30 @@ def check_distinct(configs: Sequence[tuple[str, Mapping[str, Any]]], *, where: s
         )
 
 
-def load_sweep(path: str | Path) -> SweepPlan:
+def plan_size(shape: Sequence[int], configs: int, seeds: int) -> str:
+    """The size of a plan in words: its grid's axes (if any), configurations, seeds, runs."""
+    axes = f"{' x '.join(map(str, shape))} = " if len(shape) > 1 else ""
+    return f"{axes}{configs:,} configurations x {seeds} seed(s) = {configs * seeds:,} runs"
+
+
+def _grid_shape(raw: Mapping[str, Any]) -> tuple[int, ...]:
+    """The number of values of each [grid] key (empty when any is not a non-empty list)."""
+    grid = raw.get("grid")
+    if not isinstance(grid, Mapping) or "runs" in raw:
+        return ()
+    values = list(grid.values())
+    if not values or not all(isinstance(v, (list, tuple)) and v for v in values):
+        return ()
+    return tuple(len(v) for v in values)
+
+
+def load_sweep(path: str | Path, *, max_runs: int = DEFAULT_MAX_RUNS) -> SweepPlan:
     """Read and validate a sweep TOML: `[base]`, `[grid]` (lists, cartesian product) or `[[runs]]`,
-    optional `seeds = [...]`, `rank_by`, `rank_order` ("max" or "min")."""
+    optional `seeds = [...]`, `rank_by`, `rank_order` ("max" or "min").
+
+    A plan of more than `max_runs` runs is refused from the lengths of its lists, before any
+    configuration is built (ValueError naming its size and --max-runs).
+    """
     file = Path(path)
     raw, _text = read_toml(file, what="sweep file")
     for key in raw:
@@ -142,8 +175,6 @@ def load_sweep(path: str | Path) -> SweepPlan:
     if not isinstance(base_raw, Mapping):
         raise ValueError(f"{file}: [base] must be a table of train flags")
     base = normalize_overrides(base_raw, where=f"{file} [base]")
-    configs = _sweep_configs(file, raw)
-    check_distinct(configs, where=str(file))
     seeds = raw.get("seeds", [0])
     if (
         not isinstance(seeds, list)
@@ -153,6 +184,17 @@ def load_sweep(path: str | Path) -> SweepPlan:
         raise ValueError(f"{file}: seeds must be a non-empty list of integers, got {seeds!r}")
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"{file}: seeds lists a seed twice: {seeds!r}")
+    shape = _grid_shape(raw)
+    runs = raw.get("runs")
+    count = math.prod(shape) if shape else len(runs) if isinstance(runs, list) else 0
+    if count * len(seeds) > max_runs:
+        raise ValueError(
+            f"{file}: {plan_size(shape, count, len(seeds))}, more than --max-runs {max_runs:,} "
+            "(every run is checked before any starts, then trained); narrow the grid or the "
+            f"seeds, or pass --max-runs {count * len(seeds)} if that many runs are meant"
+        )
+    configs = _sweep_configs(file, raw)
+    check_distinct(configs, where=str(file))
     rank_by = raw.get("rank_by", "test/reward")
     rank_order = raw.get("rank_order", "max")
     if not isinstance(rank_by, str) or not rank_by:
@@ -168,6 +210,7 @@ def load_sweep(path: str | Path) -> SweepPlan:
         seeds=tuple(seeds),
         rank_by=rank_by,
         rank_order=rank_order,
+        shape=shape,
     )
 
 
@@ -417,6 +460,7 @@ def sweep(
         last_steps=last_steps,
         train_command=train_command,
         echo=echo,
+        reads=read_paths("SWEEP.toml", plan.path),
     )
 
 
@@ -442,6 +486,14 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="max: higher is better, min: lower is better (None: the file's rank_order, else max)",
     )
+    parser.add_argument(
+        "--max-runs",
+        type=int,
+        default=DEFAULT_MAX_RUNS,
+        metavar="N",
+        help="refuse a plan of more than N runs (configurations x seeds), before planning "
+        f"any (default {DEFAULT_MAX_RUNS})",
+    )
     add_experiment_arguments(
         parser, last_steps_help="per-step metrics are averaged over this many last steps"
     )
@@ -450,7 +502,9 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
 def run_sweep(args: argparse.Namespace, *, train_command: Sequence[str] = TRAIN_COMMAND) -> int:
     """`grpo sweep`: 0 if all runs finished and ranked, 1 if not (report written), 2: bad input."""
     try:
-        plan = load_sweep(args.sweep_file)
+        check_positive("--max-runs", args.max_runs)
+        plan = load_sweep(args.sweep_file, max_runs=args.max_runs)
+        print(f"sweep {plan.path}: {plan.size()}", file=sys.stderr, flush=True)
         plan = attrs.evolve(
             plan,
             rank_by=args.rank_by or plan.rank_by,
@@ -458,7 +512,13 @@ def run_sweep(args: argparse.Namespace, *, train_command: Sequence[str] = TRAIN_
         )
         out = Path(args.out) if args.out else Path("runs") / f"sweep-{plan.path.stem}"
         if args.dry_run:
-            dry_run_specs(sweep_specs(plan, out))
+            dry_run_specs(
+                sweep_specs(plan, out),
+                out=out,
+                reads=read_paths("SWEEP.toml", plan.path),
+                jobs=args.jobs,
+                last_steps=args.last_steps,
+            )
             return 0
         ranked = sweep(
             plan, out=out, jobs=args.jobs, last_steps=args.last_steps, train_command=train_command

@@ -37,6 +37,7 @@ from grpo.training.custom_loss import DpoLoss, as_dpo_loss
 from grpo.training.dpo_config import DpoConfig, dpo_to_dict, resolve_dpo_run
 from grpo.training.fields import ConfigError
 from grpo.training.init_from import init_state_path
+from grpo.training.inputs import refuse_run_dir_over_inputs
 from grpo.training.lifecycle import (
     NonFiniteUpdate,
     RunResult,
@@ -229,6 +230,7 @@ def dry_run_dpo(
 ) -> list[str]:
     """`grpo dpo --dry-run`: every check of a run, then its plan; nothing is written."""
     config = resolve_dpo_run(config)
+    refuse_run_dir_over_inputs(config)
     run_dir = Path(str(config.run_dir))
     checkpoint = check_run_dir(run_dir, resume, "dpo")
     if checkpoint is False:
@@ -263,6 +265,7 @@ def dpo(
 ) -> RunResult:
     """Preference optimization for --steps steps over --data's pairs (or continue it)."""
     config = resolve_dpo_run(config)
+    refuse_run_dir_over_inputs(config)
     run_dir = Path(str(config.run_dir))
     with run_files.owned(run_dir):
         checkpoint = check_run_dir(run_dir, resume, "dpo")

@@ -47,6 +47,7 @@ from grpo.tasks.sft_data import SftDataError, load_examples
 from grpo.training import run_files
 from grpo.training.config import FIELDS as TRAIN_FIELDS
 from grpo.training.fields import ConfigError
+from grpo.training.inputs import refuse_run_dir_over_inputs
 from grpo.training.lifecycle import (
     RunResult,
     adam_params,
@@ -220,6 +221,7 @@ def dry_run_sft(
 ) -> list[str]:
     """`grpo sft --dry-run`: every check of a run, then its plan; nothing is written."""
     config = resolve_sft_run(config)
+    refuse_run_dir_over_inputs(config)
     run_dir = Path(str(config.run_dir))
     checkpoint = check_run_dir(run_dir, resume)
     if checkpoint is False:
@@ -278,6 +280,7 @@ def sft(
 ) -> RunResult:
     """Supervised fine-tuning for --epochs passes over --data (or continue it with resume)."""
     config = resolve_sft_run(config)
+    refuse_run_dir_over_inputs(config)
     run_dir = Path(str(config.run_dir))
     with run_files.owned(run_dir):
         checkpoint = check_run_dir(run_dir, resume)
