@@ -52,6 +52,7 @@ __all__ = [
     "load_env_factory",
     "make_group",
     "stop_env_calls_on",
+    "wait_until",
 ]
 
 MAX_REWARD = 1e12  # as grpo.rewards.MAX_REWARD: the largest |reward| of one turn
@@ -212,6 +213,20 @@ def stop_env_calls_on(event: threading.Event) -> Iterator[None]:
 def _stop_requested() -> bool:
     with _stops_lock:
         return any(event.is_set() for event in _stops)
+
+
+def wait_until(poll: Callable[[float], bool], where: str) -> None:
+    """Return once ``poll(timeout_s)`` (a wait of at most timeout_s s) is True, polling in
+    short slices: KeyboardInterrupt when the run is stopping (`stop_env_calls_on`) and it is
+    still waiting 5 s later, EnvError naming `where` when the interpreter starts to exit."""
+    stopped_at: float | None = None
+    while not poll(_POLL_S):
+        if stopped_at is None and _stop_requested():
+            stopped_at = time.monotonic()
+        if stopped_at is not None and time.monotonic() - stopped_at > _STOP_GRACE_S:
+            raise KeyboardInterrupt
+        if _EXITING.is_set() or not threading.main_thread().is_alive():
+            raise EnvError(f"{where}: the run stopped while it waited")
 
 
 def _bounded(fn: Callable[[], Any], where: str, about: str, timeout_s: float) -> Any:

@@ -239,6 +239,12 @@ class TrainConfig:
         "KEY=VALUE for the --env (repeatable); --env openenv:MODULE:CLIENT takes base_url=URL, "
         "action=/observation= MODULE:FUNCTION hooks, the rest go to the server's reset()",
     )
+    env_capacity: int | None = flag(
+        None,
+        "most sessions the --env openenv server holds at once; episodes beyond it wait in a "
+        "queue (default: learnt from the server as the run starts)",
+        AtLeast(1),
+    )
     max_turns: int = flag(4, "most sampled turns of an --env episode", AtLeast(1))
     env_timeout: float = flag(
         60.0,
@@ -467,6 +473,8 @@ class TrainConfig:
                     self.env_arg,
                     timeout_s=self.env_timeout,
                     max_retries=self.max_retries,
+                    capacity=self.env_capacity,
+                    concurrency=self.concurrency,
                 )
             return load_env_factory(self.env)
         except ValueError as error:
@@ -586,6 +594,13 @@ def check_recipe(config: "TrainConfig") -> None:
         raise ConfigError(
             f"--env-arg {config.env_arg[0]} is read by --env openenv:MODULE:CLIENT only (an "
             "in-process --env factory takes its settings in its own code); drop --env-arg"
+        )
+    if config.env_capacity is not None and (
+        config.env is None or not config.env.startswith("openenv:")
+    ):
+        raise ConfigError(
+            f"--env-capacity {config.env_capacity} is read by --env openenv:MODULE:CLIENT only "
+            "(the sessions of an OpenEnv server); drop --env-capacity"
         )
     if config.recipe == "distill" and config.env is not None and config.teacher_system_prompt:
         raise ConfigError(

@@ -137,8 +137,12 @@ def play_episode(
 ) -> tuple[Episode, TokenUsage, list[str]]:
     """One episode: sample a turn, let the env answer, append its rendering; until done or a
     limit. Returns the episode, the sampler usage, and the decoded observation of each turn.
-    An env with a ``close()`` (a network session, `grpo.envs.openenv`) is closed at the end."""
+    An env with a ``wait_for_session(log)`` (a server of few sessions, `grpo.envs.openenv`)
+    waits there first, outside --env-timeout; one with a ``close()`` is closed at the end."""
     try:
+        wait_for_session = getattr(env, "wait_for_session", None)
+        if callable(wait_for_session):
+            wait_for_session(log)
         return _play(sampler, env, tokenizer, limits, seed_for, max_retries=max_retries, log=log)
     finally:
         close = getattr(env, "close", None)

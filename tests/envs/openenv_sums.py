@@ -93,9 +93,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(timeout_s: float = 20.0) -> Iterator[str]:
-    """The sums server on 127.0.0.1 (a free port) in a thread; yields its URL, stops on exit."""
-    app = create_fastapi_app(SumsEnvironment, SumsAction, SumsObservation, max_concurrent_envs=64)
+def serve(timeout_s: float = 20.0, app: Any = None) -> Iterator[str]:
+    """The sums server (or `app`) on 127.0.0.1 (a free port) in a thread; yields its URL, stops
+    on exit."""
+    if app is None:
+        app = create_fastapi_app(
+            SumsEnvironment, SumsAction, SumsObservation, max_concurrent_envs=64
+        )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="openenv-sums", daemon=True)

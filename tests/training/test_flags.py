@@ -142,6 +142,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "mask_truncated": st.booleans(),
     "env": st.none(),
     "env_arg": st.just(()),
+    "env_capacity": st.none(),  # read by --env openenv only (its round trip: tests/envs)
     "judge_model": st.none() | TEXT,
     "judge_url": st.none() | TEXT,
     "judge_api_key_env": st.none() | TEXT,
