@@ -479,6 +479,12 @@ def asample(state: Any, request: Request) -> Reply:
     else:
         base_model = _text(body, "base_model", required=False)
         sampler = _sampler(state, base_model, _text(body, "model_path", required=False))[0]
+    for field in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        if _int(body, field):
+            raise _bad(field, "0 (not served yet)")
+    for field in ("target_prompt_logprobs", "record_stability_info"):
+        if body.get(field):
+            raise _bad(field, "absent (not served yet)")
     tokens = _prompt_tokens(_object(body, "prompt"))
     num_samples = _int(body, "num_samples") or 1
     with_prompt = _flag(body, "prompt_logprobs", False)

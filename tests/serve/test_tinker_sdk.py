@@ -193,8 +193,10 @@ def test_stop_token_is_kept_in_sampled_tokens(server: ServeHandle) -> None:
     assert sequence.tokens == free.tokens[: free.tokens.index(stop_token) + 1]
 
 
-def rl_steps(trainer: Any, sample: Any, steps: int) -> list[float]:
-    """A few rl_loop-shaped steps: sample, score, importance_sampling, Adam; the losses."""
+def rl_steps(trainer: Any, sample: Any, steps: int) -> list[tuple[dict[str, float], float]]:
+    """A few rl_loop-shaped steps: sample, score, importance_sampling, Adam; each step's
+    forward_backward metrics and gradient norm (Adam is blind to a gradient's scale, the
+    norm is not: it tells a summed loss from a divided one)."""
     losses = []
     for step in range(steps):
         prompt = TOKENS[: 3 + step]
@@ -205,8 +207,8 @@ def rl_steps(trainer: Any, sample: Any, steps: int) -> list[float]:
             old = np.concatenate([np.zeros(len(prompt) - 1), logprobs]).astype(np.float32)
             data.append(policy_datum(full, 1.0 if index % 2 else -0.5, old))
         output = trainer.forward_backward(data, "importance_sampling").result()
-        trainer.optim_step(types.AdamParams(learning_rate=5e-3)).result()
-        losses.append(output.metrics)
+        step_metrics = trainer.optim_step(types.AdamParams(learning_rate=5e-3)).result().metrics
+        losses.append((output.metrics, step_metrics["grad_norm"]))
     return losses
 
 
@@ -222,7 +224,8 @@ def test_rl_loop_losses_equal_the_in_process_steps(server: ServeHandle, tmp_path
         response = sampler.sample(types.ModelInput.from_ints(prompt), 4, seeded).result()
         return [(s.tokens, s.logprobs) for s in response.sequences]
 
-    served = [metrics["loss:sum"] for metrics in rl_steps(trainer, sample_served, 3)]
+    served_steps = rl_steps(trainer, sample_served, 3)
+    served = [metrics["loss:sum"] for metrics, _norm in served_steps]
 
     import pytrio
 
@@ -249,9 +252,15 @@ def test_rl_loop_losses_equal_the_in_process_steps(server: ServeHandle, tmp_path
             def optim_step(self, adam: Any) -> Any:
                 return reference.optim_step(pytrio.AdamParams(**adam.model_dump()))
 
-        local_losses = [m["loss_sum"] for m in rl_steps(Reference(), sample_local, 3)]
+        local_steps = rl_steps(Reference(), sample_local, 3)
     assert len(set(served)) == 3  # the steps differ: the weights moved
+    local_losses = [metrics["loss_sum"] for metrics, _norm in local_steps]
     np.testing.assert_allclose(served, local_losses, rtol=LOSS_TOLERANCE, atol=1e-6)
+    np.testing.assert_allclose(
+        [norm for _m, norm in served_steps],
+        [norm for _m, norm in local_steps],
+        rtol=LOSS_TOLERANCE,
+    )
 
 
 def test_refused_requests_are_4xx_naming_the_field_and_the_server_serves_on(
@@ -329,3 +338,63 @@ def test_wrong_key_and_exports(server: ServeHandle, tmp_path: Path) -> None:
     assert lines[0] == f"export TINKER_BASE_URL={server.url}"
     assert lines[1].startswith("export TINKER_API_KEY=tml-")
     assert lines[2] == f"export HF_HUB_CACHE={tmp_path / 'hub' / 'huggingface'}"
+
+
+LOSS_CONFIGS = {
+    "cross_entropy": None,
+    "importance_sampling": None,
+    "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+    "cispo": {"clip_high_threshold": 2.0},
+    "dro": {"beta": 0.2},
+}
+
+
+def test_every_tinker_loss_takes_the_kernel_registry_config(
+    server: ServeHandle, tmp_path: Path
+) -> None:
+    import pytrio
+
+    trainer = service(server).create_lora_training_client(
+        base_model=TINY_MODEL_NAME, rank=RANK, seed=7
+    )
+    trainer = trainer.result()
+    old = np.linspace(-3.0, -1.0, 7).astype(np.float32)
+    datum = policy_datum(TOKENS, 0.7, old)
+    datum.loss_fn_inputs["weights"] = types.TensorData.from_numpy(np.ones(7, np.float32))
+    with LocalServiceClient(root=tmp_path / "local", service_normalization="sum") as local:
+        reference = local.create_lora_training_client(TINY_MODEL_NAME, rank=RANK, seed=7)
+        local_datum = pytrio.Datum(
+            model_input=pytrio.ModelInput.from_ints(TOKENS[:-1]),
+            loss_fn_inputs={k: v.to_numpy() for k, v in datum.loss_fn_inputs.items()},
+        )
+        for loss_fn, config in LOSS_CONFIGS.items():
+            served = trainer.forward([datum], loss_fn, config).result().metrics["loss:sum"]
+            local_loss = reference.forward([local_datum], loss_fn, config).result()
+            assert served == pytest.approx(local_loss.metrics["loss_sum"], rel=1e-5), loss_fn
+    with pytest.raises(tinker.BadRequestError, match="clip_mid"):
+        trainer.forward([datum], "ppo", {"clip_mid": 1.0}).result()
+    with pytest.raises(tinker.BadRequestError, match="importance_sampling, ppo, cispo, dro"):
+        trainer.forward([datum], "gspo").result()
+
+
+def test_a_custom_loss_runs_client_side_and_trains(server: ServeHandle) -> None:
+    import torch
+
+    trainer = service(server).create_lora_training_client(
+        base_model=TINY_MODEL_NAME, rank=RANK, seed=2
+    )
+    trainer = trainer.result()
+    datum = ce_datum(TOKENS, np.ones(7))
+
+    def squared(data: list[Any], logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+        loss = sum((lp**2).sum() for lp in logprobs)
+        return loss, {"squared": float(loss)}
+
+    before = trainer.forward([datum], "cross_entropy").result()
+    expected = float(np.sum(before.loss_fn_outputs[0]["logprobs"].to_numpy() ** 2))
+    out = trainer.forward_backward_custom([datum], squared).result()
+    assert out.metrics["squared"] == pytest.approx(expected, rel=1e-5)
+    trainer.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+    after = trainer.forward([datum], "cross_entropy").result()
+    lp_after = torch.tensor(after.loss_fn_outputs[0]["logprobs"].to_numpy())
+    assert float((lp_after**2).sum()) < expected  # the step lowered the custom loss
