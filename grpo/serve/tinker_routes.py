@@ -164,45 +164,53 @@ def _prompt_tokens(prompt: dict[str, Any] | None) -> list[int]:
 # --- handshake, sessions, capabilities ---------------------------------------------------
 
 
+@_user_errors
 def client_config(state: Any, request: Request) -> Reply:
     """`ClientConfigResponse`: the flags above."""
     request.json()
     return Reply(200, CLIENT_CONFIG)
 
 
+@_user_errors
 def client_dynamic_config(state: Any, request: Request) -> Reply:
     """`ClientDynamicConfigResponse`: no server-side cancellation."""
     return Reply(200, {"refresh_interval_sec": 300, "sample_cancel_enabled": False})
 
 
+@_user_errors
 def health(state: Any, request: Request) -> Reply:
     """`HealthResponse`."""
     return Reply(200, {"status": "ok"})
 
 
+@_user_errors
 def telemetry(state: Any, request: Request) -> Reply:
     """`TelemetryResponse`: accepted, dropped."""
     return Reply(200, {"status": "accepted"})
 
 
+@_user_errors
 def create_session(state: Any, request: Request) -> Reply:
     """`CreateSessionResponse`."""
     request.json()
     return Reply(200, {"type": "create_session", "session_id": state.tinker.create_session()})
 
 
+@_user_errors
 def session_heartbeat(state: Any, request: Request) -> Reply:
     """`SessionHeartbeatResponse`."""
     state.tinker.session(_text(request.json(), "session_id"))
     return Reply(200, {"type": "session_heartbeat"})
 
 
+@_user_errors
 def finish_session(state: Any, request: Request, session_id: str) -> Reply:
     """Finish a session (its training clients are freed); empty 200."""
     state.tinker.finish_session(session_id)
     return Reply(200)
 
 
+@_user_errors
 def server_capabilities(state: Any, request: Request) -> Reply:
     """`GetServerCapabilitiesResponse`: every served model and alias, trainable and sampleable."""
     catalogue = state.registry.catalogue
@@ -277,6 +285,7 @@ def _model_id(body: dict[str, Any]) -> str:
     return f"{body['session_id']}:train:{seq}"
 
 
+@_user_errors
 def get_info(state: Any, request: Request) -> Reply:
     """`GetInfoResponse` of a training client."""
     model = state.tinker.model(_text(request.json(), "model_id"))
@@ -462,6 +471,7 @@ def create_sampling_session(state: Any, request: Request) -> Reply:
     return Reply(200, {"type": "create_sampling_session", "sampling_session_id": session})
 
 
+@_user_errors
 def get_sampler(state: Any, request: Request, sampler_id: str) -> Reply:
     """`GetSamplerResponse`."""
     _sampler_client, base, path = state.tinker.sampler(sampler_id)
@@ -499,10 +509,14 @@ def asample(state: Any, request: Request) -> Reply:
             logprobs = [None] * (len(logprobs) - last_n) + logprobs[-last_n:]
         return encode_sample(response, logprobs)
 
-    future = local_call(
-        lambda: sampler.sample(ModelInput.from_ints(tokens), num_samples, params, with_prompt)
-    )
-    request_id = state.tinker.add_future(running(future, finish, proto=True))
+    def start() -> Pending:
+        prompt = ModelInput.from_ints(tokens)
+        future = local_call(lambda: sampler.sample(prompt, num_samples, params, with_prompt))
+        return running(future, finish, proto=True)
+
+    seq_id = _int(body, "seq_id")
+    key = None if session is None or seq_id is None else (session, seq_id)
+    request_id = state.tinker.sample_once(key, start)
     ids = [f"{request_id}-{index}" for index in range(num_samples)]
     return _future(request_id, None, sample_sequence_ids=ids)
 
@@ -510,6 +524,7 @@ def asample(state: Any, request: Request) -> Reply:
 # --- futures -------------------------------------------------------------------------------
 
 
+@_user_errors
 def retrieve_future(state: Any, request: Request) -> Reply:
     """The future's result once done (long poll), ``try_again`` while it runs, or the
     failure as a finished future ``{error, category}``."""

@@ -78,6 +78,7 @@ class TinkerService:
         self._samplers: collections.OrderedDict[str, tuple[LocalSamplingClient, str, str | None]]
         self._samplers = collections.OrderedDict()
         self._futures: collections.OrderedDict[str, Pending] = collections.OrderedDict()
+        self._samples: collections.OrderedDict[tuple[str, int], str] = collections.OrderedDict()
 
     # --- sessions ----------------------------------------------------------------------
 
@@ -180,6 +181,21 @@ class TinkerService:
         if found is None:
             raise not_found("sampling_session_id", session_id)
         return found
+
+    def sample_once(self, key: tuple[str, int] | None, start: Callable[[], Pending]) -> str:
+        """The request id of sample request `key` (sampling session, seq_id): the one already
+        made for a retry, else `start()`ed now (no key: always started)."""
+        if key is None:
+            return self.add_future(start())
+        with self._lock:
+            if key in self._samples:
+                return self._samples[key]
+        request_id = self.add_future(start())
+        with self._lock:
+            request_id = self._samples.setdefault(key, request_id)
+            while len(self._samples) > _FUTURES_KEPT:
+                self._samples.popitem(last=False)
+        return request_id
 
     # --- futures -----------------------------------------------------------------------
 

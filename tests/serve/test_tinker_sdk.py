@@ -322,6 +322,19 @@ def test_seq_id_order_and_idempotent_retries(server: ServeHandle) -> None:
     assert result(later)["metrics"]["optimizer_step"] == 2.0
     assert step(2)["request_id"] == later["request_id"]  # a retried seq_id: the same future
     assert result(step(3))["metrics"]["optimizer_step"] == 3.0
+    sampling = {"session_id": session["session_id"], "sampling_session_seq_id": 0}
+    sampler = post(
+        server, "/api/v1/create_sampling_session", {**sampling, "base_model": model["base_model"]}
+    )[1]
+    ask = {
+        "sampling_session_id": sampler["sampling_session_id"],
+        "seq_id": 0,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": TOKENS}]},
+        "sampling_params": {"max_tokens": 3},
+    }
+    first = post(server, "/api/v1/asample", ask)[1]
+    assert post(server, "/api/v1/asample", ask)[1] == first  # a retried sample: same future
+    assert post(server, "/api/v1/asample", {**ask, "seq_id": 1})[1] != first
 
 
 def test_wrong_key_and_exports(server: ServeHandle, tmp_path: Path) -> None:
@@ -398,3 +411,62 @@ def test_a_custom_loss_runs_client_side_and_trains(server: ServeHandle) -> None:
     after = trainer.forward([datum], "cross_entropy").result()
     lp_after = torch.tensor(after.loss_fn_outputs[0]["logprobs"].to_numpy())
     assert float((lp_after**2).sum()) < expected  # the step lowered the custom loss
+
+
+HOSTILE = (None, -1, 10**30, 1.5, True, "x" * 5000, "\x00", "../../etc", [["n"]], {"a": 1}, [-3])
+
+
+def test_hostile_fields_on_every_tinker_body_are_4xx_naming_something(server: ServeHandle) -> None:
+    session = post(server, "/api/v1/create_session", {"tags": [], "sdk_version": "x"})[1]
+    sid = session["session_id"]
+    model = {"session_id": sid, "model_seq_id": 0, "base_model": TINY_MODEL_NAME}
+    model_id = post(server, "/api/v1/create_model", {**model, "lora_config": {"rank": 4}})[1][
+        "model_id"
+    ]
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
+    bodies = {
+        "create_model": {**model, "model_seq_id": 1, "lora_config": {"rank": 4, "seed": 1}},
+        "optim_step": {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-4}},
+        "save_weights": {"model_id": model_id, "path": "w", "seq_id": 2},
+        "save_weights_for_sampler": {"model_id": model_id, "path": "s", "seq_id": 3},
+        "load_weights": {"session_id": sid, "model_seq_id": 2, "path": "tinker://a/weights/b"},
+        "create_sampling_session": {
+            "session_id": sid,
+            "sampling_session_seq_id": 0,
+            "base_model": TINY_MODEL_NAME,
+        },
+        "asample": {
+            "base_model": TINY_MODEL_NAME,
+            "prompt": prompt,
+            "num_samples": 1,
+            "sampling_params": {"max_tokens": 2},
+            "prompt_logprobs": False,
+        },
+        "retrieve_future": {"request_id": "nope"},
+        "get_info": {"model_id": model_id},
+        "session_heartbeat": {"session_id": sid},
+    }
+    failures, tried = [], 0
+    for name, valid in bodies.items():
+        cases = [{k: v for k, v in valid.items() if k != field} for field in valid]
+        cases += [{**valid, field: value} for field in valid for value in HOSTILE]
+        for body in cases:
+            status, reply = post(server, f"/api/v1/{name}", body)
+            tried += 1
+            if status >= 500 or status == 409 or (status >= 400 and not reply.get("message")):
+                failures.append((name, body, status, reply))
+    garbage = urllib.request.Request(
+        f"{server.url}/api/v1/forward_backward",
+        data=bytes(range(256)),
+        headers={"Content-Type": "application/x-protobuf", "X-API-Key": TINKER_KEY},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(garbage, timeout=10)
+    assert refused.value.code == 400
+    assert not failures, failures[:5]
+    assert tried > 300
+    # The server serves on: a good request after the sweep, through the SDK.
+    sampler = service(server).create_sampling_client(base_model=TINY_MODEL_NAME).result()
+    prompt_input = types.ModelInput.from_ints([1, 2, 3])
+    sampled = sampler.sample(prompt_input, 1, types.SamplingParams(max_tokens=2)).result()
+    assert len(sampled.sequences[0].tokens) == 2
