@@ -381,6 +381,8 @@ def save_weights_for_sampler(state: Any, request: Request) -> Reply:
     name = _text(body, "path", required=False)
     kind = "save_weights_for_sampler"
     ttl = _int(body, "ttl_seconds")
+    if body.get("kind", "snapshot") != "snapshot":
+        raise _bad("kind", "'snapshot' (inflight sampling clients are not served yet)")
 
     def start() -> Pending:
         if name is None:
