@@ -470,3 +470,18 @@ def test_hostile_fields_on_every_tinker_body_are_4xx_naming_something(server: Se
     prompt_input = types.ModelInput.from_ints([1, 2, 3])
     sampled = sampler.sample(prompt_input, 1, types.SamplingParams(max_tokens=2)).result()
     assert len(sampled.sequences[0].tokens) == 2
+
+
+def test_a_server_without_the_tinker_package_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from grpo.serve.tinker_wire import decode_forward_backward
+    from grpo.serve.wire import ServeError
+
+    monkeypatch.setitem(sys.modules, "tinker.proto", None)  # import fails as if absent
+    with pytest.raises(ServeError) as refused:
+        decode_forward_backward(b"")
+    assert refused.value.status == 400
+    assert "pip install 'grpo[tinker]'" in refused.value.message
