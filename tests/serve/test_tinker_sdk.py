@@ -485,3 +485,23 @@ def test_a_server_without_the_tinker_package_says_how_to_get_it(
         decode_forward_backward(b"")
     assert refused.value.status == 400
     assert "pip install 'grpo[tinker]'" in refused.value.message
+
+
+def test_retrieve_future_long_polls_then_answers_try_again_while_running(
+    server: ServeHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from concurrent.futures import Future
+
+    from grpo.serve import tinker_routes
+    from grpo.serve.tinker_service import Pending
+
+    monkeypatch.setattr(tinker_routes, "MAX_LONG_POLL_S", 0.3)
+    future: Future = Future()
+    request_id = server.state.tinker.add_future(Pending(future))
+    started = time.monotonic()
+    status, body = post(server, "/api/v1/retrieve_future", {"request_id": request_id})
+    assert time.monotonic() - started >= 0.3  # it waited before answering
+    assert (status, body["type"], body["request_id"]) == (200, "try_again", request_id)
+    threading.Timer(0.1, lambda: future.set_result({"metrics": {"x": 1.0}})).start()
+    status, body = post(server, "/api/v1/retrieve_future", {"request_id": request_id})
+    assert (status, body) == (200, {"metrics": {"x": 1.0}})  # answered as soon as it finished
