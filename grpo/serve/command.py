@@ -19,6 +19,7 @@ from grpo.serve.faults import FaultPlan, parse_fault
 from grpo.serve.limits import MAX_CONNECTIONS, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S
 from grpo.serve.routes import OPERATIONS
 from grpo.serve.server import LOOPBACK_HOSTS, ServeHandle, start_server
+from grpo.serve.tinker_routes import tinker_exports
 
 DEFAULT_PORT = 8765
 
@@ -236,6 +237,9 @@ def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) 
         f"OpenAI-compatible API (chat/completions, completions, models): {handle.url}/v1 "
         "(OPENAI_BASE_URL), the same key (OPENAI_API_KEY)"
     )
+    echo("In the shell that runs your Tinker program (the tinker SDK, tinker-cookbook):")
+    for line in tinker_exports(handle.url, hub, keyed=api_key is not None):
+        echo(f"  {line}")
     echo("Ctrl-C stops the server.")
     # Ctrl-C and SIGTERM stop it, even when started in the background (SIGINT ignored there).
     previous = {

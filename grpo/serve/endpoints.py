@@ -23,6 +23,7 @@ from grpo.serve.events import TrainerEvents
 from grpo.serve.messages import Reply, Request, field_errors
 from grpo.serve.registry import RunRegistry
 from grpo.serve.sampling import sample
+from grpo.serve.tinker_service import TinkerService
 from grpo.serve.wire import API_KEY_INFO, ServeError, bootstrap
 
 _HEARTBEAT_MS = 60_000
@@ -30,10 +31,12 @@ _HEARTBEAT_MS = 60_000
 
 @attrs.frozen
 class ServeState:
-    """What the endpoints serve: the run registry and the trainer events on its runs."""
+    """What the endpoints serve: the run registry, the trainer events on its runs, and the
+    Tinker route's sessions, models and futures."""
 
     registry: RunRegistry
     events: TrainerEvents
+    tinker: TinkerService
 
 
 def _page(request: Request, default_limit: int) -> tuple[int, int]:

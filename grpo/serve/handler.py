@@ -41,6 +41,7 @@ from grpo.serve.limits import (
 )
 from grpo.serve.messages import Reply, Request, error_body
 from grpo.serve.routes import ROUTES, Route
+from grpo.serve.tinker_routes import TINKER_KEY_PREFIX, TINKER_PREFIX
 from grpo.serve.wire import ServeError
 
 
@@ -227,13 +228,19 @@ class _Handler(BaseHTTPRequestHandler):
         elif key is None or auth == "none":
             return
         elif auth == "control" and not (
-            same_secret(request.headers.get("X-API-Key"), key) | same_secret(bearer, key)
+            same_secret(request.headers.get("X-API-Key"), key)
+            | same_secret(request.headers.get("X-API-Key"), TINKER_KEY_PREFIX + key)
+            | same_secret(bearer, key)
         ):
+            variable = (
+                f"TINKER_API_KEY to {TINKER_KEY_PREFIX}KEY (the SDK wants that prefix), KEY"
+                if request.path.startswith(TINKER_PREFIX)
+                else "PYTRIO_API_KEY to the key"
+            )
             raise ServeError(
                 401,
                 "unauthorized",
-                "missing or wrong API key; set PYTRIO_API_KEY to the key "
-                "given to `grpo serve --api-key`",
+                f"missing or wrong API key; set {variable} given to `grpo serve --api-key`",
             )
         elif auth == "actor" and bearer not in self.server.state.registry.actor_tokens:
             raise ServeError(401, "unauthorized", "missing or unknown actor token")
@@ -248,7 +255,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, reply: Reply) -> None:
         if isinstance(reply.body, bytes):
-            payload, content_type = reply.body, "application/octet-stream"
+            payload = reply.body
+            content_type = reply.content_type or "application/octet-stream"
         elif reply.body is None:
             payload, content_type = b"", "application/json"
         elif reply.msgpack:

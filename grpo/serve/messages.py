@@ -109,6 +109,7 @@ class Reply:
     status: int
     body: Any = None  # dict -> JSON (or msgpack when `msgpack`), bytes -> as is, None -> empty
     msgpack: bool = False
+    content_type: str | None = None  # of a bytes body (default application/octet-stream)
 
 
 def error_body(code: str, message: str, path: str) -> dict[str, Any]:

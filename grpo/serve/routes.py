@@ -17,6 +17,7 @@ from collections.abc import Callable
 import attrs
 
 from grpo.serve import endpoints, openai_endpoints
+from grpo.serve import tinker_routes as tinker
 from grpo.serve.events import EVENT_OPERATIONS, event_operation
 from grpo.serve.messages import Reply, Request
 
@@ -188,6 +189,30 @@ ROUTES: tuple[Route, ...] = (
     ),
     Route("POST", "/v1/completions", openai_endpoints.completions, operation="completions"),
     Route("GET", "/v1/models", openai_endpoints.list_models, operation="list_openai_models"),
+    *(  # Tinker's protocol (the official `tinker` SDK), grpo.serve.tinker_routes
+        Route(method, f"/api/v1/{path}", handler, operation=f"tinker_{name}")
+        for method, path, handler, name in (
+            ("POST", "client/config", tinker.client_config, "client_config"),
+            ("POST", "client/dynamic_config", tinker.client_dynamic_config, "client_config"),
+            ("GET", "healthz", tinker.health, "healthz"),
+            ("POST", "telemetry", tinker.telemetry, "telemetry"),
+            ("POST", "create_session", tinker.create_session, "create_session"),
+            ("POST", "session_heartbeat", tinker.session_heartbeat, "session_heartbeat"),
+            ("POST", f"sessions/{_ID}/finish", tinker.finish_session, "finish_session"),
+            ("GET", "get_server_capabilities", tinker.server_capabilities, "capabilities"),
+            ("POST", "create_model", tinker.create_model, "create_model"),
+            ("POST", "get_info", tinker.get_info, "get_info"),
+            ("POST", "forward_backward", tinker.forward_backward, "forward_backward"),
+            ("POST", "optim_step", tinker.optim_step, "optim_step"),
+            ("POST", "save_weights", tinker.save_weights, "save_weights"),
+            ("POST", "save_weights_for_sampler", tinker.save_weights_for_sampler, "save_sampler"),
+            ("POST", "load_weights", tinker.load_weights, "load_weights"),
+            ("POST", "create_sampling_session", tinker.create_sampling_session, "sampler"),
+            ("GET", f"samplers/{_ID}", tinker.get_sampler, "get_sampler"),
+            ("POST", "asample", tinker.asample, "asample"),
+            ("POST", "retrieve_future", tinker.retrieve_future, "retrieve_future"),
+        )
+    ),
     Route(
         "GET",
         r"/files/checkpoints/([^/]+)\.tar",

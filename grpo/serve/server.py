@@ -18,6 +18,7 @@ from grpo.serve.faults import FaultPlan
 from grpo.serve.handler import HTTPServer
 from grpo.serve.limits import MAX_CONNECTIONS, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S
 from grpo.serve.registry import RunRegistry
+from grpo.serve.tinker_service import TinkerService
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -113,7 +114,11 @@ def start_server(
         server.server_close()
         local.close()
         raise
-    server.state = ServeState(registry, TrainerEvents(registry, server.stopping))
+    server.state = ServeState(
+        registry,
+        TrainerEvents(registry, server.stopping),
+        TinkerService(registry, server.stopping),
+    )
     return server, local
 
 

@@ -188,8 +188,11 @@ class LocalServiceClient:
         train_mlp: bool = True,
         train_attn: bool = True,
         train_unembed: bool = True,
+        *,
+        service_normalization: str | None = None,
     ) -> LocalTrainingClient:
-        """A training client on a fresh LoRA (alpha 32, A seeded by `seed`, B zero)."""
+        """A training client on a fresh LoRA (alpha 32, A seeded by `seed`, B zero); its
+        gradient scale is `service_normalization` (default: this service's)."""
         spec = LoraSpec(
             rank=rank,
             seed=self._engine.draw_seed() if seed is None else seed,
@@ -197,8 +200,10 @@ class LocalServiceClient:
             train_attn=train_attn,
             train_unembed=train_unembed,
         )
+        normalization = service_normalization or self._normalization
+        BatchTotals(1, 0, 0).gradient_scale(normalization)  # ValueError if unknown
         host = self._engine.load(base_model)
-        return LocalTrainingClient(self._engine, host, spec, self._normalization)
+        return LocalTrainingClient(self._engine, host, spec, normalization)
 
     async def create_lora_training_client_async(
         self,
