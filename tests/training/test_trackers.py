@@ -1,0 +1,349 @@
+"""--log-to: every tracker gets every step's metrics exactly once, offline, across a kill -9
+and a resume; a tracker that fails is one line and never stops training; no API key is
+written anywhere. The trackers are read back with their own readers: W&B's offline
+transaction log (decoded with W&B's own protobuf records), TensorBoard's EventAccumulator,
+Trackio's local SQLite store."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from grpo.training import run_files
+from grpo.training.faults import FAULT_ENV
+from grpo.training.trackers.fanout import chartable
+from tests.runs import quiet_train, tiny_config
+
+
+def needs(*packages: str) -> None:
+    """Skip, saying how to install them, unless the trackers' packages are installed."""
+    for package in packages:
+        pytest.importorskip(package, reason="pip install -e '.[trackers]' runs this test")
+
+
+FLAGS = [
+    *("--steps", "4", "--batch-size", "2", "--group-size", "4", "--max-tokens", "16"),
+    *("--eval-every", "2", "--eval-limit", "4", "--save-every", "2", "--concurrency", "4"),
+    *("--num-substeps", "1", "--seed", "0", "--swanlab-project", "grpo-tests"),
+    *("--log-to", "wandb", "--log-to", "tensorboard", "--log-to", "trackio"),
+]
+SECRET = "sk-test-0123456789abcdef-never-written"
+TIMEOUT_S = 240
+
+
+def _env(tmp_path: Path, fault: str | None = None) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    env.update(TRACKIO_DIR=str(tmp_path / "trackio"), WANDB_API_KEY=SECRET)
+    env.pop(FAULT_ENV, None)
+    if fault:
+        env[FAULT_ENV] = fault
+    return env
+
+
+def _grpo(tmp_path: Path, *argv: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "grpo", "train", *argv],
+        env=_env(tmp_path, fault),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+
+
+# --- the trackers' own readers -----------------------------------------------------------
+
+
+def wandb_history(wandb_dir: Path) -> list[tuple[int, dict[str, float]]]:
+    """(step, metrics) of every history record in the W&B offline runs under ``wandb_dir``.
+
+    A ``.wandb`` file is W&B's header (7 bytes) then LevelDB log records (32 KiB blocks,
+    7-byte headers: CRC, length, type) whose payloads are W&B's ``Record`` protobufs.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    history = []
+    for path in sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        data, position, payload = path.read_bytes(), 7, b""
+        while position + 7 <= len(data):
+            left_in_block = 32768 - position % 32768
+            if left_in_block < 7:
+                position += left_in_block
+                continue
+            length, kind = struct.unpack("<HB", data[position + 4 : position + 7])
+            if length == 0 and kind == 0:
+                position += left_in_block  # zero padding to the block's end
+                continue
+            payload += data[position + 7 : position + 7 + length]
+            position += 7 + length
+            if kind in (1, 4):  # FULL or LAST: one record done
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(payload)
+                payload = b""
+                if record.WhichOneof("record_type") == "history":
+                    items = {
+                        item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                        for item in record.history.item
+                    }
+                    step = int(items.pop("_step"))
+                    metrics = {k: v for k, v in items.items() if not k.startswith("_")}
+                    history.append((step, metrics))
+    return history
+
+
+def tensorboard_scalars(log_dir: Path) -> list[tuple[int, dict[str, float]]]:
+    """(step, metrics) per scalar event, as TensorBoard shows them (purged steps dropped)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return [
+        (event.step, {tag: event.value})
+        for tag in accumulator.Tags()["scalars"]
+        for event in accumulator.Scalars(tag)
+    ]
+
+
+def trackio_logs(trackio_dir: Path, project: str, run: str) -> list[tuple[int, dict[str, float]]]:
+    """(step, metrics) of every row Trackio's local store in ``trackio_dir`` holds for ``run``
+    (read in a child process: Trackio fixes its directory when imported)."""
+    reader = (
+        "import json, sys; from trackio.sqlite_storage import SQLiteStorage; "
+        "print(json.dumps(SQLiteStorage.get_logs(sys.argv[1], sys.argv[2])))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", reader, project, run],
+        env={**os.environ, "TRACKIO_DIR": str(trackio_dir)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return [
+        (row["step"], {k: v for k, v in row.items() if k not in ("step", "timestamp")})
+        for row in json.loads(result.stdout.strip().splitlines()[-1])
+    ]
+
+
+def assert_once_each(
+    what: str, received: Sequence[tuple[int, Mapping[str, Any]]], rows: Sequence[Mapping[str, Any]]
+) -> None:
+    """Every metric of every metrics.jsonl row reached the tracker once, at its step."""
+    seen: dict[tuple[int, str], list[float]] = {}
+    for step, metrics in received:
+        for key, value in metrics.items():
+            seen.setdefault((step, key), []).append(value)
+    expected = {
+        (row["step"], key): value
+        for row in rows
+        for key, value in chartable(row).items()
+        if key != "step"
+    }
+    twice = {key: values for key, values in seen.items() if len(values) > 1}
+    assert not twice, f"{what} got these more than once: {sorted(twice)[:5]}"
+    missing = sorted(set(expected) - set(seen))
+    assert not missing, f"{what} lacks {missing[:5]}"
+    extra = sorted(set(seen) - set(expected))
+    assert not extra, f"{what} has steps metrics.jsonl has not: {extra[:5]}"
+    for (step, key), value in expected.items():
+        if not key.startswith("time/"):  # a redone step's timings differ from the killed one's
+            assert seen[step, key][0] == pytest.approx(value, rel=1e-5, abs=1e-6), (what, step, key)
+
+
+# --- the tests -----------------------------------------------------------------------------
+
+
+def test_every_tracker_gets_every_step_once_across_a_kill_and_resume(tmp_path: Path) -> None:
+    needs("wandb", "tensorboard", "trackio")
+    run_dir = tmp_path / "tracked"
+    started = time.monotonic()
+    first = _grpo(tmp_path, *FLAGS, "--run-dir", str(run_dir), fault="log:5:SIGKILL")
+    assert first.returncode == -9, first.stderr[-2000:]
+    assert run_files.read_checkpoint(run_dir).step == 2
+    second = _grpo(tmp_path, "--resume", str(run_dir))
+    assert second.returncode == 0, second.stderr[-2000:]
+    elapsed = time.monotonic() - started
+
+    rows = run_files.read_metrics(run_dir)
+    assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
+    assert_once_each("W&B", wandb_history(run_dir / "trackers" / "wandb"), rows)
+    assert len(list((run_dir / "trackers" / "wandb").glob("wandb/offline-run-*"))) == 2
+    run_ids = {p.name.rsplit("-", 1)[1] for p in (run_dir / "trackers/wandb").glob("wandb/off*")}
+    assert len(run_ids) == 1, "the resumed launch continues the same W&B run"
+    assert_once_each("TensorBoard", tensorboard_scalars(run_dir / "trackers" / "tensorboard"), rows)
+    assert_once_each("Trackio", trackio_logs(tmp_path / "trackio", "grpo-tests", "tracked"), rows)
+    # The API key in the environment reached no file of the run.
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+    print(f"two launches with W&B, TensorBoard and Trackio: {elapsed:.1f}s")
+
+
+# --- the fan-out, with trackers that record, fail or hang ---------------------------------
+
+
+class Recording:
+    """A tracker that records what it gets; ``held`` is what its own store says it holds."""
+
+    def __init__(self, name: str, *, rewinds: bool = False, held: int | None = None) -> None:
+        self.name, self.rewinds, self.held = name, rewinds, held
+        self.started: list[int | None] = []
+        self.steps: list[int] = []
+        self.finished = 0
+
+    def start(self, run: Any, config: Mapping[str, Any], resume_step: int | None) -> None:
+        self.started.append(resume_step)
+
+    def held_through(self) -> int | None:
+        return self.held
+
+    def log(self, step: int, metrics: Mapping[str, float], texts: Any) -> None:
+        self.steps.append(step)
+
+    def finish(self) -> None:
+        self.finished += 1
+
+
+def _run_info(tmp_path: Path) -> Any:
+    from grpo.training.trackers.base import RunInfo
+
+    return RunInfo(tmp_path, "r", "p", None, ("grpo",), "disabled")
+
+
+def _feed(tmp_path: Path, trackers: list[Any], resume_step: int, live: range, **kw: Any) -> None:
+    from grpo.training.trackers.fanout import TrackerSet
+
+    by_name = {tracker.name: tracker for tracker in trackers}
+    rows = [{"step": step, "reward": step / 10} for step in range(resume_step + 1)]
+    fanout = TrackerSet(
+        list(by_name),
+        _run_info(tmp_path),
+        {},
+        resume_step=resume_step,
+        replay_rows=rows,
+        note=kw.get("note", print),
+        factory=by_name.__getitem__,
+    )
+    for step in live:
+        fanout.log(step, {"reward": step / 10}, [])
+        time.sleep(kw.get("step_s", 0))
+    fanout.close()
+
+
+def test_a_resume_sends_each_tracker_exactly_the_steps_it_lacks(tmp_path: Path) -> None:
+    # The first launch: steps 0..5 reach both; a checkpoint at 3, then a kill.
+    first = [Recording("appends"), Recording("rewinds", rewinds=True)]
+    _feed(tmp_path, first, 0, range(0, 6))
+    assert [tracker.steps for tracker in first] == [list(range(6))] * 2
+    # Resumed at 3: the append-only one keeps 4 and 5 (its store says so) and gets 6 on;
+    # the rewinding one (TensorBoard's purge) gets 4 and 5 again, as metrics.jsonl does.
+    appends, rewinds = Recording("appends", held=5), Recording("rewinds", rewinds=True)
+    _feed(tmp_path, [appends, rewinds], 3, range(4, 8))
+    assert appends.steps == [6, 7] and rewinds.steps == [4, 5, 6, 7]
+    assert appends.started == rewinds.started == [3]
+    # A store that lost the steps a kill caught in flight: the missing ones up to the
+    # checkpoint are replayed from metrics.jsonl, the rest redone.
+    lost = Recording("appends", held=1)
+    _feed(tmp_path, [lost], 3, range(4, 6))
+    assert lost.steps == [2, 3, 4, 5]
+    # No word from the store: the fan-out's own record (trackers/appends.json) says 5, the
+    # last step sent above, so a resume at 7 replays 6 and 7 only.
+    unknown = Recording("appends", held=None)
+    _feed(tmp_path, [unknown], 7, range(8, 10))
+    assert unknown.steps == [6, 7, 8, 9]
+    # A run that starts over (no checkpoint) sends everything again, to a new tracker run.
+    fresh = Recording("appends", held=None)
+    _feed(tmp_path, [fresh], 0, range(0, 3))
+    assert fresh.steps == [0, 1, 2] and fresh.started == [None]
+
+
+class Failing(Recording):
+    """Raises in ``start`` (when ``at`` is None) or when logging step ``at``."""
+
+    def __init__(self, name: str, at: int | None) -> None:
+        super().__init__(name)
+        self.at = at
+
+    def start(self, run: Any, config: Mapping[str, Any], resume_step: int | None) -> None:
+        if self.at is None:
+            raise RuntimeError("no login")
+
+    def log(self, step: int, metrics: Mapping[str, float], texts: Any) -> None:
+        if step == self.at:
+            raise ConnectionError("network gone\nfor good")
+        super().log(step, metrics, texts)
+
+
+class Hanging(Recording):
+    """Never returns from ``log`` of step 1 (a tracker stuck on a dead network)."""
+
+    def log(self, step: int, metrics: Mapping[str, float], texts: Any) -> None:
+        if step == 1:
+            time.sleep(3600)
+        super().log(step, metrics, texts)
+
+
+def test_a_failing_or_hanging_tracker_is_one_line_and_never_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from grpo.training.trackers import fanout
+
+    monkeypatch.setattr(fanout, "QUEUE_STEPS", 5)
+    monkeypatch.setattr(fanout, "FINISH_TIMEOUT_S", 1.0)
+    lines: list[str] = []
+    good = Recording("good")
+    trackers = [Failing("nostart", None), Failing("crashes", 2), Hanging("hangs"), good]
+    started = time.monotonic()
+    _feed(tmp_path, trackers, 0, range(0, 20), note=lines.append, step_s=0.02)
+    assert time.monotonic() - started < 3, "a tracker slowed the run"
+    assert good.steps == list(range(20)) and good.finished == 1
+    assert trackers[1].steps == [0, 1]
+    assert sorted(lines) == [
+        "crashes failed (ConnectionError: network gone for good); logging to the other "
+        "trackers and metrics.jsonl",
+        "hangs is 5 steps behind; logging to the other trackers and metrics.jsonl",
+        "nostart failed (RuntimeError: no login); logging to the other trackers and metrics.jsonl",
+    ]
+
+
+def test_a_tracker_that_is_not_installed_is_one_line_and_the_run_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from grpo.training.run import train
+
+    needs("tensorboard")
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    lines: list[str] = []
+    config = tiny_config(tmp_path, log_to=("wandb", "tensorboard"))
+    result = train(config, echo=lines.append, progress=False)
+    rows = run_files.read_metrics(result.run_dir)
+    assert [row["step"] for row in rows] == [1, 2]
+    (line,) = [line for line in lines if "wandb" in line and "[grpo] done" not in line]
+    assert "pip install 'grpo[wandb]'" in line and "other trackers" in line
+    assert_once_each(
+        "TensorBoard", tensorboard_scalars(result.run_dir / "trackers/tensorboard"), rows
+    )
+
+
+@pytest.mark.parametrize("recipe", ["distill", "sft", "dpo"])
+def test_every_recipe_logs_each_row_to_tensorboard_once(tmp_path: Path, recipe: str) -> None:
+    needs("tensorboard")
+    if recipe == "distill":
+        from tests.training.test_distill import distill_config
+
+        result = quiet_train(distill_config(tmp_path, "run", log_to=("tensorboard",)))
+    else:
+        module = __import__(f"tests.training.test_{recipe}", fromlist=["_config", "_quiet"])
+        result = module._quiet(module._config(tmp_path, "run", log_to=("tensorboard",)))
+    rows = run_files.read_metrics(result.run_dir)
+    assert len(rows) >= 2
+    assert_once_each(recipe, tensorboard_scalars(result.run_dir / "trackers/tensorboard"), rows)
