@@ -347,3 +347,58 @@ def test_every_recipe_logs_each_row_to_tensorboard_once(tmp_path: Path, recipe: 
     rows = run_files.read_metrics(result.run_dir)
     assert len(rows) >= 2
     assert_once_each(recipe, tensorboard_scalars(result.run_dir / "trackers/tensorboard"), rows)
+
+
+# --- the flag --------------------------------------------------------------------------
+
+
+def test_log_to_round_trips_through_the_command_line_toml_and_config_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from grpo.cli import build_parser, main
+    from grpo.training.config import ConfigError, TrainConfig, config_from_dict, to_dict
+    from grpo.training.flags import config_from_args, load_toml, train_argv
+    from grpo.training.sft_config import SftConfig
+
+    argv = train_argv({"log_to": ("wandb", "tensorboard")})
+    assert argv == ["--log-to", "wandb", "--log-to", "tensorboard"]
+    parsed, _ = config_from_args(build_parser().parse_args(["train", *argv]))
+    assert parsed.log_to == ("wandb", "tensorboard")
+    toml = tmp_path / "run.toml"
+    toml.write_text('log-to = ["trackio"]\ntracker_group = "ablation"\n')
+    assert load_toml(toml) == {"log_to": ("trackio",), "tracker_group": "ablation"}
+    saved = json.loads(json.dumps(to_dict(parsed)))
+    assert saved["log_to"] == ["wandb", "tensorboard"]
+    assert config_from_dict(saved) == parsed
+    # A config.json written before --log-to existed loads with the default (SwanLab).
+    old = {key: value for key, value in saved.items() if key not in ("log_to", "tracker_group")}
+    assert config_from_dict(old).log_to == ("swanlab",) == TrainConfig().log_to
+    assert SftConfig(data="rows.jsonl", log_to=("none",)).log_to == ("none",)
+    for bad, words in [
+        (("tensorbored",), "--log-to 'tensorbored' is not one of swanlab, wandb"),
+        (("none", "wandb"), "--log-to none means no tracker"),
+        (("wandb", "wandb"), "names a tracker twice"),
+        ((), "needs at least one tracker"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            TrainConfig(log_to=bad)
+    assert main(["train", "--log-to", "mlflow", "--run-dir", str(tmp_path / "no")]) == 2
+    assert "--log-to 'mlflow' is not one of" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
+
+
+def test_compare_gives_each_run_its_own_tracker_run_grouped_by_the_experiment(
+    tmp_path: Path,
+) -> None:
+    from grpo.tools.experiments.compare import compare_specs
+    from grpo.tools.experiments.runner import planned_configs
+    from grpo.training.config import resolve_run
+
+    specs = compare_specs(["ppo", "cispo"], [0, 1], {"log_to": ("tensorboard",)}, tmp_path / "exp")
+    configs = planned_configs(specs)
+    assert {config.tracker_group for config in configs} == {"exp"}
+    assert {config.log_to for config in configs} == {("tensorboard",)}
+    names = {resolve_run(config).run_name for config in configs}  # one tracker run each
+    assert names == {"ppo-seed0", "ppo-seed1", "cispo-seed0", "cispo-seed1"}
+    mine = compare_specs(["ppo"], [0], {"tracker_group": "mine"}, tmp_path / "exp")
+    assert mine[0].overrides["tracker_group"] == "mine"
