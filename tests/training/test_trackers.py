@@ -402,3 +402,57 @@ def test_compare_gives_each_run_its_own_tracker_run_grouped_by_the_experiment(
     assert names == {"ppo-seed0", "ppo-seed1", "cispo-seed0", "cispo-seed1"}
     mine = compare_specs(["ppo"], [0], {"tracker_group": "mine"}, tmp_path / "exp")
     assert mine[0].overrides["tracker_group"] == "mine"
+
+
+# --- grpo plot on TensorBoard events ---------------------------------------------------------
+
+
+def test_grpo_plot_reads_another_trainers_tensorboard_events(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    needs("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    from grpo.cli import main
+    from grpo.tools.plots import read_run_metrics
+
+    logs = tmp_path / "trl" / "runs" / "Dec07_04-00-00"  # where TRL's tensorboard logs go
+    first = SummaryWriter(log_dir=str(logs))
+    for step in (1, 2, 3, 4):
+        first.add_scalar("train/reward", step / 10, global_step=step)
+    first.close()
+    again = SummaryWriter(log_dir=str(logs), purge_step=3)  # a resume redoing steps 3, 4
+    for step in (3, 4):
+        again.add_scalar("train/reward", step, global_step=step)
+    again.close()
+    assert read_run_metrics(tmp_path / "trl") == [
+        {"step": 1, "train/reward": pytest.approx(0.1)},
+        {"step": 2, "train/reward": pytest.approx(0.2)},
+        {"step": 3, "train/reward": 3.0},
+        {"step": 4, "train/reward": 4.0},
+    ]
+    grpo_run = tmp_path / "grpo-run"
+    grpo_run.mkdir()
+    writer = run_files.MetricsWriter(grpo_run)
+    for step in (1, 2):
+        writer.append(step, {"reward": step / 4})
+    writer.close()
+    out = tmp_path / "both.png"
+    argv = ["plot", str(grpo_run), str(tmp_path / "trl"), "--metrics", "reward", "train/reward"]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert out.stat().st_size > 0
+    # Several runs' logs under one directory, or none: one line saying what to pass.
+    SummaryWriter(log_dir=str(tmp_path / "trl" / "runs" / "other")).close()
+    assert main(["plot", str(tmp_path / "trl"), "--out", str(tmp_path / "x.png")]) == 2
+    assert "holds TensorBoard event files of 2 runs" in capsys.readouterr().err
+    alone = ["plot", str(logs), "--out", str(tmp_path / "alone.png")]
+    assert main(alone) == 0  # the default panel "reward" finds train/reward by its suffix
+    assert "(1 metrics x 1 runs)" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["plot", str(empty)]) == 2
+    assert "nor TensorBoard event files" in capsys.readouterr().err
+    for name in [name for name in sys.modules if name.split(".")[0] == "tensorboard"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if tensorboard were not installed
+    assert main(["plot", str(logs), "--metrics", "train/reward"]) == 2
+    assert "pip install 'grpo[tensorboard]'" in capsys.readouterr().err
