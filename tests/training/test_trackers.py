@@ -162,6 +162,7 @@ def assert_once_each(
 # --- the tests -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_tracker_gets_every_step_once_across_a_kill_and_resume(tmp_path: Path) -> None:
     needs("wandb", "tensorboard", "trackio")
     run_dir = tmp_path / "tracked"
@@ -456,3 +457,50 @@ def test_grpo_plot_reads_another_trainers_tensorboard_events(
         monkeypatch.setitem(sys.modules, name, None)  # as if tensorboard were not installed
     assert main(["plot", str(logs), "--metrics", "train/reward"]) == 2
     assert "pip install 'grpo[tensorboard]'" in capsys.readouterr().err
+
+
+def test_wandb_goes_offline_without_a_login_and_when_online_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    needs("wandb")
+    import wandb
+
+    from grpo.training.trackers import wandb_tracker
+    from grpo.training.trackers.base import RunInfo
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no login
+    monkeypatch.setenv("NETRC", str(tmp_path / ".netrc"))
+    assert not wandb_tracker.has_login()
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    assert wandb_tracker.has_login()  # online is tried: here it fails (no network)
+    real_init, modes = wandb.init, []
+
+    def no_network(**kwargs: Any) -> Any:
+        modes.append(kwargs["mode"])
+        if kwargs["mode"] == "online":
+            raise ConnectionError("api.wandb.ai unreachable")
+        return real_init(**kwargs)
+
+    monkeypatch.setattr(wandb, "init", no_network)
+    run = RunInfo(tmp_path / "run", "r", "p", "exp", ("grpo",), "disabled")
+    tracker = wandb_tracker.WandbTracker()
+    line = tracker.start(run, {"steps": 2}, None)
+    assert modes == ["online", "offline"]
+    assert line is not None and "W&B online failed (api.wandb.ai unreachable)" in line
+    assert tracker.held_through() == -1
+    tracker.log(1, {"reward": 0.5}, [])
+    tracker.log(2, {"reward": 0.75}, [])
+    tracker.finish()
+    assert wandb_history(tmp_path / "run" / "trackers" / "wandb") == [
+        (1, {"reward": 0.5}),
+        (2, {"reward": 0.75}),
+    ]
+    # A resume of this run continues its W&B run and knows what it already holds.
+    again = wandb_tracker.WandbTracker()
+    again.start(run, {"steps": 2}, 2)
+    assert again.held_through() == 2
+    again.finish()
+    run_ids = {path.name[-8:] for path in (tmp_path / "run/trackers/wandb/wandb").glob("off*")}
+    assert len(run_ids) == 1
