@@ -403,6 +403,20 @@ def test_compare_gives_each_run_its_own_tracker_run_grouped_by_the_experiment(
     assert names == {"ppo-seed0", "ppo-seed1", "cispo-seed0", "cispo-seed1"}
     mine = compare_specs(["ppo"], [0], {"tracker_group": "mine"}, tmp_path / "exp")
     assert mine[0].overrides["tracker_group"] == "mine"
+    # grpo sweep: log_to in the file's [base]; each launched run carries the flags.
+    from grpo.tools.experiments.runner import launch_command
+    from grpo.tools.experiments.sweep import load_sweep, sweep_specs
+    from grpo.training.run_files import NEW
+
+    toml = tmp_path / "sweep.toml"
+    toml.write_text(
+        'seeds = [0]\n[base]\nlog_to = ["tensorboard", "wandb"]\n'
+        "[grid]\nlearning_rate = [1e-4, 2e-4]\n"
+    )
+    specs = sweep_specs(load_sweep(toml), tmp_path / "lr-sweep")
+    argv = launch_command(specs[0], NEW, ["grpo", "train"])
+    assert "--log-to tensorboard --log-to wandb" in " ".join(argv)
+    assert "--tracker-group lr-sweep" in " ".join(argv)
 
 
 # --- grpo plot on TensorBoard events ---------------------------------------------------------
