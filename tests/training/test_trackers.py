@@ -518,3 +518,33 @@ def test_wandb_goes_offline_without_a_login_and_when_online_fails(
     again.finish()
     run_ids = {path.name[-8:] for path in (tmp_path / "run/trackers/wandb/wandb").glob("off*")}
     assert len(run_ids) == 1
+
+
+def test_tensorboard_purges_after_a_resume_and_starts_over_with_its_run(tmp_path: Path) -> None:
+    needs("tensorboard")
+    from grpo.training.trackers.tensorboard_tracker import TensorboardTracker
+
+    run, log_dir = _run_info(tmp_path), tmp_path / "trackers" / "tensorboard"
+
+    def launch(resume_step: int | None, steps: range, value: float) -> None:
+        tracker = TensorboardTracker()
+        tracker.start(run, {"steps": 5}, resume_step)
+        for step in steps:
+            tracker.log(step, {"reward": value}, [])
+        tracker.finish()
+
+    launch(None, range(0, 5), 1.0)
+    launch(2, range(3, 5), 2.0)  # resumed at the checkpoint of step 2: 3 and 4 redone
+
+    def by_step() -> list[tuple[int, dict[str, float]]]:
+        return sorted(tensorboard_scalars(log_dir), key=lambda item: item[0])
+
+    assert by_step() == [
+        (0, {"reward": 1.0}),
+        (1, {"reward": 1.0}),
+        (2, {"reward": 1.0}),
+        (3, {"reward": 2.0}),
+        (4, {"reward": 2.0}),
+    ]
+    launch(None, range(0, 2), 3.0)  # started over (no checkpoint): the old events go
+    assert by_step() == [(0, {"reward": 3.0}), (1, {"reward": 3.0})]

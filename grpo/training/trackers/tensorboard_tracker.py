@@ -5,7 +5,8 @@
 Every metric is a scalar under its metrics.jsonl name at its step. A resumed run opens the
 writer with ``purge_step`` = the checkpoint's step + 1: TensorBoard then drops the events
 the interrupted launch wrote after the checkpoint, and the redone steps replace them, as in
-metrics.jsonl. Events are flushed after every step.
+metrics.jsonl; a run that starts over (no checkpoint) removes the earlier event files, as
+its metrics.jsonl is emptied. Events are flushed after every step.
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ class TensorboardTracker:
         from torch.utils.tensorboard import SummaryWriter
 
         log_dir = run.tracker_dir(self.name)
-        earlier = any(log_dir.glob("events.out.tfevents.*"))
-        purge_step = (resume_step or 0) + 1 if earlier else None
+        earlier = sorted(log_dir.glob("events.out.tfevents.*"))
+        if resume_step is None:
+            for events in earlier:  # a run started over: its metrics.jsonl was emptied too
+                events.unlink()
+            earlier = []
+        purge_step = resume_step + 1 if earlier and resume_step is not None else None
         self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
         if purge_step is None:
             lines = [f"    {key} = {value!r}" for key, value in sorted(config.items())]
