@@ -507,6 +507,10 @@ def test_wandb_goes_offline_without_a_login_and_when_online_fails(
     tracker.log(1, {"reward": 0.5}, [])
     tracker.log(2, {"reward": 0.75}, [])
     tracker.finish()
+    # W&B's service process may write the .wandb file just after finish() returns.
+    deadline = time.monotonic() + 20
+    while not wandb_history(tmp_path / "run/trackers/wandb") and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert wandb_history(tmp_path / "run" / "trackers" / "wandb") == [
         (1, {"reward": 0.5}),
         (2, {"reward": 0.75}),

@@ -123,9 +123,7 @@ def check_existing_run(spec: RunSpec) -> None:
     differences = [
         f"{name}: {recorded[name]!r} there, {value!r} requested"
         for name, value in spec.overrides.items()
-        if name in recorded
-        and name != "tracker_group"
-        and not _same_setting(value, recorded[name])
+        if name in recorded and name != "tracker_group" and not _same_setting(value, recorded[name])
     ]
     if differences:
         raise ValueError(

@@ -108,11 +108,12 @@ class _TrackerThread:
             self._drop(f"is {QUEUE_STEPS} steps behind")
 
     def ask_to_finish(self) -> None:
-        """Queue the finish after the steps already queued (never blocks)."""
-        if not self.dropped:
-            try:
-                self._queue.put_nowait(_FINISH)
-            except queue.Full:
+        """Queue the finish after the steps already queued (never blocks); a dropped tracker
+        is finished too once its thread gets there (it sends nothing more)."""
+        try:
+            self._queue.put_nowait(_FINISH)
+        except queue.Full:
+            if not self.dropped:
                 self._drop("did not take its last steps in time")
 
     def wait(self, deadline: float) -> None:
