@@ -371,13 +371,17 @@ def test_swanlab_receives_the_logged_groups_as_text(
     }
     fake = FakeSwanlab()
     monkeypatch.setitem(sys.modules, "swanlab", fake)
-    logger = RunLogger(
-        tmp_path,
-        config={"steps": 1, "api_key": "sk-secret"},
-        swanlab_mode="offline",
-        swanlab_project="p",
-        run_name="r",
+    from grpo.training.trackers.base import RunInfo
+
+    run = RunInfo(
+        run_dir=tmp_path, run_name="r", project="p", group=None, tags=(), swanlab_mode="offline"
     )
+    logger = RunLogger(
+        tmp_path, config={"steps": 1, "api_key": "sk-secret"}, run=run, log_to=("swanlab",)
+    )
+    logger.log(1, {"reward": 1.0}, rollouts=[group])
+    logger.close()  # the trackers run on threads of their own: closing waits for them
+    assert fake.finished == 1
     assert fake.inits == [
         {
             "project": "p",
@@ -387,10 +391,6 @@ def test_swanlab_receives_the_logged_groups_as_text(
             "logdir": str(tmp_path / "swanlog"),
         }
     ]
-    logger.log(1, {"reward": 1.0}, rollouts=[group])
-    assert fake.finished == 0
-    logger.close()
-    assert fake.finished == 1
     ((payload, step),) = fake.logged
     assert step == 1 and payload["reward"] == 1.0
     text = (

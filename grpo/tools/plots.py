@@ -1,7 +1,7 @@
 """Plots from run directories, and the picture of how the loss kernels differ.
 
 - `grpo plot RUN_DIR...`: a subplot per metric, one line per run, read from `metrics.jsonl`
-  (no SwanLab account needed).
+  (no tracker account needed), or from a TensorBoard log directory (another trainer's run).
 - Band plots for `grpo compare` / `grpo sweep`: per configuration, the mean over seeds with a
   min–max band.
 - `grpo plot-losses`: each kernel's per-token objective o and gradient weight do/dlp against
@@ -60,12 +60,19 @@ MetricRows = list[dict[str, Any]]
 
 
 def read_run_metrics(run_dir: str | Path) -> MetricRows:
-    """The merged per-step metrics of a run directory (`run_dir.merge_rows_by_step` of its rows)."""
+    """The merged per-step metrics of a run directory (`run_dir.merge_rows_by_step` of its
+    rows); without a metrics.jsonl, the scalars of the TensorBoard event files at or under it
+    (another trainer's run: `grpo.tools.tensorboard_events`)."""
     directory = Path(run_dir)
     if not (directory / run_files.METRICS_FILE).is_file():
+        from grpo.tools.tensorboard_events import event_directory, read_event_rows
+
+        events = event_directory(directory) if directory.is_dir() else None
+        if events is not None:
+            return read_event_rows(events)
         raise FileNotFoundError(
-            f"{directory / run_files.METRICS_FILE} not found: "
-            f"is {run_dir} a `grpo train` run directory?"
+            f"{directory / run_files.METRICS_FILE} not found, nor TensorBoard event files: "
+            f"is {run_dir} a `grpo train` run directory (or a TensorBoard log directory)?"
         )
     return run_files.merge_rows_by_step(run_files.read_metrics(directory))
 
@@ -407,7 +414,8 @@ def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
         "run_dirs",
         nargs="+",
         metavar="RUN_DIR",
-        help=f"run directories with a {run_files.METRICS_FILE}",
+        help=f"run directories with a {run_files.METRICS_FILE}, or TensorBoard log directories "
+        "(another trainer's run)",
     )
     parser.add_argument(
         "--metrics",

@@ -34,6 +34,7 @@ from grpo.training.fields import (
     PLAIN_NAME,
     PRICE,
     REDUCTION_NAMES,
+    TRACKER_LIST,
     Above,
     AtLeast,
     ConfigError,
@@ -378,8 +379,22 @@ class TrainConfig:
         "run name (default: the run directory's name, else derived from loss, seed and time)",
         PLAIN_NAME,
     )
+    log_to: tuple[str, ...] = flag(
+        ("swanlab",),
+        "experiment tracker (repeatable): swanlab (in --swanlab-mode), wandb, tensorboard, "
+        "trackio, or none; metrics.jsonl is always written (README, Experiment tracking)",
+        TRACKER_LIST,
+    )
     swanlab_mode: str = flag("disabled", "SwanLab logging mode", OneOf(SWANLAB_MODES))
-    swanlab_project: str = flag("grpo", "SwanLab project name", NOT_EMPTY)
+    swanlab_project: str = flag(
+        "grpo", "project name in SwanLab, and in W&B and Trackio too", NOT_EMPTY
+    )
+    tracker_group: str | None = flag(
+        None,
+        "the group of this run in the trackers (W&B group, Trackio group); `grpo compare` and "
+        "`grpo sweep` set it to the experiment directory's name",
+        NOT_EMPTY,
+    )
     connect_timeout: float = flag(
         30.0, "seconds to wait for the PyTRIO service to answer before giving up", Above(0)
     )

@@ -252,7 +252,33 @@ class GoldRule:
             ) from None
 
 
+@attrs.frozen
+class TrackerList:
+    """--log-to: one or more of TRACKER_NAMES, each once; `none` only alone."""
+
+    def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+        from grpo.training.trackers.base import TRACKER_NAMES
+
+        cli = flag_name(attribute.name)
+        unknown = [name for name in value if name not in TRACKER_NAMES]
+        if unknown:
+            raise ConfigError(
+                f"{cli} {unknown[0]!r} is not one of {', '.join(TRACKER_NAMES)} "
+                f"(repeat the flag for several: {cli} wandb {cli} tensorboard)"
+            )
+        if not value:
+            raise ConfigError(f"{cli} needs at least one tracker (or {cli} none)")
+        if len(set(value)) != len(value):
+            raise ConfigError(f"{cli} names a tracker twice: {', '.join(value)}")
+        if "none" in value and len(value) > 1:
+            raise ConfigError(
+                f"{cli} none means no tracker, so it cannot go with {cli} "
+                f"{next(name for name in value if name != 'none')}; drop one"
+            )
+
+
 NOT_EMPTY = NotEmpty()
+TRACKER_LIST = TrackerList()
 PLAIN_NAME = PlainName()
 GOLD_RULE = GoldRule()
 ENV_VAR_NAME = EnvVarName()

@@ -50,7 +50,7 @@ def add_train_arguments(
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif getattr(kind, "__origin__", None) is tuple:
-            kwargs.update(action="append", metavar="KEY=VALUE")
+            kwargs.update(action="append", metavar="TRACKER" if name == "log_to" else "KEY=VALUE")
         else:
             kwargs["type"] = kind
         parser.add_argument(flag_name(name), **kwargs)

@@ -168,7 +168,7 @@ def _train_in(
         adam=adam_params(config, config.learning_rate),
         pool=ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="rollout"),
         ref_sampler=pre.base_sampler if config.kl_coef > 0 else None,
-        logger=RunLogger.of_run(run_dir, to_dict(config), config),
+        logger=RunLogger.of_run(run_dir, to_dict(config), config, start_step=start_step, note=note),
         note=note,
         prices=pre.prices,
         teacher=pre.teacher,

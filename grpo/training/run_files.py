@@ -20,6 +20,9 @@ time and holds:
   at the start of the latest launch (its verdict, evidence, or why it failed);
 - ``summary.json``: written when the run finished (its sampler path is read back inside
   this run directory when the run was moved or copied);
+- ``trackers/``: the --log-to trackers' own files (W&B's offline runs and run id,
+  TensorBoard's event files) and ``<tracker>.json``, the last step each tracker took
+  (`grpo.training.trackers`);
 - ``backend/``: the local backend's checkpoints; ``train.log``: output of a run launched by
   `grpo compare`/`grpo sweep`; ``.lock`` (+ ``.lock.owner``): the owner's OS file lock.
 

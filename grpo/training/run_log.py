@@ -1,21 +1,23 @@
 """Run logging: `metrics.jsonl` and `rollouts.jsonl` in the run directory, a console line per
-step, and SwanLab.
+step, and the --log-to experiment trackers (SwanLab, W&B, TensorBoard, Trackio).
 
 `metrics.jsonl` is the record of truth (each row fsynced before `log` returns, through
-`grpo.training.run_files.MetricsWriter`, so a crash loses nothing logged); SwanLab is a mirror that
-may fail: a SwanLab error degrades to offline logging, then to none, with a warning, and
-never stops training.
+`grpo.training.run_files.MetricsWriter`, so a crash loses nothing logged); the trackers are
+mirrors that may fail (`grpo.training.trackers.fanout`): a tracker's error is one line, the
+others go on, and none ever stops or slows training.
 """
 
 from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grpo.training.run_files import MetricsWriter, RolloutsWriter
+from grpo.training.run_files import STEP_KEY, MetricsWriter, RolloutsWriter, read_metrics
+from grpo.training.trackers.base import RunInfo, Tracker
+from grpo.training.trackers.fanout import TrackerSet, make_tracker
 
 if TYPE_CHECKING:
     from grpo.core.records import ScoredGroup
@@ -131,101 +133,90 @@ def rollout_text(group: Mapping[str, Any]) -> str:
 
 
 class RunLogger:
-    """Writes each step's metrics to metrics.jsonl, SwanLab (if enabled) and a console line."""
+    """Writes each step's metrics to metrics.jsonl, the --log-to trackers and a console line."""
 
     def __init__(
         self,
         run_dir: Path,
         *,
         config: Mapping[str, Any],
-        swanlab_mode: str,
-        swanlab_project: str,
-        run_name: str,
+        run: RunInfo,
+        log_to: Sequence[str],
+        start_step: int = 0,
+        note: Callable[[str], None] | None = None,
+        factory: Callable[[str], Tracker] | None = None,
     ) -> None:
         self._metrics = MetricsWriter(run_dir)
         self._rollouts = RolloutsWriter(run_dir)
-        self._swanlab: Any = None
-        if swanlab_mode != "disabled":
-            self._swanlab = self._start_swanlab(
-                swanlab_mode, swanlab_project, run_name, run_dir, scrub_secrets(config)
-            )
+        names = [
+            name
+            for name in log_to
+            if name != "none" and not (name == "swanlab" and run.swanlab_mode == "disabled")
+        ]
+        replay = (
+            [row for row in read_metrics(run_dir) if row[STEP_KEY] <= start_step]
+            if names and start_step > 0
+            else []
+        )
+        self._trackers = TrackerSet(
+            names,
+            run,
+            scrub_secrets(config),
+            resume_step=start_step,
+            replay_rows=replay,
+            note=note or _warn,
+            factory=factory or make_tracker,
+        )
 
     @classmethod
-    def of_run(cls, run_dir: Path, record: Mapping[str, Any], config: Any) -> RunLogger:
-        """The logger of a run whose config (``TrainConfig`` or ``SftConfig``) is ``config``
-        and whose config.json is ``record``."""
+    def of_run(
+        cls,
+        run_dir: Path,
+        record: Mapping[str, Any],
+        config: Any,
+        *,
+        start_step: int = 0,
+        note: Callable[[str], None] | None = None,
+    ) -> RunLogger:
+        """The logger of a run whose config (``TrainConfig``, ``SftConfig``, ``DpoConfig``) is
+        ``config``, whose config.json is ``record``, continuing after ``start_step``."""
+        tags = [str(record.get("recipe") or "grpo"), f"backend:{config.backend}"]
+        if isinstance(record.get("loss_fn"), str):
+            tags.append(f"loss:{record['loss_fn']}")
+        run = RunInfo(
+            run_dir=run_dir,
+            run_name=str(config.run_name or run_dir.name),
+            project=config.swanlab_project,
+            group=config.tracker_group,
+            tags=tuple(tags),
+            swanlab_mode=config.swanlab_mode,
+        )
         return cls(
             run_dir,
             config=record,
-            swanlab_mode=config.swanlab_mode,
-            swanlab_project=config.swanlab_project,
-            run_name=str(config.run_name),
+            run=run,
+            log_to=config.log_to,
+            start_step=start_step,
+            note=note,
         )
-
-    @staticmethod
-    def _start_swanlab(
-        mode: str, project: str, run_name: str, run_dir: Path, config: dict[str, Any]
-    ) -> Any:
-        """Start SwanLab; online failures fall back to offline, any failure to none, warning."""
-        try:
-            import swanlab
-        except Exception as error:  # noqa: BLE001 - an optional mirror must never stop training
-            warnings.warn(
-                f"SwanLab unavailable ({error}); logging to metrics.jsonl only", stacklevel=2
-            )
-            return None
-        for attempt_mode in (mode, "offline") if mode == "online" else (mode,):
-            try:
-                swanlab.init(
-                    project=project,
-                    experiment_name=run_name,
-                    config=config,
-                    mode=attempt_mode,
-                    logdir=str(run_dir / "swanlog"),
-                )
-                if attempt_mode != mode:
-                    warnings.warn(
-                        "SwanLab online failed; logging offline to the run directory", stacklevel=2
-                    )
-                return swanlab
-            except Exception as error:  # noqa: BLE001
-                warnings.warn(f"SwanLab {attempt_mode} init failed: {error}", stacklevel=2)
-        warnings.warn(
-            "SwanLab disabled for this run; metrics.jsonl still has everything", stacklevel=2
-        )
-        return None
 
     def log(
         self, step: int, metrics: Mapping[str, float], *, rollouts: Sequence[Mapping[str, Any]] = ()
     ) -> None:
-        """Append one step's rollouts and metrics everywhere (metrics.jsonl durable on return)."""
+        """Append one step's rollouts and metrics (metrics.jsonl durable on return), then queue
+        them for the trackers (which never block)."""
         self._rollouts.append(step, rollouts)
         self._metrics.append(step, metrics)
-        if self._swanlab is not None:
-            try:
-                payload: dict[str, Any] = {
-                    key: value for key, value in metrics.items() if value is not None
-                }
-                if rollouts:
-                    payload["rollouts"] = [
-                        self._swanlab.Text(rollout_text(group), caption=f"group {group['group']}")
-                        for group in rollouts
-                    ]
-                self._swanlab.log(payload, step=step)
-            except Exception as error:  # noqa: BLE001 - never stop training for a mirror
-                warnings.warn(
-                    f"SwanLab log failed ({error}); continuing with metrics.jsonl only",
-                    stacklevel=2,
-                )
-                self._swanlab = None
+        texts = [(f"group {group['group']}", rollout_text(group)) for group in rollouts]
+        self._trackers.log(step, metrics, texts)
 
     def close(self) -> None:
-        """Close every sink."""
+        """Close every sink (the trackers get at most a bounded wait to flush)."""
         self._metrics.close()
         self._rollouts.close()
-        if self._swanlab is not None:
-            try:
-                self._swanlab.finish()
-            except Exception as error:  # noqa: BLE001
-                warnings.warn(f"SwanLab finish failed: {error}", stacklevel=2)
-            self._swanlab = None
+        self._trackers.close()
+
+
+def _warn(message: str) -> None:
+    """A tracker's line when no note was given: a warning."""
+    warnings.warn(message, stacklevel=2)

@@ -446,6 +446,21 @@ def test_compare_refuses_a_run_dir_made_with_other_settings(
     assert len(read_calls(calls)) == launched
 
 
+def test_compare_groups_runs_by_the_experiment_and_a_moved_experiment_still_resumes(
+    tmp_path: Path, fake_trainer
+) -> None:
+    train_command, calls = fake_trainer
+    out = tmp_path / "cmp"
+    assert run_compare(compare_args(out, "--steps", "2"), train_command=train_command) == 0
+    launched = read_calls(calls)
+    assert all(call[call.index("--tracker-group") + 1] == "cmp" for call in launched)
+    moved = tmp_path / "cmp-moved"
+    out.rename(moved)
+    # The group follows the directory's name, so it differs now; it is not a setting.
+    assert run_compare(compare_args(moved, "--steps", "2"), train_command=train_command) == 0
+    assert len(read_calls(calls)) == len(launched)
+
+
 def test_compare_warns_when_the_runs_were_on_policy(
     tmp_path: Path, fake_trainer, monkeypatch
 ) -> None:

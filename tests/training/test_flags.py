@@ -94,6 +94,14 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "run_name": st.none() | RUN_NAME,
     "swanlab_mode": st.sampled_from(SWANLAB_MODES),
     "swanlab_project": TEXT,
+    "log_to": st.just(("none",))
+    | st.lists(
+        st.sampled_from(["swanlab", "wandb", "tensorboard", "trackio"]),
+        min_size=1,
+        max_size=4,
+        unique=True,
+    ).map(tuple),
+    "tracker_group": st.none() | TEXT,
     "max_retries": st.integers(0, 10),
     "price_file": st.none() | TEXT,
     **{

@@ -118,11 +118,12 @@ def _same_setting(requested: Any, recorded: Any) -> bool:
 def check_existing_run(spec: RunSpec) -> None:
     """Refuse to skip or resume a run directory whose saved config differs from the request."""
     recorded = run_files.read_config(spec.run_dir)
-    # A key the saved config lacks cannot be checked (the trainer may leave some out).
+    # A key the saved config lacks cannot be checked (the trainer may leave some out); the
+    # tracker group follows the experiment directory's name, which a moved experiment changes.
     differences = [
         f"{name}: {recorded[name]!r} there, {value!r} requested"
         for name, value in spec.overrides.items()
-        if name in recorded and not _same_setting(value, recorded[name])
+        if name in recorded and name != "tracker_group" and not _same_setting(value, recorded[name])
     ]
     if differences:
         raise ValueError(

@@ -254,13 +254,15 @@ def _sweep_configs(file: Path, raw: Mapping[str, Any]) -> list[tuple[str, dict[s
 
 
 def sweep_specs(plan: ExperimentPlan, out: Path) -> list[RunSpec]:
-    """One run per configuration x seed in `out/<label>-seed<k>`: base | configuration | seed."""
+    """One run per configuration x seed in `out/<label>-seed<k>`: base | configuration | seed,
+    each in the trackers' group named after the experiment directory (unless --tracker-group)."""
+    group = {"tracker_group": plan.base.get("tracker_group") or out.resolve().name or "grpo"}
     return [
         RunSpec(
             label=label,
             seed=seed,
             run_dir=out / run_dir_name(label, seed),
-            overrides={**plan.base, **overrides, "seed": seed},
+            overrides={**plan.base, **overrides, **group, "seed": seed},
         )
         for label, overrides in plan.configs
         for seed in plan.seeds

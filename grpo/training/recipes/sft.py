@@ -328,7 +328,7 @@ def open_recipe_session(
         run_name=str(config.run_name or run_dir.name),
         steps=steps,
         training_client=client,
-        logger=RunLogger.of_run(run_dir, saved_config, config),
+        logger=RunLogger.of_run(run_dir, saved_config, config, start_step=start, note=note),
         note=note,
         prices=prices,
         max_retries=config.max_retries,
