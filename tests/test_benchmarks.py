@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import datums, load, local, loop, losses, mismatch, peer, serve, step
+from benchmarks import datums, load, local, loop, losses, mismatch, peer, serve, step, tinker
 
 
 @pytest.mark.slow
@@ -36,8 +36,20 @@ from benchmarks import datums, load, local, loop, losses, mismatch, peer, serve,
         (load, ["| quiet | ", "| torch process + CPU hog | "]),
         (step, ["| trainer: forward (log-probs) |", "### unshared forward", "unshared / shared"]),
         (peer, ["| grpo (local backend) |"]),  # TRL's row only where trl is installed
+        (tinker, ["| quiet | ", "through the SDK s/step"]),
     ],
-    ids=["losses", "datums", "loop", "local", "mismatch", "serve", "load", "step", "peer"],
+    ids=[
+        "losses",
+        "datums",
+        "loop",
+        "local",
+        "mismatch",
+        "serve",
+        "load",
+        "step",
+        "peer",
+        "tinker",
+    ],
 )
 def test_quick_benchmark_completes_and_prints_its_table(
     benchmark: object, expected: list[str], capsys: pytest.CaptureFixture[str]

@@ -1,0 +1,282 @@
+"""What the Tinker route costs: an rl_loop-shaped step through the `tinker` SDK vs in process.
+
+`python -m benchmarks.tinker [--quick] [--steps N] [--rounds R] [--no-hog]`
+
+One step of tinker-cookbook's rl_loop shape on the built-in tiny model (LoRA rank 32):
+`save_weights_and_get_sampling_client`, 8 prompts x 8 completions of up to 24 new tokens
+(the 8 sampling requests in flight at once), 64 `importance_sampling` datums (group-centred
+rewards from the completions' tokens), `forward_backward`, `optim_step` (Adam). The same
+step once on an in-process `LocalServiceClient` (pytrio's types, Tinker's `sum`
+normalization) and once through the official `tinker` SDK (0.38.0) against `grpo serve`
+on loopback: the difference is the route (HTTP, protobuf and JSON, the SDK's futures and
+long polls). Both sides run torch on 1 thread.
+
+The two alternate, a round of `--steps` steps each way, `--rounds` times, quiet and then
+beside a CPU hog (`while True: pass`, stopped with the benchmark); the table gives each
+way's median step and the ratio of the medians. Target (issue 48): the route at most 1.3x
+the in-process step. The full benchmark runs the server as a separate process
+(`python -m grpo serve`), as users do; `--quick` (1 round of 1 step, quiet only) runs it on
+a thread of this process, so the SDK and the server share one GIL.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import argument_parser, markdown_table, print_header, torch_threads
+from grpo.backends.local import LocalServiceClient
+from grpo.backends.local.tiny import TINY_MODEL_NAME
+from grpo.serve.server import serve_in_thread
+
+API_KEY = "benchmark"
+PROMPTS, GROUP, MAX_TOKENS, RANK = 8, 8, 24, 32
+LEARNING_RATE = 1e-4
+QUESTIONS = tuple(
+    f"What is {a} + {b}? Answer in \\boxed{{}}."
+    for a, b in zip((12, 7, 31, 45, 3, 28, 19, 50), (34, 15, 9, 22, 61, 5, 40, 17), strict=True)
+)
+HOG_TIMEOUT_S = 1800
+CPU_HOG = (
+    f"import time\nend = time.monotonic() + {HOG_TIMEOUT_S}\n"
+    "while time.monotonic() < end:\n    pass"
+)
+
+
+def rewards(completions: Sequence[Sequence[int]]) -> np.ndarray:
+    """A reward per completion from its tokens alone (both ways get the same for the same
+    tokens): 1 where the sum of its tokens is even, else 0."""
+    return np.array([float(sum(tokens) % 2 == 0) for tokens in completions])
+
+
+def policy_rows(
+    prompt: Sequence[int], completions: Sequence[tuple[Sequence[int], Sequence[float]]]
+) -> list[dict[str, Any]]:
+    """One group's importance_sampling rows: input tokens, next-token targets, sampling
+    log-probs (0 on the prompt) and group-centred advantages on the completion."""
+    advantages_G = rewards([tokens for tokens, _ in completions])
+    advantages_G = advantages_G - advantages_G.mean()
+    rows = []
+    for (tokens, logprobs), advantage in zip(completions, advantages_G, strict=True):
+        sequence = [*prompt, *tokens]
+        completion_mask = np.arange(1, len(sequence)) >= len(prompt)
+        sampled = np.zeros(len(sequence) - 1, dtype=np.float32)
+        sampled[completion_mask] = logprobs
+        rows.append(
+            {
+                "input": sequence[:-1],
+                "target_tokens": np.asarray(sequence[1:], dtype=np.int64),
+                "logprobs": sampled,
+                "advantages": np.where(completion_mask, advantage, 0.0).astype(np.float32),
+            }
+        )
+    return rows
+
+
+class InProcess:
+    """The step on an in-process `LocalServiceClient` (pytrio's types, Tinker's sum)."""
+
+    def __init__(self, root: Path) -> None:
+        from pytrio.types import AdamParams, Datum, ModelInput, SamplingParams
+
+        self.types = (AdamParams, Datum, ModelInput, SamplingParams)
+        self.service = LocalServiceClient(root=root, seed=0)
+        self.training = self.service.create_lora_training_client(
+            base_model=TINY_MODEL_NAME, rank=RANK, seed=0, service_normalization="sum"
+        )
+        tokenizer = self.training.get_tokenizer()
+        self.prompts = [tokenizer.encode(q, add_special_tokens=False) for q in QUESTIONS]
+
+    def step(self, seed: int) -> float:
+        """One rl_loop step; its summed loss."""
+        adam, datum, model_input, sampling = self.types
+        sampler = self.training.save_weights_and_get_sampling_client()
+        params = sampling(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed)
+        futures = [
+            sampler.sample(model_input.from_ints(prompt), GROUP, params) for prompt in self.prompts
+        ]
+        rows = [
+            row
+            for prompt, future in zip(self.prompts, futures, strict=True)
+            for row in policy_rows(
+                prompt, [(s.tokens, s.logprobs) for s in future.result().sequences]
+            )
+        ]
+        datums = [
+            datum(
+                model_input=model_input.from_ints(row["input"]),
+                loss_fn_inputs={k: v for k, v in row.items() if k != "input"},
+            )
+            for row in rows
+        ]
+        out = self.training.forward_backward(datums, "importance_sampling").result()
+        self.training.optim_step(adam(learning_rate=LEARNING_RATE)).result()
+        return float(out.metrics.get("loss:sum", next(iter(out.metrics.values()))))
+
+    def close(self) -> None:
+        """Release the in-process service."""
+        self.service.close()
+
+
+class ThroughSdk:
+    """The step through the official `tinker` SDK against `grpo serve` at `url`."""
+
+    def __init__(self, url: str, prompts: Sequence[Sequence[int]]) -> None:
+        import tinker
+
+        self.tinker = tinker
+        self.service = tinker.ServiceClient(base_url=url, api_key=f"tml-{API_KEY}")
+        self.training = self.service.create_lora_training_client(
+            base_model=TINY_MODEL_NAME, rank=RANK, seed=0
+        ).result()
+        self.prompts = [list(prompt) for prompt in prompts]
+
+    def step(self, seed: int) -> float:
+        """One rl_loop step; its summed loss."""
+        types = self.tinker.types
+        sampler = self.training.save_weights_and_get_sampling_client().result()
+        params = types.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed)
+        futures = [
+            sampler.sample(
+                prompt=types.ModelInput.from_ints(prompt), num_samples=GROUP, sampling_params=params
+            )
+            for prompt in self.prompts
+        ]
+        rows = [
+            row
+            for prompt, future in zip(self.prompts, futures, strict=True)
+            for row in policy_rows(
+                prompt, [(s.tokens, s.logprobs) for s in future.result().sequences]
+            )
+        ]
+        datums = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(row["input"]),
+                loss_fn_inputs={k: v for k, v in row.items() if k != "input"},
+            )
+            for row in rows
+        ]
+        out = self.training.forward_backward(datums, "importance_sampling").result()
+        self.training.optim_step(types.AdamParams(learning_rate=LEARNING_RATE)).result()
+        return float(out.metrics["loss:sum"])
+
+
+@contextmanager
+def served(root: Path, *, subprocess_server: bool) -> Iterator[str]:
+    """`grpo serve` on a free loopback port (a child process, or a thread of this one): its
+    URL."""
+    if not subprocess_server:
+        with serve_in_thread(root=root, api_key=API_KEY) as handle:
+            yield handle.url
+        return
+    env = {**os.environ, "GRPO_SERVE_API_KEY": API_KEY, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "grpo", "serve", "--port", "0", "--root", str(root)]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        url = ""
+        while not url:
+            line = child.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                raise RuntimeError("grpo serve exited before printing its URL")
+            match = re.search(r"TINKER_BASE_URL=(\S+)", line)
+            url = match.group(1) if match else ""
+        yield url
+    finally:
+        child.terminate()
+        child.wait(timeout=30)
+
+
+@contextmanager
+def cpu_hog(on: bool) -> Iterator[None]:
+    """A busy-loop process beside the block (none when not `on`), bounded in time."""
+    if not on:
+        yield
+        return
+    hog = subprocess.Popen(  # bounded by its own clock; killed itself, no wrapper to orphan it
+        [sys.executable, "-c", CPU_HOG], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        time.sleep(0.5)
+        yield
+    finally:
+        hog.kill()
+        hog.wait(timeout=30)
+
+
+def timed_steps(step: Callable[[int], float], seeds: Sequence[int]) -> list[float]:
+    """Seconds of each `step(seed)`."""
+    durations = []
+    for seed in seeds:
+        begin = time.perf_counter()
+        step(seed)
+        durations.append(time.perf_counter() - begin)
+    return durations
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the Tinker-route benchmark and print its table."""
+    parser = argument_parser(__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="steps each way in a round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds each way")
+    parser.add_argument("--no-hog", action="store_true", help="the quiet scenario only")
+    args = parser.parse_args(argv)
+    steps, rounds = (1, 1) if args.quick else (args.steps, args.rounds)
+    given = list(sys.argv[1:] if argv is None else argv)
+    print_header(
+        "Tinker route vs in process (rl_loop step: 8 x 8 completions, 24 tokens, LoRA rank 32)",
+        " ".join(["python -m benchmarks.tinker", *given]),
+    )
+    where = "a thread of this process" if args.quick else "a separate process"
+    print(f"server on {where}; {rounds} round(s) of {steps} step(s) each way, alternated\n")
+    scenarios = [("quiet", False)] + ([] if args.quick or args.no_hog else [("CPU hog", True)])
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="grpo-bench-tinker-") as scratch, torch_threads(1):
+        root = Path(scratch)
+        local = InProcess(root / "local")
+        try:
+            with served(root / "served", subprocess_server=not args.quick) as url:
+                remote = ThroughSdk(url, local.prompts)
+                local.step(0), remote.step(0)  # warm-up: first compiles, first connections
+                for label, hog in scenarios:
+                    times: dict[str, list[float]] = {"in process": [], "through the SDK": []}
+                    with cpu_hog(hog):
+                        for round_index in range(rounds):
+                            seeds = [1 + round_index * steps + i for i in range(steps)]
+                            times["in process"] += timed_steps(local.step, seeds)
+                            times["through the SDK"] += timed_steps(remote.step, seeds)
+                    local_s = statistics.median(times["in process"])
+                    sdk_s = statistics.median(times["through the SDK"])
+                    rows.append(
+                        [
+                            label,
+                            f"{local_s:.3f}",
+                            f"{sdk_s:.3f}",
+                            f"{sdk_s / local_s:.2f}x",
+                            f"{len(times['in process'])} + {len(times['through the SDK'])}",
+                        ]
+                    )
+        finally:
+            local.close()
+    print(
+        markdown_table(
+            ["scenario", "in process s/step", "through the SDK s/step", "ratio", "steps timed"],
+            rows,
+        )
+    )
+    print("\ntarget: through the SDK at most 1.3x the in-process step (issue 48)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
