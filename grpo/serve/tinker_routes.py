@@ -387,7 +387,7 @@ def save_weights_for_sampler(state: Any, request: Request) -> Reply:
     def start() -> Pending:
         if name is None:
             sampler = model.client.save_weights_and_get_sampling_client()
-            session = state.tinker.add_sampler(sampler, model.base_model, None)
+            session = state.tinker.add_sampler(sampler, model.base_model, None, model.session_id)
             return done({"sampling_session_id": session, "type": kind})
         saved = model.client.save_weights_for_sampler(name, ttl)
         path = tinker_path(model.model_id, "sampler", name)
@@ -469,7 +469,7 @@ def create_sampling_session(state: Any, request: Request) -> Reply:
     state.tinker.session(_text(body, "session_id"))
     model_path = _text(body, "model_path", required=False)
     sampler, base = _sampler(state, _text(body, "base_model", required=False), model_path)
-    session = state.tinker.add_sampler(sampler, base, model_path)
+    session = state.tinker.add_sampler(sampler, base, model_path, body["session_id"])
     return Reply(200, {"type": "create_sampling_session", "sampling_session_id": session})
 
 
