@@ -15,18 +15,73 @@ why: never a 5xx, which the SDK retries without limit.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from pytrio.errors.base import PyTrioError
 
 from grpo.backends.local import checkpoint_lora_spec, read_checkpoint_metadata, resolve_checkpoint
+from grpo.serve.limits import MAX_FIELD_CHARS
 from grpo.serve.messages import Reply, Request
 from grpo.serve.tinker_wire import local_uri
 from grpo.serve.wire import ServeError, local_call, not_found
 
 _SCOPES = ("owned", "accessible")
+RUN_FILE = "tinker_run.json"
+"""Beside a Tinker training run's checkpoints: the ``user_metadata`` its client was made with."""
+MAX_METADATA_KEYS = 64
+
+
+def user_metadata(body: dict[str, Any]) -> dict[str, str] | None:
+    """The body's ``user_metadata`` (string keys and values, bounded); 400 naming it."""
+    value = body.get("user_metadata")
+    if value is None:
+        return None
+    if (
+        not isinstance(value, dict)
+        or len(value) > MAX_METADATA_KEYS
+        or not all(
+            isinstance(item, str) and len(item) <= MAX_FIELD_CHARS
+            for pair in value.items()
+            for item in pair
+        )
+    ):
+        raise ServeError(
+            400,
+            "validation.invalid_request",
+            f"user_metadata must be an object of at most {MAX_METADATA_KEYS} string keys and "
+            f"values, each at most {MAX_FIELD_CHARS} characters",
+        )
+    return value
+
+
+def write_run_metadata(
+    root: Path, run_id: str, base_model: str, metadata: dict[str, str] | None
+) -> None:
+    """Keep a training run's base model as its client named it (an alias too) and its
+    ``user_metadata`` in the store (tinker-cookbook keeps its renderer there and reads it back
+    when it loads a checkpoint)."""
+    directory = root / run_id
+    directory.mkdir(parents=True, exist_ok=True)
+    record = {"base_model": base_model, "user_metadata": metadata}
+    (directory / RUN_FILE).write_text(json.dumps(record))
+
+
+def run_record(root: Path, run_id: str) -> dict[str, Any]:
+    """A stored run's ``base_model`` (as asked) and ``user_metadata``, each None when the
+    store holds none (a PyTRIO run, an older store, an unreadable file)."""
+    try:
+        found = json.loads((root / run_id / RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        found = {}
+    found = found if isinstance(found, dict) else {}
+    base, metadata = found.get("base_model"), found.get("user_metadata")
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        metadata = None
+    return {"base_model": base if isinstance(base, str) else None, "user_metadata": metadata}
 
 
 def _rest(state: Any) -> Any:
@@ -68,10 +123,11 @@ def _runs(state: Any) -> list[dict[str, Any]]:
     runs = []
     stored_runs = local_call(lambda: _rest(state).list_training_runs(limit=10**9).result())
     for run in stored_runs.training_runs:
+        record = run_record(state.registry.root, run.training_run_id)
         runs.append(
             {
                 "training_run_id": run.training_run_id,
-                "base_model": run.base_model,
+                "base_model": record["base_model"] or run.base_model,
                 "model_owner": run.model_owner,
                 "is_lora": True,
                 "lora_rank": run.lora_rank,
@@ -79,6 +135,7 @@ def _runs(state: Any) -> list[dict[str, Any]]:
                 "last_checkpoint": run.last_checkpoint and _checkpoint(run.last_checkpoint),
                 "last_sampler_checkpoint": run.last_sampler_checkpoint
                 and _checkpoint(run.last_sampler_checkpoint),
+                "user_metadata": record["user_metadata"],
             }
         )
     stored = {run["training_run_id"] for run in runs}
@@ -164,10 +221,11 @@ def weights_info(state: Any, request: Request) -> Reply:
     uri = local_uri(path, state.registry.root, "tinker_path")
     metadata = local_call(lambda: read_checkpoint_metadata(resolve_checkpoint(uri)))
     spec = checkpoint_lora_spec(metadata)
+    asked = run_record(state.registry.root, path.removeprefix("tinker://").split("/")[0])
     return Reply(
         200,
         {
-            "base_model": str(metadata["base_model"]),
+            "base_model": asked["base_model"] or str(metadata["base_model"]),
             "optimizer_config": {"type": "adamw"},
             "is_lora": True,
             "lora_rank": spec.rank,

@@ -45,6 +45,7 @@ class TinkerModel:
     session_id: str
     created: str = ""  # the request id of its create_model / load_weights
     created_unix: float = attrs.field(factory=time.time)
+    user_metadata: dict[str, str] | None = None
     requests: dict[int, str] = attrs.field(factory=dict)  # seq_id -> request id
     last_seq: int = 0
     turn: threading.Condition = attrs.field(factory=threading.Condition)

@@ -50,7 +50,11 @@ def test_rest_client_lists_gets_and_deletes_over_the_local_store(server: ServeHa
     client = service(server)
     session = client.holder.get_session_id()
     trainer = client.create_lora_training_client(
-        base_model=TINY_MODEL_NAME, rank=RANK, seed=1, train_unembed=False
+        base_model=TINY_MODEL_NAME,
+        rank=RANK,
+        seed=1,
+        train_unembed=False,
+        user_metadata={"renderer_name": "qwen3"},
     ).result()
     model_id = trainer.get_info().model_id
     trainer.forward_backward([ce_datum(TOKENS, np.ones(7))], "cross_entropy").result()
@@ -70,6 +74,9 @@ def test_rest_client_lists_gets_and_deletes_over_the_local_store(server: ServeHa
     assert run.last_checkpoint.tinker_path == state_path
     assert run.last_sampler_checkpoint.tinker_path == sampler_path
     assert by_id[idle_id].lora_rank == 8 and by_id[idle_id].last_checkpoint is None
+    # user_metadata is kept in the store (tinker-cookbook reads its renderer back from it).
+    assert run.user_metadata == {"renderer_name": "qwen3"}
+    assert by_id[idle_id].user_metadata is None
     assert rest.get_training_run(model_id).result() == run
     assert rest.get_training_run_by_tinker_path(state_path).result() == run
     assert rest.get_training_run(idle_id).result().training_run_id == idle_id
@@ -148,6 +155,10 @@ def test_what_cannot_exist_offline_is_a_400_naming_it_and_the_server_serves_on(
         with pytest.raises(tinker.BadRequestError, match=f"{name}.*not served"):
             call(rest, state_path).result()
         assert rest.list_checkpoints(trainer.get_info().model_id).result().checkpoints
+    with pytest.raises(tinker.BadRequestError, match="user_metadata"):
+        client.create_lora_training_client(
+            base_model=TINY_MODEL_NAME, rank=4, user_metadata={"k": ["not", "a", "string"]}
+        ).result()
     for method, path in (
         ("POST", "/api/v1/auth/token"),
         ("POST", "/api/v1/create_custom_loss"),
