@@ -520,6 +520,13 @@ class RunRegistry:
                     del self._checkpoints[key]
             self._checkpoints[checkpoint.cuid] = checkpoint
 
+    def forget_checkpoint(self, uri: str) -> None:
+        """Drop the record of a checkpoint deleted through another route (if any)."""
+        with self._lock:
+            for key, existing in list(self._checkpoints.items()):
+                if existing.uri == uri:
+                    del self._checkpoints[key]
+
     def keep_sampler(self, uri: str, sampler: LocalSamplingClient) -> None:
         """Keep in-memory sampler weights under their ``memory://`` URI (the last 16)."""
         with self._lock:

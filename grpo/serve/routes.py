@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import attrs
 
-from grpo.serve import endpoints, openai_endpoints
+from grpo.serve import endpoints, openai_endpoints, tinker_rest
 from grpo.serve import tinker_routes as tinker
 from grpo.serve.events import EVENT_OPERATIONS, event_operation
 from grpo.serve.messages import Reply, Request
@@ -211,6 +211,29 @@ ROUTES: tuple[Route, ...] = (
             ("GET", f"samplers/{_ID}", tinker.get_sampler, "get_sampler"),
             ("POST", "asample", tinker.asample, "asample"),
             ("POST", "retrieve_future", tinker.retrieve_future, "retrieve_future"),
+            # the RestClient over the local store (grpo.serve.tinker_rest)
+            ("GET", "training_runs", tinker_rest.list_training_runs, "list_training_runs"),
+            ("GET", f"training_runs/{_ID}", tinker_rest.get_training_run, "get_training_run"),
+            (
+                "GET",
+                f"training_runs/{_ID}/checkpoints",
+                tinker_rest.list_checkpoints,
+                "list_checkpoints",
+            ),
+            ("GET", "checkpoints", tinker_rest.list_user_checkpoints, "list_user_checkpoints"),
+            ("POST", "weights_info", tinker_rest.weights_info, "weights_info"),
+            ("GET", "sessions", tinker_rest.list_sessions, "list_sessions"),
+            ("GET", f"sessions/{_ID}", tinker_rest.get_session, "get_session"),
+            *(  # what cannot exist offline: a 400 naming it (before the generic delete)
+                (method, path, tinker_rest.refusal(what, why), "not_served")
+                for method, path, what, why in tinker_rest.REFUSALS
+            ),
+            (
+                "DELETE",
+                f"training_runs/{_ID}/checkpoints/(.+)",
+                tinker_rest.delete_checkpoint,
+                "delete_checkpoint",
+            ),
         )
     ),
     Route(

@@ -25,6 +25,7 @@ from pytrio.types import AdamParams, ModelInput
 from grpo.backends.local import checkpoint_lora_spec, read_checkpoint_metadata, resolve_checkpoint
 from grpo.serve.limits import MAX_FIELD_CHARS
 from grpo.serve.messages import Reply, Request
+from grpo.serve.tinker_rest import run_record, user_metadata, write_run_metadata
 from grpo.serve.tinker_service import (
     MAX_LONG_POLL_S,
     Pending,
@@ -65,12 +66,15 @@ _ADAM_KEYS = set(AdamParams.model_fields)
 def tinker_exports(url: str, hub: Path, *, keyed: bool) -> list[str]:
     """The shell lines a Tinker program needs: the server's URL, the key in the form the SDK
     accepts (``tml-`` then the ``--api-key``), and the hub cache holding the served
-    tokenizers (tinker-cookbook loads one by the model's name before its first request)."""
+    tokenizers (tinker-cookbook loads one by the model's name before its first request), read
+    offline: online, the hub would be asked first (minutes of retries without a network) and
+    could replace an alias's tokenizer with the real model's, whose ids the served one lacks."""
     key = f"{TINKER_KEY_PREFIX}<the key given to --api-key>" if keyed else "tml-local"
     return [
         f"export TINKER_BASE_URL={url}",
         f"export TINKER_API_KEY={key}",
         f"export HF_HUB_CACHE={hub / 'huggingface'}",
+        "export HF_HUB_OFFLINE=1",
     ]
 
 
@@ -257,6 +261,7 @@ def create_model(state: Any, request: Request) -> Reply:
     existing = state.tinker.find_model(model_id)
     if existing is not None:  # a retried create_model: the same training client
         return _future(existing.created, model_id)
+    metadata = user_metadata(body)
     name, _ = state.registry.catalogue.resolve(base_model)
     client = local_call(
         lambda: state.registry.local.create_lora_training_client(
@@ -270,10 +275,11 @@ def create_model(state: Any, request: Request) -> Reply:
         )
     )
     client.training_run_cuid = model_id  # its saves go to <root>/MODEL_ID/...
+    write_run_metadata(state.registry.root, model_id, base_model, metadata)
     request_id = state.tinker.add_future(done({"model_id": model_id, "type": "create_model"}))
-    state.tinker.add_model(
-        TinkerModel(model_id, base_model, client.lora.rank, client, body["session_id"], request_id)
-    )
+    model = TinkerModel(model_id, base_model, client.lora.rank, client, body["session_id"])
+    model.created, model.user_metadata = request_id, metadata
+    state.tinker.add_model(model)
     return _future(request_id, model_id)
 
 
@@ -387,7 +393,7 @@ def save_weights_for_sampler(state: Any, request: Request) -> Reply:
     def start() -> Pending:
         if name is None:
             sampler = model.client.save_weights_and_get_sampling_client()
-            session = state.tinker.add_sampler(sampler, model.base_model, None)
+            session = state.tinker.add_sampler(sampler, model.base_model, None, model.session_id)
             return done({"sampling_session_id": session, "type": kind})
         saved = model.client.save_weights_for_sampler(name, ttl)
         path = tinker_path(model.model_id, "sampler", name)
@@ -412,11 +418,14 @@ def load_weights(state: Any, request: Request) -> Reply:
         existing = state.tinker.find_model(model_id)
         if existing is not None:  # a retried load_weights: the same training client
             return _future(existing.created, model_id)
+        asked_metadata = user_metadata(body)
         directory = local_call(lambda: resolve_checkpoint(uri))
         metadata = local_call(lambda: read_checkpoint_metadata(directory))
         spec = checkpoint_lora_spec(metadata)
-        base = asked_base or str(metadata["base_model"])
-        name, _ = state.registry.catalogue.resolve(base)
+        name, _ = state.registry.catalogue.resolve(asked_base or str(metadata["base_model"]))
+        source_run = path.removeprefix("tinker://").split("/")[0]
+        # reported as the source run's client named it (an alias too), else as the checkpoint
+        base = asked_base or run_record(state.registry.root, source_run)["base_model"] or name
         client = local_call(
             lambda: state.registry.local.create_lora_training_client(
                 name,
@@ -430,6 +439,8 @@ def load_weights(state: Any, request: Request) -> Reply:
         )
         client.training_run_cuid = model_id
         model = TinkerModel(model_id, base, spec.rank, client, body["session_id"])
+        model.user_metadata = asked_metadata
+        write_run_metadata(state.registry.root, model_id, base, model.user_metadata)
         seq_id = None
     else:
         model = state.tinker.model(_text(body, "model_id"))
@@ -469,7 +480,7 @@ def create_sampling_session(state: Any, request: Request) -> Reply:
     state.tinker.session(_text(body, "session_id"))
     model_path = _text(body, "model_path", required=False)
     sampler, base = _sampler(state, _text(body, "base_model", required=False), model_path)
-    session = state.tinker.add_sampler(sampler, base, model_path)
+    session = state.tinker.add_sampler(sampler, base, model_path, body["session_id"])
     return Reply(200, {"type": "create_sampling_session", "sampling_session_id": session})
 
 
@@ -494,9 +505,16 @@ def asample(state: Any, request: Request) -> Reply:
     for field in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
         if _int(body, field):
             raise _bad(field, "0 (not served yet)")
-    for field in ("target_prompt_logprobs", "record_stability_info"):
-        if body.get(field):
-            raise _bad(field, "absent (not served yet)")
+    if body.get("target_prompt_logprobs"):
+        raise _bad("target_prompt_logprobs", "absent (not served yet)")
+    if body.get("record_stability_info"):  # what tinker-cookbook asks for under its default loss
+        raise ServeError(
+            400,
+            "validation.unsupported_loss",
+            "record_stability_info is not served: it records what loss_fn='stable_reinforce' "
+            "trains on, and that objective is not public; pass loss_fn=importance_sampling "
+            "(in tinker-cookbook: loss_fn=importance_sampling)",
+        )
     tokens = _prompt_tokens(_object(body, "prompt"))
     num_samples = _int(body, "num_samples") or 1
     with_prompt = _flag(body, "prompt_logprobs", False)

@@ -44,6 +44,8 @@ class TinkerModel:
     client: LocalTrainingClient
     session_id: str
     created: str = ""  # the request id of its create_model / load_weights
+    created_unix: float = attrs.field(factory=time.time)
+    user_metadata: dict[str, str] | None = None
     requests: dict[int, str] = attrs.field(factory=dict)  # seq_id -> request id
     last_seq: int = 0
     turn: threading.Condition = attrs.field(factory=threading.Condition)
@@ -86,7 +88,12 @@ class TinkerService:
         """A new session's id."""
         session_id = f"session-{uuid.uuid4().hex[:12]}"
         with self._lock:
-            self._sessions[session_id] = {"finished": False, "heartbeat": time.monotonic()}
+            self._sessions[session_id] = {
+                "finished": False,
+                "heartbeat": time.monotonic(),
+                "models": [],
+                "samplers": [],
+            }
         return session_id
 
     def session(self, session_id: str) -> dict[str, Any]:
@@ -116,12 +123,33 @@ class TinkerService:
             ]:
                 del self._models[model_id]  # its adapter is freed with the client
 
+    def session_ids(self) -> list[str]:
+        """Every session of this process, oldest first."""
+        with self._lock:
+            return list(self._sessions)
+
+    def session_members(self, session_id: str) -> tuple[list[str], list[str]]:
+        """A session's training run ids and sampling session ids; 404 when unknown."""
+        with self._lock:
+            found = self._sessions.get(session_id)
+            if found is None:
+                raise not_found("session_id", session_id)
+            return list(found["models"]), list(found["samplers"])
+
     # --- models ------------------------------------------------------------------------
 
     def add_model(self, model: TinkerModel) -> None:
         """Register a created (or loaded) training client."""
         with self._lock:
             self._models[model.model_id] = model
+            members = self._sessions.get(model.session_id, {}).get("models")
+            if members is not None and model.model_id not in members:
+                members.append(model.model_id)
+
+    def live_models(self) -> list[TinkerModel]:
+        """The training clients of unfinished sessions, oldest first."""
+        with self._lock:
+            return sorted(self._models.values(), key=lambda model: model.created_unix)
 
     def find_model(self, model_id: str) -> TinkerModel | None:
         """A live model, or None."""
@@ -163,11 +191,18 @@ class TinkerService:
 
     # --- samplers ----------------------------------------------------------------------
 
-    def add_sampler(self, sampler: LocalSamplingClient, base_model: str, path: str | None) -> str:
-        """A new sampling session's id for `sampler` (the most recent few are kept)."""
+    def add_sampler(
+        self, sampler: LocalSamplingClient, base_model: str, path: str | None, owner: str
+    ) -> str:
+        """A new sampling session's id for `sampler`, made in session `owner` (the most
+        recent few are kept)."""
         session_id = f"sampler-{uuid.uuid4().hex[:12]}"
         with self._lock:
             self._samplers[session_id] = (sampler, base_model, path)
+            members = self._sessions.get(owner, {}).get("samplers")
+            if members is not None:
+                members.append(session_id)
+                del members[:-_SAMPLERS_KEPT]
             while len(self._samplers) > _SAMPLERS_KEPT:
                 self._samplers.popitem(last=False)
         return session_id

@@ -211,4 +211,10 @@ def local_uri(path: str, root: Path, field: str = "path") -> str:
             "tinker://RUN/sampler_weights/NAME path",
         )
     run, kind, name = found.groups()
+    if {run, name} & {".", ".."}:
+        raise ServeError(
+            400,
+            "validation.invalid_path",
+            f"{field} {path!r:.200}: a run or checkpoint name may not be '.' or '..'",
+        )
     return checkpoint_uri(checkpoint_directory(root, run, _KIND[kind], name))  # type: ignore[arg-type]

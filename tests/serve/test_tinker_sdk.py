@@ -351,6 +351,7 @@ def test_wrong_key_and_exports(server: ServeHandle, tmp_path: Path) -> None:
     assert lines[0] == f"export TINKER_BASE_URL={server.url}"
     assert lines[1].startswith("export TINKER_API_KEY=tml-")
     assert lines[2] == f"export HF_HUB_CACHE={tmp_path / 'hub' / 'huggingface'}"
+    assert lines[3] == "export HF_HUB_OFFLINE=1"
 
 
 LOSS_CONFIGS = {
