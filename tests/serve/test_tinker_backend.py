@@ -180,6 +180,38 @@ def test_a_missing_tinker_setting_is_named_before_any_work(
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_the_cli_names_a_missing_setting_in_one_line_without_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from grpo.cli import main
+
+    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
+    monkeypatch.setenv("TINKER_API_KEY", TINKER_KEY)
+    code = main(["train", "--backend", "tinker", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code != 0 and "TINKER_BASE_URL" in err and "Traceback" not in err
+    assert TINKER_KEY not in err
+
+
+def test_only_connection_failures_429_and_5xx_from_the_sdk_are_retried() -> None:
+    import httpx
+    import tinker
+
+    from grpo.backends.pytrio import is_transient
+
+    request = httpx.Request("POST", "http://127.0.0.1:9/api/v1/forward_backward")
+
+    def status(code: int, kind: type) -> Exception:
+        response = httpx.Response(code, request=request)
+        return kind(f"status {code}", response=response, body=None)
+
+    assert is_transient(tinker.APIConnectionError(request=request))
+    assert is_transient(status(503, tinker.InternalServerError))
+    assert is_transient(status(429, tinker.RateLimitError))
+    assert not is_transient(status(400, tinker.BadRequestError))
+    assert not is_transient(status(401, tinker.AuthenticationError))
+
+
 def test_a_missing_sdk_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
@@ -187,3 +219,29 @@ def test_a_missing_sdk_names_the_extra(tmp_path: Path, monkeypatch: pytest.Monke
     config = TrainConfig(**{**TINY, "run_dir": str(tmp_path / "run"), "backend": "tinker"})
     with pytest.raises(BackendUnavailableError, match=r'pip install -e "\.\[tinker\]"'):
         train(config, echo=lambda _line: None, progress=False)
+
+
+def test_grpo_eval_through_tinker_equals_the_local_backend(
+    tinker_served: ServeHandle, tmp_path: Path
+) -> None:
+    """`grpo eval` of a tinker run (its `tinker://` sampler weights, the run's backend) scores
+    what the same evaluation of the local run scores; a base-model eval too."""
+    from grpo.tools.evaluate import evaluate_report
+
+    reports = {}
+    for backend in ("tinker", "local"):
+        rows_of(tmp_path, backend, backend=backend, steps=1, learning_rate=0.05)
+        quiet = dict(limit=4, temperature=1.0, echo=lambda _line: None)
+        trained = evaluate_report(tmp_path / backend, **quiet)
+        base = evaluate_report(backend=backend, base_model=TINY_MODEL_NAME, **quiet)
+        reports[backend] = (trained, base)
+    (trained, base), (local_trained, local_base) = reports["tinker"], reports["local"]
+    assert trained.provenance["weights"]["path"].startswith("tinker://")
+    assert trained.metrics == local_trained.metrics and base.metrics == local_base.metrics
+    # The trained weights sample otherwise than the base model's: the eval read the run's.
+    trained_tokens = trained.results[0].samples.tokens_PG
+    assert not np.array_equal(trained_tokens, base.results[0].samples.tokens_PG)
+    for report, local in ((trained, local_trained), (base, local_base)):
+        samples, local_samples = report.results[0].samples, local.results[0].samples
+        assert samples.answers_PG == local_samples.answers_PG
+        np.testing.assert_array_equal(samples.tokens_PG, local_samples.tokens_PG)
