@@ -31,6 +31,7 @@ from grpo.backends.names import BUILTIN_MODEL_NAMES
 BASE_URL_ENV = "TINKER_BASE_URL"
 API_KEY_ENV = "TINKER_API_KEY"
 INSTALL_HINT = 'pip install -e ".[tinker]"'
+CLOSE_TIMEOUT_S = 10.0
 WEIGHT_INPUTS = ("advantages", "weights")
 
 
@@ -310,8 +311,17 @@ class TinkerServiceClient:
         )
 
     def get_server_capabilities(self) -> Any:
-        """The service's supported models, through the SDK's RestClient."""
-        return plain(import_sdk().RestClient().get_server_capabilities()).result()
+        """The service's supported models, through the SDK's RestClient on this client's URL
+        (the SDK shares one REST connection per URL and key for the life of the process)."""
+        rest = import_sdk().RestClient(base_url=self.base_url, api_key=os.environ[API_KEY_ENV])
+        return plain(rest.get_server_capabilities()).result()
+
+    def close(self, status: str = "success") -> None:
+        """Finish the session (its heartbeats stop); a service already gone is not an error."""
+        try:
+            self.client.close(status).result(timeout=CLOSE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - closing is best effort: the session expires anyway
+            pass
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)

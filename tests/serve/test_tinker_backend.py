@@ -112,6 +112,7 @@ def test_the_gradient_applied_through_tinker_is_the_losss_own(
         from pytrio.types import AdamParams
 
         norms.append(trainer.optim_step(AdamParams(learning_rate=1e-3)).result().metrics)
+        service.close()
     remote, local = (metrics["grad_norm"] for metrics in norms)
     assert local > 0 and remote == pytest.approx(local, rel=1e-4)
 
@@ -146,6 +147,7 @@ def final_logprobs(run_dir: Path) -> np.ndarray:
     service = make_tinker_service_client()
     trainer = service.create_training_client_from_state(checkpoint.state_path)
     output = trainer.forward(policy_datums(), "importance_sampling").result()
+    service.close()
     return np.concatenate([np.asarray(o["logprobs"].data) for o in output.loss_fn_outputs])
 
 
@@ -245,3 +247,38 @@ def test_grpo_eval_through_tinker_equals_the_local_backend(
         samples, local_samples = report.results[0].samples, local.results[0].samples
         assert samples.answers_PG == local_samples.answers_PG
         np.testing.assert_array_equal(samples.tokens_PG, local_samples.tokens_PG)
+
+
+def test_sft_dpo_and_distill_through_tinker_equal_the_local_backend(
+    tinker_served: ServeHandle, tmp_path: Path
+) -> None:
+    """The other recipes through the same adaptor: `grpo sft`, `grpo dpo` (its loss runs as
+    the SDK's client-side custom loss: one more forward per step) and `grpo distill` (the
+    SFT run as teacher) give the local backend's rows."""
+    from tests.runs import comparable
+    from tests.training import test_dpo, test_sft
+    from tests.training.test_distill import distill_config
+
+    for name, make, run, options in (
+        ("sft", test_sft._config, test_sft._quiet, dict(epochs=1)),
+        ("dpo", test_dpo._config, test_dpo._quiet, dict(steps=2, eval_every=2, save_every=0)),
+    ):
+        remote = run(make(tmp_path, f"{name}-tinker", backend="tinker", **options))
+        local = run(make(tmp_path, f"{name}-local", backend="local", **options))
+        remote_rows = comparable(read_metrics(remote.run_dir))
+        local_rows = comparable(read_metrics(local.run_dir))
+        assert_same_rows(without_forward_usage(remote_rows), without_forward_usage(local_rows))
+        assert read_checkpoint(remote.run_dir).state_path.startswith("tinker://")
+    for backend in ("tinker", "local"):
+        # The teacher: the SFT run on the same backend (with the base model as teacher the
+        # advantages are float noise, ~1e-8, that the route's float32 log-probs round away).
+        teacher = str(tmp_path / f"sft-{backend}")
+        config = distill_config(
+            tmp_path, f"distill-{backend}", backend=backend, teacher=teacher, steps=2
+        )
+        train(config, echo=lambda _line: None, progress=False)
+    distilled = [
+        comparable(read_metrics(tmp_path / f"distill-{backend}")) for backend in ("tinker", "local")
+    ]
+    assert_same_rows(*(without_forward_usage(rows) for rows in distilled))
+    assert "distill/reverse_kl" in distilled[0][-1]
