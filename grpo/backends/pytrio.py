@@ -61,7 +61,8 @@ def make_service_client(
     threads: int = 0,
     service_normalization: str = DEFAULT_SERVICE_NORMALIZATION,
 ) -> Any:
-    """A service client: `LocalServiceClient` for 'local', `pytrio.ServiceClient` for 'pytrio'.
+    """A service client: `LocalServiceClient` for 'local', `pytrio.ServiceClient` for 'pytrio',
+    the official Tinker SDK's behind pytrio's API for 'tinker' (`grpo.backends.tinker_sdk`).
 
     For 'pytrio', `concurrency` sampling requests may be in flight (see
     `configure_concurrency`), and a service that does not answer within `connect_timeout_s`
@@ -101,10 +102,27 @@ def make_service_client(
                 f"{type(error).__name__}: {error}. Log in with `trio login` (or set "
                 "PYTRIO_API_KEY), or run offline with `--backend local`."
             ) from None
-    raise ValueError(f"--backend must be 'local' or 'pytrio', got {backend!r}")
+    if backend == "tinker":
+        from grpo.backends.tinker_sdk import TinkerSetupError, make_tinker_service_client
+
+        try:
+            client = make_tinker_service_client()
+        except TinkerSetupError as error:
+            raise BackendUnavailableError(str(error)) from None
+        wait_until_reachable(
+            client.base_url, timeout_s=connect_timeout_s, service="Tinker", env_prefix="TINKER"
+        )
+        return client
+    raise ValueError(f"--backend must be 'local', 'pytrio' or 'tinker', got {backend!r}")
 
 
-def wait_until_reachable(base_url: str, *, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+def wait_until_reachable(
+    base_url: str,
+    *,
+    timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    service: str = "PyTRIO",
+    env_prefix: str = "PYTRIO",
+) -> None:
     """Return once `base_url` answers HTTP (any status); else BackendUnavailableError after
     `timeout_s` seconds."""
     deadline = time.monotonic() + timeout_s
@@ -120,10 +138,10 @@ def wait_until_reachable(base_url: str, *, timeout_s: float = DEFAULT_CONNECT_TI
             if time.monotonic() + 0.5 >= deadline:
                 reason = getattr(error, "reason", error)
                 raise BackendUnavailableError(
-                    f"PyTRIO service at {base_url} is unreachable (no answer within "
-                    f"{timeout_s:g} s: {reason}). Check PYTRIO_BASE_URL and the network; for "
-                    "an offline service start `grpo serve` and set the PYTRIO_BASE_URL and "
-                    "PYTRIO_API_KEY it prints; or train offline with `--backend local`."
+                    f"{service} service at {base_url} is unreachable (no answer within "
+                    f"{timeout_s:g} s: {reason}). Check {env_prefix}_BASE_URL and the network; "
+                    f"for an offline service start `grpo serve` and set the {env_prefix}_BASE_URL "
+                    f"and {env_prefix}_API_KEY it prints; or train offline with `--backend local`."
                 ) from None
             time.sleep(0.5)
 
@@ -166,8 +184,9 @@ def check_capabilities(
         value
         for value in (
             model.max_context_length,
-            model.sampling.max_seq_len,
-            model.training.max_seq_len,
+            # Tinker's capabilities report the context length alone.
+            getattr(getattr(model, "sampling", None), "max_seq_len", None),
+            getattr(getattr(model, "training", None), "max_seq_len", None),
         )
         if value is not None
     ]
@@ -192,6 +211,10 @@ def is_transient(error: BaseException) -> bool:
     """Whether a failed call may succeed if retried (network trouble, a retryable service error)."""
     if isinstance(error, (ConnectionError, TimeoutError)):
         return True
+    if type(error).__module__.startswith("tinker"):
+        from grpo.backends.tinker_sdk import is_tinker_transient
+
+        return is_tinker_transient(error)
     return bool(getattr(error, "retryable", False))
 
 

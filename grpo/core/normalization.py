@@ -70,7 +70,8 @@ class BatchTotals:
 class ServiceDivisor:
     """The convention a loop pre-scales its datums for, and where it was learned: ``local``
     (the embedded backend, as it reports itself, else as the run asked it), ``flag``
-    (--service-normalization), ``probe`` (the normalization probe's verdict) or ``default``
+    (--service-normalization), ``probe`` (the normalization probe's verdict), ``tinker``
+    (Tinker's documented sum) or ``default``
     (`DEFAULT_SERVICE_NORMALIZATION`: a service not measured)."""
 
     convention: str
@@ -81,7 +82,8 @@ def service_divisor(
     backend: str, flag: str | None, probed: str | None, reported: str | None = None
 ) -> ServiceDivisor:
     """The divisor a run's service applies. Local backend: what it `reported`, else the
-    flag, else `LOCAL_TRAIN_NORMALIZATION` (what the run asks it for). A service: the flag
+    flag, else `LOCAL_TRAIN_NORMALIZATION` (what the run asks it for). Tinker: the flag, else
+    ``sum`` (its documented convention, source ``tinker``). PyTRIO: the flag
     when given, else the probe's verdict, else `DEFAULT_SERVICE_NORMALIZATION`."""
     named = (("--service-normalization", flag), ("the probe's verdict", probed))
     for name, value in (*named, ("the local backend", reported)):
@@ -89,6 +91,8 @@ def service_divisor(
             raise ValueError(f"{name} {value!r} is not one of {', '.join(NORMALIZATIONS)}")
     if backend == "local":
         return ServiceDivisor(reported or flag or LOCAL_TRAIN_NORMALIZATION, "local")
+    if backend == "tinker":
+        return ServiceDivisor(flag, "flag") if flag else ServiceDivisor("sum", "tinker")
     if flag is not None:
         return ServiceDivisor(flag, "flag")
     if probed is not None:

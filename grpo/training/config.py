@@ -54,7 +54,13 @@ if TYPE_CHECKING:
     from grpo.rewards import RewardFn
     from grpo.tasks.prompts import PromptTemplate
 
-BACKENDS = ("local", "pytrio")
+BACKENDS = ("local", "pytrio", "tinker")
+SERVICE_BACKENDS = ("pytrio", "tinker")
+"""The backends that are services: their built-in losses only sum, through an SDK."""
+TINKER_MASKED_BUILTINS = ("importance_sampling", "ppo", "cispo", "cross_entropy")
+"""Tinker's built-in losses that are 0 wherever the weight input (advantage) is 0, so that
+advantage 0 masks a token out as grpo's mask does; dro, whose penalty is not, runs as a
+custom loss on --backend tinker."""
 SWANLAB_MODES = ("online", "offline", "disabled")
 SAMPLER_DTYPES = ("float32", "bfloat16")
 # PyTRIO's `create_lora_training_client` accepts ranks 4..64 (pytrio/client/service.py);
@@ -569,13 +575,16 @@ class TrainConfig:
     def runs_custom_loss(self) -> bool:
         """Whether the loss runs client-side through forward_backward_custom.
 
-        Asked for (--custom-loss), a kernel PyTRIO lacks, or a non-sum reduction on PyTRIO
-        (its built-in losses only sum; the local backend reduces any way itself).
+        Asked for (--custom-loss), a kernel PyTRIO lacks, a non-sum reduction on a service
+        (their built-in losses only sum; the local backend reduces any way itself), or on
+        Tinker a loss that is not 0 where the advantage is (dro: Tinker has no mask input, so
+        its built-in would also train the prompt and every zero-advantage token).
         """
         return (
             self.custom_loss
             or not self.loss_spec.kernel.service_builtin
-            or (self.backend == "pytrio" and self.reduction != "sum")
+            or (self.backend in SERVICE_BACKENDS and self.reduction != "sum")
+            or (self.backend == "tinker" and self.loss_fn not in TINKER_MASKED_BUILTINS)
         )
 
     @property

@@ -505,6 +505,7 @@ def run_divisor(
         "flag": "--service-normalization",
         "probe": "the normalization probe",
         "default": "not measured: the documented default, docs/FORMULAS.md",
+        "tinker": "Tinker's documented convention: built-in losses are sums over tokens",
     }[divisor.source]
     note(
         f"the service divides a loss's gradient by: {divisor.convention} ({source}); each "

@@ -186,8 +186,9 @@ def _judge_line(pre: Preflight, start_step: int) -> list[str]:
 
 
 def runs_extra_forward(config: TrainConfig) -> bool:
-    """PyTRIO's SDK runs a custom loss as a forward, then a forward_backward (one pass locally)."""
-    return config.runs_custom_loss and config.backend == "pytrio"
+    """PyTRIO's and Tinker's SDKs run a custom loss as a forward, then a forward_backward
+    (one pass locally)."""
+    return config.runs_custom_loss and config.backend in ("pytrio", "tinker")
 
 
 def plan_usage(pre: Preflight, start_step: int = 0) -> TokenUsage:

@@ -22,6 +22,7 @@ from grpo.backends.local.checkpoint import to_uri as checkpoint_uri
 from grpo.backends.local.model import LoraSpec, lora_wire_fields
 from grpo.backends.local.sampling_client import LocalSamplingClient
 from grpo.backends.local.service import LocalServiceClient, default_root
+from grpo.backends.local.tiny import build_tokenizer as builtin_tokenizer
 from grpo.backends.local.training import LocalTrainingClient
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "LocalServiceClient",
     "LocalTrainingClient",
     "LoraSpec",
+    "builtin_tokenizer",
     "checkpoint_directory",
     "checkpoint_lora_spec",
     "checkpoint_uri",

@@ -33,6 +33,7 @@ from grpo.core.usage import Prices, TokenUsage
 from grpo.tasks.preference_data import load_pairs
 from grpo.tasks.sft_data import SftDataError
 from grpo.training import run_files
+from grpo.training.config import SERVICE_BACKENDS
 from grpo.training.custom_loss import DpoLoss, as_dpo_loss
 from grpo.training.dpo_config import DpoConfig, dpo_to_dict, resolve_dpo_run
 from grpo.training.fields import ConfigError
@@ -215,7 +216,7 @@ def planned_usage(plan: DpoPlan, start_step: int = 0, cached: int = 0) -> TokenU
         for done in range(start_step + 1, plan.steps + 1)
         if saves(plan.config, done, plan.steps)
     )
-    sdk_forward = trained if plan.config.backend == "pytrio" else 0
+    sdk_forward = trained if plan.config.backend in SERVICE_BACKENDS else 0
     reference = sum(pair.num_tokens for pair in [*plan.train, *plan.eval]) - cached
     per_eval = sum(pair.num_positions for pair in plan.eval)
     return TokenUsage(
@@ -341,9 +342,9 @@ class DpoRecipe(DataRecipe):
         state.probe_datums = datums  # a checkpoint checks these are finite
         positions = sum(pair.num_positions for pair in pairs)
         trained = sum(pair.chosen.num_trained + pair.rejected.num_trained for pair in pairs)
-        state.usage += TokenUsage(  # PyTRIO's SDK runs a custom loss as forward + backward
+        state.usage += TokenUsage(  # a service's SDK runs a custom loss as forward + backward
             trained_tokens=positions,
-            forward_tokens=positions if config.backend == "pytrio" else 0,
+            forward_tokens=positions if config.backend in SERVICE_BACKENDS else 0,
         )
         return {  # 6. the step's metrics
             **metrics,
