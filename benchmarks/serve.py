@@ -110,8 +110,11 @@ class Server:
 
 
 @contextmanager
-def server(root: Path, *, subprocess_server: bool) -> Iterator[Server]:
-    """`grpo serve` on a free loopback port: a child process, or a thread of this one."""
+def server(
+    root: Path, *, subprocess_server: bool, export: str = "PYTRIO_BASE_URL"
+) -> Iterator[Server]:
+    """`grpo serve` on a free loopback port (a child process, or a thread of this one); its URL
+    as the child prints it in the `export` line (the PyTRIO one, or e.g. TINKER_BASE_URL)."""
     if not subprocess_server:
         with serve_in_thread(root=root, api_key=API_KEY) as handle:
             yield Server(handle.url)
@@ -125,7 +128,7 @@ def server(root: Path, *, subprocess_server: bool) -> Iterator[Server]:
             line = child.stdout.readline()  # type: ignore[union-attr]
             if not line:
                 raise RuntimeError("grpo serve exited before printing its URL")
-            match = re.search(r"PYTRIO_BASE_URL=(\S+)", line)
+            match = re.search(rf"{export}=(\S+)", line)
             url = match.group(1) if match else ""
         yield Server(url)
     finally:

@@ -21,8 +21,6 @@ a thread of this process, so the SDK and the server share one GIL.
 
 from __future__ import annotations
 
-import os
-import re
 import statistics
 import subprocess
 import sys
@@ -36,9 +34,9 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import argument_parser, markdown_table, print_header, torch_threads
+from benchmarks.serve import server
 from grpo.backends.local import LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_NAME
-from grpo.serve.server import serve_in_thread
 
 API_KEY = "benchmark"
 PROMPTS, GROUP, MAX_TOKENS, RANK = 8, 8, 24, 32
@@ -84,6 +82,21 @@ def policy_rows(
     return rows
 
 
+def step_datums(
+    prompts: Sequence[Sequence[int]], futures: Sequence[Any], datum: Any, model_input: Any
+) -> list[Any]:
+    """A step's datums (`datum`, `model_input`: pytrio's or tinker's types) from the sampling
+    `futures` of `prompts`, one group each (`policy_rows`)."""
+    return [
+        datum(
+            model_input=model_input.from_ints(row["input"]),
+            loss_fn_inputs={k: v for k, v in row.items() if k != "input"},
+        )
+        for prompt, future in zip(prompts, futures, strict=True)
+        for row in policy_rows(prompt, [(s.tokens, s.logprobs) for s in future.result().sequences])
+    ]
+
+
 class InProcess:
     """The step on an in-process `LocalServiceClient` (pytrio's types, Tinker's sum)."""
 
@@ -106,20 +119,7 @@ class InProcess:
         futures = [
             sampler.sample(model_input.from_ints(prompt), GROUP, params) for prompt in self.prompts
         ]
-        rows = [
-            row
-            for prompt, future in zip(self.prompts, futures, strict=True)
-            for row in policy_rows(
-                prompt, [(s.tokens, s.logprobs) for s in future.result().sequences]
-            )
-        ]
-        datums = [
-            datum(
-                model_input=model_input.from_ints(row["input"]),
-                loss_fn_inputs={k: v for k, v in row.items() if k != "input"},
-            )
-            for row in rows
-        ]
+        datums = step_datums(self.prompts, futures, datum, model_input)
         out = self.training.forward_backward(datums, "importance_sampling").result()
         self.training.optim_step(adam(learning_rate=LEARNING_RATE)).result()
         return float(out.metrics.get("loss:sum", next(iter(out.metrics.values()))))
@@ -153,48 +153,10 @@ class ThroughSdk:
             )
             for prompt in self.prompts
         ]
-        rows = [
-            row
-            for prompt, future in zip(self.prompts, futures, strict=True)
-            for row in policy_rows(
-                prompt, [(s.tokens, s.logprobs) for s in future.result().sequences]
-            )
-        ]
-        datums = [
-            types.Datum(
-                model_input=types.ModelInput.from_ints(row["input"]),
-                loss_fn_inputs={k: v for k, v in row.items() if k != "input"},
-            )
-            for row in rows
-        ]
+        datums = step_datums(self.prompts, futures, types.Datum, types.ModelInput)
         out = self.training.forward_backward(datums, "importance_sampling").result()
         self.training.optim_step(types.AdamParams(learning_rate=LEARNING_RATE)).result()
         return float(out.metrics["loss:sum"])
-
-
-@contextmanager
-def served(root: Path, *, subprocess_server: bool) -> Iterator[str]:
-    """`grpo serve` on a free loopback port (a child process, or a thread of this one): its
-    URL."""
-    if not subprocess_server:
-        with serve_in_thread(root=root, api_key=API_KEY) as handle:
-            yield handle.url
-        return
-    env = {**os.environ, "GRPO_SERVE_API_KEY": API_KEY, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "grpo", "serve", "--port", "0", "--root", str(root)]
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        url = ""
-        while not url:
-            line = child.stdout.readline()  # type: ignore[union-attr]
-            if not line:
-                raise RuntimeError("grpo serve exited before printing its URL")
-            match = re.search(r"TINKER_BASE_URL=(\S+)", line)
-            url = match.group(1) if match else ""
-        yield url
-    finally:
-        child.terminate()
-        child.wait(timeout=30)
 
 
 @contextmanager
@@ -245,8 +207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = Path(scratch)
         local = InProcess(root / "local")
         try:
-            with served(root / "served", subprocess_server=not args.quick) as url:
-                remote = ThroughSdk(url, local.prompts)
+            with server(
+                root / "served", subprocess_server=not args.quick, export="TINKER_BASE_URL"
+            ) as served:
+                remote = ThroughSdk(served.url, local.prompts)
                 local.step(0), remote.step(0)  # warm-up: first compiles, first connections
                 for label, hog in scenarios:
                     times: dict[str, list[float]] = {"in process": [], "through the SDK": []}
