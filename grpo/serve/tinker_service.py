@@ -26,7 +26,7 @@ from pytrio.errors.base import PyTrioError
 
 from grpo.backends.local import LocalSamplingClient, LocalTrainingClient
 from grpo.serve.registry import RunRegistry
-from grpo.serve.wire import ServeError, local_call, not_found
+from grpo.serve.wire import ServeError, chain, local_call, not_found
 
 MAX_LONG_POLL_S = 20.0
 SEQUENCE_WAIT_S = 5.0
@@ -268,14 +268,7 @@ def done(value: Any, *, proto: bool = False) -> Pending:
 def running(source: Any, convert: Callable[[Any], Any], *, proto: bool = False) -> Pending:
     """A request resolved by `convert(result)` when the local backend's future `source` is done."""
     future: Future = Future()
-
-    def resolve(finished: Future) -> None:
-        try:
-            future.set_result(convert(finished.result()))
-        except BaseException as error:  # noqa: BLE001 - the future carries any failure
-            future.set_exception(error)
-
-    source._future.add_done_callback(resolve)
+    chain(source, future, convert)
     return Pending(future, proto)
 
 

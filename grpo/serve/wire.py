@@ -236,7 +236,7 @@ def local_call(call: Callable[[], Any]) -> Any:
         raise
 
 
-def chain(source: Any, target: Future, convert: Callable[[Any], dict[str, Any]]) -> None:
+def chain(source: Any, target: Future, convert: Callable[[Any], Any]) -> None:
     """Resolve `target` with `convert(result)` (or the error) when APIFuture `source` is done."""
 
     def resolve(done: Future) -> None:
