@@ -63,7 +63,7 @@ from benchmarks.common import (
     thread_settings,
     torch_threads,
 )
-from grpo.core import fused_losses, packing
+from grpo.core import compiled_losses, fused_losses, packing
 from grpo.core.losses import FUSED_MIN_TOKENS, LOSSES, LossKernel
 
 SIZES = (16_384, 262_144, 2_097_152, 8_388_608)
@@ -306,7 +306,7 @@ def compile_fused(kernel: LossKernel, batch: PackedBatch) -> Compiled:
             available=False, compile_s=0.0, reason="n/a (no fused form: sequence-level)"
         )
     torch._dynamo.reset()
-    losses_module._compiled_form.cache_clear()
+    compiled_losses._compiled_form.cache_clear()
     started = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter(

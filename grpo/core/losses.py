@@ -33,6 +33,10 @@ them, and attaches it with a one-multiply backward; double backward is not suppo
 At millions of tokens this is several times faster than letting autograd record every
 elementwise step (``benchmarks/losses.py``).
 
+The objectives live in ``grpo.core.loss_objectives``, the gradient in
+``grpo.core.loss_gradient``, the compiled path in ``grpo.core.compiled_losses``; this
+module is the registry that names them.
+
 The token-level policy kernels also have a single-pass form (``fused_losses``) that
 ``torch.compile`` turns into one vectorized loop: ``fused=None`` (the default) runs it on
 CPU batches of at least ``FUSED_MIN_TOKENS`` positions, where it is several times faster
@@ -56,37 +60,31 @@ named choices of the loss from (``--loss-fn``, ``--reduction``, ``--kl-estimator
 
 from __future__ import annotations
 
-import functools
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import attrs
 import torch
 from torch import Tensor
 
 from grpo.core import fused_losses
+from grpo.core.compiled_losses import FUSED_MIN_TOKENS, run_fused
 from grpo.core.fused_losses import FusedTerms
 from grpo.core.kl import KL_ESTIMATORS
-from grpo.core.packing import (
-    Inputs,
-    Units,
-    as_float,
-    count_true,
-    nonfinite_error,
-    pack_finite,
-    segment_sum,
-    validate,
+from grpo.core.loss_gradient import KnownGradient, loss_gradient, loss_metrics
+from grpo.core.loss_objectives import (
+    Terms,
+    cispo_objective,
+    cross_entropy_objective,
+    dro_objective,
+    gspo_objective,
+    importance_sampling_objective,
+    ppo_objective,
 )
-from grpo.core.reductions import (
-    REDUCTIONS,
-    Products,
-    aggregate,
-    reduction_derivative,
-    validate_reduction,
-)
+from grpo.core.packing import Inputs, pack_finite, validate
+from grpo.core.reductions import REDUCTIONS, aggregate, validate_reduction
 
 if TYPE_CHECKING:
     from grpo.core.packing import SeqLens
@@ -110,363 +108,6 @@ __all__ = [
 LossConfig: TypeAlias = dict[str, float | None]
 
 
-# --- per-unit objectives ---------------------------------------------------------------
-# Each returns the objective o per unit (0 on masked units), its slope (do/dlp for token
-# units, do/d(mean log-ratio) for sequence units) and its statistics over the selected
-# units: Σ r, min r, max r (when lp_old is given) and the clip counts. The kernel turns
-# the slope into the gradient.
-
-
-class _Terms(NamedTuple):
-    """An objective's per-unit values, their slope and the statistics it reports.
-
-    ``objective`` is o per unit, or a sum of scaled products Σ_k c_k·a_k·b_k: then Σ_u o_u
-    is Σ_k c_k·(a_k · b_k), inner products that read their factors once and write
-    nothing, and o itself is only formed when a reduction needs it per sequence.
-    """
-
-    objective: Tensor | Products
-    slope: Tensor | Callable[[], Tensor]  # a callable is only run when a gradient is needed
-    statistics: dict[str, Tensor | int]
-    slope_is_scratch: bool = True  # False when slope is a caller's tensor: never written
-
-
-def _log_ratio(units: Units) -> Tensor:
-    # LossKernel.__call__ rejects a missing lp_old for every kernel that reads this.
-    assert units.log_ratio is not None
-    return units.log_ratio
-
-
-def _logprobs(units: Units) -> Tensor:
-    # Only sequence-level units drop lp, and the sequence-level objective never reads it.
-    assert units.logprobs is not None
-    return units.logprobs
-
-
-def _ratio_statistics(ratio: Tensor, units: Units) -> dict[str, Tensor | int]:
-    """Σ r, min r and max r over the selected units (0 when none is), and zero clip counts."""
-    no_clips = {"clip_fraction": 0, "clip_low_fraction": 0, "clip_high_fraction": 0}
-    if units.unit_count == 0:
-        return {"ratio_mean": 0, "ratio_min": 0, "ratio_max": 0, **no_clips}
-    low, high = torch.aminmax(ratio)
-    if units.mask is None:
-        return {"ratio_mean": ratio.sum(), "ratio_min": low, "ratio_max": high, **no_clips}
-    # A masked unit holds r = 1 exactly, so a global extreme other than 1 is a selected
-    # unit's; so is 1 when both extremes are 1. Only one extreme at exactly 1 is ambiguous.
-    if bool((low == 1.0) ^ (high == 1.0)):
-        assert units.selected is not None
-        low = torch.where(units.selected, ratio, math.inf).min()
-        high = torch.where(units.selected, ratio, 0.0).max()
-    ratio_sum = torch.dot(ratio, units.mask)
-    return {"ratio_mean": ratio_sum, "ratio_min": low, "ratio_max": high, **no_clips}
-
-
-def _unclipped_statistics(units: Units) -> dict[str, Tensor | int]:
-    """Statistics of an objective without a clip: those of r when lp_old is given, else none.
-
-    Call it last: r is computed in place of the log-ratio.
-    """
-    if units.log_ratio is None:
-        return {}
-    return _ratio_statistics(units.log_ratio.exp_(), units)
-
-
-def _selected_count(outside: Tensor, units: Units, one_is_outside: bool) -> int:
-    """How many selected units a ratio test marks, from the test over every unit.
-
-    A masked unit holds r = 1 exactly, so the test marks it only when it marks 1, and the
-    count over every unit then exceeds the selected count by exactly the masked units.
-    """
-    return count_true(outside) - (units.masked_out if one_is_outside else 0)
-
-
-def _outside_counts(
-    ratio: Tensor, units: Units, low: float, high: float
-) -> tuple[Tensor, Tensor, int, int]:
-    """(r < lo, r > hi) over every unit, and their counts over the selected units."""
-    below, above = ratio < low, ratio > high
-    below_count = _selected_count(below, units, low > 1)
-    return below, above, below_count, _selected_count(above, units, high < 1)
-
-
-def _clipped_surrogate(
-    ratio: Tensor, units: Units, low: float, high: float, dual_clip: float | None
-) -> _Terms:
-    """min(r·A, clip(r, lo, hi)·A), dual-clipped to max(·, c·A) where A < 0; r is overwritten.
-
-    do/dr is A, except 0 on the clipped side (r > hi with A > 0, r < lo with A < 0) and
-    where the dual clip is active; do/dlp = r·do/dr.
-    """
-    advantages = units.advantages
-    statistics = _ratio_statistics(ratio, units)
-    below, above, below_count, above_count = _outside_counts(ratio, units, low, high)
-    unclipped = ratio * advantages
-    objective = ratio.clamp(low, high).mul_(advantages)
-    torch.minimum(unclipped, objective, out=objective)
-    # Masked units hold A = 0, so the sign tests exclude them without the mask.
-    negative = advantages < 0
-    clipped_side = (advantages > 0).logical_and_(above).logical_or_(below.logical_and_(negative))
-    if dual_clip is None:
-        clipped_count = count_true(clipped_side)
-    else:
-        clipped_count = count_true(clipped_side | negative.logical_and_(ratio > dual_clip))
-        # c·min(A, 0) is c·A where A < 0; where A >= 0 it is 0 <= o (r, lo >= 0): a no-op.
-        floor = advantages.clamp(max=0).mul_(dual_clip)
-        clipped_side.logical_or_(floor > objective)
-        torch.maximum(objective, floor, out=objective)
-    statistics.update(
-        clip_fraction=clipped_count, clip_low_fraction=below_count, clip_high_fraction=above_count
-    )
-
-    def slope() -> Tensor:
-        # The statistics are taken, so r's buffer can hold the 0/1 keep-weights.
-        return unclipped.mul_(as_float(clipped_side.logical_not_(), out=ratio))
-
-    return _Terms(objective=objective, slope=slope, statistics=statistics)
-
-
-def _importance_sampling_objective(units: Units) -> _Terms:
-    """Importance sampling: o_t = r·A, gradient d(−o_t)/d lp = −r·A."""
-    ratio = _log_ratio(units).exp_()
-    statistics = _ratio_statistics(ratio, units)
-    objective = ratio.mul_(units.advantages)
-    return _Terms(objective=objective, slope=objective, statistics=statistics)
-
-
-def _ppo_objective(
-    units: Units,
-    *,
-    clip_low_threshold: float,
-    clip_high_threshold: float,
-    dual_clip: float | None,
-) -> _Terms:
-    """PPO: o_t = min(r·A, clip(r, lo, hi)·A); dual clip c: max(o_t, c·A) where A < 0."""
-    ratio = _log_ratio(units).exp_()
-    return _clipped_surrogate(ratio, units, clip_low_threshold, clip_high_threshold, dual_clip)
-
-
-def _cispo_objective(
-    units: Units, *, clip_low_threshold: float, clip_high_threshold: float
-) -> _Terms:
-    """CISPO: o_t = sg(clip(r, lo, hi))·lp·A, gradient −clip(r, lo, hi)·A everywhere."""
-    ratio = _log_ratio(units).exp_()
-    statistics = _ratio_statistics(ratio, units)
-    # r >= 0 is never below a bound of 0 (the default): skip that pass.
-    below_count = (
-        _selected_count(ratio < clip_low_threshold, units, clip_low_threshold > 1)
-        if clip_low_threshold > 0
-        else 0
-    )
-    above_count = _selected_count(ratio > clip_high_threshold, units, clip_high_threshold < 1)
-    clipped_ratio = ratio.clamp_(clip_low_threshold, clip_high_threshold)
-    statistics.update(
-        # lo <= hi, so no ratio is both below and above: the counts add up.
-        clip_fraction=below_count + above_count,
-        clip_low_fraction=below_count,
-        clip_high_fraction=above_count,
-        clipped_ratio_mean=(
-            clipped_ratio.sum() if units.mask is None else torch.dot(clipped_ratio, units.mask)
-        ),
-    )
-    weight = clipped_ratio.mul_(units.advantages)
-    return _Terms(objective=((1.0, weight, _logprobs(units)),), slope=weight, statistics=statistics)
-
-
-def _dro_objective(units: Units, *, beta: float) -> _Terms:
-    """DRO: o_t = lp·A − (β/2)·(lp − lp_old)², gradient −A + β·(lp − lp_old)."""
-    log_ratio = _log_ratio(units)
-    # Formed here, not as products: the statistics then turn the log-ratio into r in place.
-    objective = torch.mul(_logprobs(units), units.advantages).addcmul_(
-        log_ratio, log_ratio, value=-beta / 2
-    )
-    slope = torch.add(units.advantages, log_ratio, alpha=-beta)
-    return _Terms(objective=objective, slope=slope, statistics=_unclipped_statistics(units))
-
-
-def _gspo_objective(
-    units: Units, *, clip_low_threshold: float, clip_high_threshold: float
-) -> _Terms:
-    """GSPO: s_i = exp(mean_{t∈i}(lp − lp_old)), o_i = min(s_i·A_i, clip(s_i, lo, hi)·A_i)."""
-    sequence_ratio = _log_ratio(units).exp_()
-    return _clipped_surrogate(sequence_ratio, units, clip_low_threshold, clip_high_threshold, None)
-
-
-def _cross_entropy_objective(units: Units) -> _Terms:
-    """Cross entropy: o_t = w·lp with per-token weights w (passed as advantages)."""
-    return _Terms(
-        objective=((1.0, units.advantages, _logprobs(units)),),
-        slope=units.advantages,
-        statistics=_unclipped_statistics(units),
-        slope_is_scratch=False,
-    )
-
-
-# --- the gradient ----------------------------------------------------------------------
-
-
-def _loss_gradient(
-    terms: _Terms, derivative: float | Tensor, tokens: Units, units: Units
-) -> Tensor:
-    """d loss/d lp per token: −(dΣ/do)·slope, spread over the tokens of sequence units.
-
-    For a sequence unit, d(mean_{t∈i} log-ratio)/d lp_t = m_t / n_i.
-    """
-    slope = terms.slope() if callable(terms.slope) else terms.slope
-    if isinstance(derivative, float):
-        gradient = slope.mul_(-derivative) if terms.slope_is_scratch else slope * -derivative
-    else:
-        gradient = (slope.mul_(derivative) if terms.slope_is_scratch else slope * derivative).neg_()
-    if units.tokens_per_unit is None:
-        return gradient
-    per_token = torch.repeat_interleave(
-        gradient.div_(units.tokens_per_unit),
-        tokens.seq_lens,
-        output_size=tokens.advantages.numel(),
-    )
-    return per_token if tokens.mask is None else per_token.mul_(tokens.mask)
-
-
-class _KnownGradient(torch.autograd.Function):
-    """A loss whose gradient w.r.t. logprobs is already computed: backward is one multiply."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, logprobs: Tensor, loss: Tensor, gradient: Tensor
-    ) -> Tensor:
-        # Held as an attribute, not saved: backward hands it over as the only reference,
-        # so autograd makes it the leaf's .grad instead of copying it (32 MiB at 8M tokens).
-        ctx.gradient = gradient  # type: ignore[attr-defined]
-        return loss.clone()
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, grad_loss: Tensor
-    ) -> tuple[Tensor, None, None]:
-        gradient = ctx.__dict__.pop("gradient", None)
-        if gradient is None:
-            raise RuntimeError(
-                "this loss's gradient was already handed to an earlier backward; call the "
-                "kernel again instead of backward(retain_graph=True) a second time"
-            )
-        if gradient.device.type == "cpu" and grad_loss.item() == 1:
-            return gradient, None, None  # loss.backward() seeds 1
-        return gradient.mul_(grad_loss), None, None
-
-
-# --- the compiled single-pass path -----------------------------------------------------
-
-FUSED_MIN_TOKENS = 1 << 18
-"""Positions (256 sequences of 1024) from which ``fused=None`` runs the compiled form on CPU.
-
-From here the compiled form is faster than the eager kernel (``benchmarks/losses.py``).
-Its first call in a process compiles for a few seconds (per kernel, dtype and variant):
-noise in a training run, but not worth it for the small calls of tests and notebooks.
-"""
-
-FUSED_MAX_TOKENS = 1 << 31
-"""Positions from which even ``fused=True`` runs the eager kernel: the compiled forms count
-clipped positions in int32 (``fused_losses._count``)."""
-
-# Forms whose compilation failed in this process: they run eagerly from then on. A cache
-# like torch's own compile cache (results never depend on it, only speed).
-_UNCOMPILABLE_FORMS: set[Callable[..., FusedTerms]] = set()
-
-
-@functools.cache
-def _compiled_form(form: Callable[..., FusedTerms]) -> Callable[..., FusedTerms]:
-    """``form`` under torch.compile, with symbolic sizes: one compilation serves every N."""
-    return torch.compile(form, dynamic=True)
-
-
-# The compiled forms' 0-d inputs by (value, dtype, device): the forms only read them, and
-# building one takes ~5 us, ~1% of a call at 256k positions. A cache, as `_compiled_form`'s
-# and `_UNCOMPILABLE_FORMS` are: results never depend on it, only speed.
-_SCALARS: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
-_MAX_SCALARS = 256
-
-
-def _scalar(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``value`` as a 0-d tensor, made once per (value, dtype, device); one made under a
-    tensor mode (a fake or traced tensor, not a plain one) is never kept."""
-    key = (value, dtype, device)
-    tensor = _SCALARS.get(key)
-    if tensor is None:
-        tensor = torch.tensor(value, dtype=dtype, device=device)
-        if type(tensor) is Tensor and len(_SCALARS) < _MAX_SCALARS:
-            _SCALARS[key] = tensor
-    return tensor
-
-
-def _run_fused(
-    form: Callable[..., FusedTerms],
-    inputs: Inputs,
-    logprobs: Tensor,
-    reduction: str,
-    norm_length: float | None,
-    config: LossConfig,
-) -> tuple[Tensor, dict[str, float]] | None:
-    """The kernel through its compiled single-pass form; None (run eagerly) if it does not
-    compile here or its sums overflowed on finite inputs."""
-    values, old, advantages, selected, count, lengths, _ = inputs
-    num_positions = values.numel()
-    if form in _UNCOMPILABLE_FORMS or num_positions >= FUSED_MAX_TOKENS:
-        return None
-    if selected is None:
-        # One graph for masked and unmasked batches: an all-true mask costs a byte a token.
-        selected = torch.ones(num_positions, dtype=torch.bool, device=values.device)
-    derivative = reduction_derivative(
-        reduction,
-        norm_length,
-        count,
-        lambda: segment_sum(as_float(selected, torch.empty_like(values)), lengths),
-        lengths,
-    )
-    # 0-d tensors, not floats: a new threshold or batch size then needs no recompilation.
-    config_tensors = {
-        key: _scalar(math.inf if value is None else value, values.dtype, values.device)
-        for key, value in config.items()
-    }
-    if isinstance(derivative, float):
-        derivative = _scalar(derivative, values.dtype, values.device)
-    want_gradient = logprobs.requires_grad and torch.is_grad_enabled()
-    try:
-        with torch.no_grad():
-            terms = _compiled_form(form)(
-                values,
-                old,
-                advantages,
-                selected,
-                derivative.to(values.dtype),
-                want_gradient,
-                **config_tensors,
-            )
-    except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager
-        _UNCOMPILABLE_FORMS.add(form)
-        reason = (str(error).strip().splitlines() or [""])[0][:300]  # compiler logs run long
-        warnings.warn(
-            f"torch.compile could not build the fused {form.__name__} here "
-            f"({type(error).__name__}: {reason}); using the eager kernel from now on",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
-    # A non-finite input, or a sum that overflowed (math.isfinite: a 0-d tensor's
-    # isfinite is five operations, ~35 us, 5% of a call at 256k positions).
-    if not math.isfinite(float(terms.total)):
-        error = nonfinite_error(inputs)
-        if error is not None:
-            raise error
-        # Finite inputs: an overflow (e.g. of lp − lp_old, which makes the probe NaN). The
-        # eager kernel computes such batches exactly, so the result is the eager one.
-        return None
-    loss = terms.total.neg()
-    if want_gradient:
-        assert terms.gradient is not None
-        loss = _KnownGradient.apply(logprobs, loss, terms.gradient.to(logprobs.dtype))
-    return loss, _metrics(loss, count, count, terms.statistics, values.device)
-
-
 # --- the registry ----------------------------------------------------------------------
 
 
@@ -486,7 +127,7 @@ class LossKernel:
     name: str
     defaults: Mapping[str, float | None] = attrs.field(converter=_freeze_defaults)
     sequence_level: bool
-    objective: Callable[..., _Terms] = attrs.field(repr=False)
+    objective: Callable[..., Terms] = attrs.field(repr=False)
     weight_input: str = "advantages"
     """The datum ``loss_fn_inputs`` key holding the per-token weight (A, or w for CE)."""
     needs_sampling_logprobs: bool = True
@@ -565,7 +206,7 @@ class LossKernel:
         )
         form = self._fused_form_for(inputs, fused)
         if form is not None:
-            result = _run_fused(form, inputs, logprobs, reduction, norm_length, resolved)
+            result = run_fused(form, inputs, logprobs, reduction, norm_length, resolved)
             if result is not None:
                 return result
         tokens = pack_finite(inputs)
@@ -574,12 +215,14 @@ class LossKernel:
         total, derivative = aggregate(terms.objective, units, reduction, norm_length)
         loss = total.neg_()
         if logprobs.requires_grad and torch.is_grad_enabled():
-            gradient = _loss_gradient(terms, derivative, tokens, units)
+            gradient = loss_gradient(terms, derivative, tokens, units)
             # Autograd would cast a float32 gradient too, but only at backward: casting now
             # holds half the memory until then and hands over the tensor without a copy.
-            loss = _KnownGradient.apply(logprobs, loss, gradient.to(logprobs.dtype))
+            loss = KnownGradient.apply(logprobs, loss, gradient.to(logprobs.dtype))
         device = logprobs.device
-        return loss, _metrics(loss, units.unit_count, units.token_count, terms.statistics, device)
+        return loss, loss_metrics(
+            loss, units.unit_count, units.token_count, terms.statistics, device
+        )
 
     def _fused_form_for(
         self, inputs: Inputs, fused: bool | None
@@ -628,63 +271,32 @@ def _validate_thresholds(name: str, config: LossConfig) -> None:
         )
 
 
-@torch.no_grad()
-def _metrics(
-    loss: Tensor,
-    unit_count: int,
-    token_count: int,
-    statistics: Mapping[str, Tensor | int],
-    device: torch.device,
-) -> dict[str, float]:
-    """Loss, token count, ratio statistics and clip shares over the selected units."""
-    metrics = {"loss": float(loss), "train_tokens": float(token_count)}
-    if not statistics:
-        return metrics
-    per_unit = float(max(unit_count, 1))
-    names = list(statistics)
-    if device.type == "cpu":
-        # On CPU a value is read in ~1 us; the stacked transfer below costs ~40.
-        totals = [float(value) for value in statistics.values()]
-    else:
-        # One transfer for all statistics: a device sync each would cost more than the loss.
-        totals = torch.stack(
-            [
-                torch.as_tensor(value, dtype=torch.float64, device=device)
-                for value in statistics.values()
-            ]
-        ).tolist()
-    for name, total in zip(names, totals, strict=True):
-        # Extremes are values; every other statistic is a sum over the selected units.
-        metrics[name] = total if name in ("ratio_min", "ratio_max") else total / per_unit
-    return metrics
-
-
 importance_sampling = LossKernel(
     name="importance_sampling",
     defaults={},
     sequence_level=False,
-    objective=_importance_sampling_objective,
+    objective=importance_sampling_objective,
     fused_form=fused_losses.fused_importance_sampling,
 )
 ppo = LossKernel(
     name="ppo",
     defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "dual_clip": None},
     sequence_level=False,
-    objective=_ppo_objective,
+    objective=ppo_objective,
     fused_form=fused_losses.fused_ppo,
 )
 cispo = LossKernel(
     name="cispo",
     defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     sequence_level=False,
-    objective=_cispo_objective,
+    objective=cispo_objective,
     fused_form=fused_losses.fused_cispo,
 )
 dro = LossKernel(
     name="dro",
     defaults={"beta": 0.05},
     sequence_level=False,
-    objective=_dro_objective,
+    objective=dro_objective,
     fused_form=fused_losses.fused_dro,
     weight_scaled_keys=("beta",),
 )
@@ -692,14 +304,14 @@ gspo = LossKernel(
     name="gspo",
     defaults={"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
     sequence_level=True,
-    objective=_gspo_objective,
+    objective=gspo_objective,
     service_builtin=False,
 )
 cross_entropy = LossKernel(
     name="cross_entropy",
     defaults={},
     sequence_level=False,
-    objective=_cross_entropy_objective,
+    objective=cross_entropy_objective,
     weight_input="weights",
     needs_sampling_logprobs=False,
 )

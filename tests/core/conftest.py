@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from grpo.core import losses
+from grpo.core import compiled_losses
 
 
 @pytest.fixture(scope="module")
@@ -16,5 +16,5 @@ def uncompiled_fused_forms() -> Iterator[None]:
     ``tests/core/test_fused_losses.py`` checks the compiled forms against the eager kernels.
     """
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(losses, "_compiled_form", lambda form: form)
+        patch.setattr(compiled_losses, "_compiled_form", lambda form: form)
         yield

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo.core import losses
+from grpo.core import compiled_losses, losses
 from grpo.core.fused_losses import FusedTerms
 
 FUSED_KERNELS = [name for name, kernel in losses.LOSSES.items() if kernel.fused_form is not None]
@@ -194,7 +194,7 @@ def _spy_on_compilation(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         asked.append(form.__name__)
         return form
 
-    monkeypatch.setattr(losses, "_compiled_form", record)
+    monkeypatch.setattr(compiled_losses, "_compiled_form", record)
     return asked
 
 
@@ -247,8 +247,8 @@ def test_a_form_that_does_not_compile_warns_once_and_falls_back_to_the_eager_ker
 
         return fail
 
-    monkeypatch.setattr(losses, "_compiled_form", broken_compiler)
-    monkeypatch.setattr(losses, "_UNCOMPILABLE_FORMS", set())
+    monkeypatch.setattr(compiled_losses, "_compiled_form", broken_compiler)
+    monkeypatch.setattr(compiled_losses, "_UNCOMPILABLE_FORMS", set())
     batch = _batch(20, seed=8)
     with pytest.warns(RuntimeWarning, match=r"fused_cispo.*no C\+\+ compiler.*eager kernel"):
         result = _call("cispo", batch, fused=True)
@@ -284,8 +284,8 @@ def test_a_config_input_made_under_a_tensor_mode_is_not_kept() -> None:
 
     cpu = torch.device("cpu")
     with FakeTensorMode():
-        fake = losses._scalar(0.625, torch.float32, cpu)
+        fake = compiled_losses._scalar(0.625, torch.float32, cpu)
     assert type(fake) is not torch.Tensor
-    real = losses._scalar(0.625, torch.float32, cpu)
+    real = compiled_losses._scalar(0.625, torch.float32, cpu)
     assert type(real) is torch.Tensor and real.item() == 0.625
-    assert losses._scalar(0.625, torch.float32, cpu) is real  # kept once plain
+    assert compiled_losses._scalar(0.625, torch.float32, cpu) is real  # kept once plain
