@@ -26,8 +26,3 @@ def saves_after(config: TrainConfig, done: int, steps: int) -> bool:
     The last step is always saved, as ``final``, once the loop ends.
     """
     return bool(config.save_every) and done % config.save_every == 0 and done < steps
-
-
-def checkpoint_follows(config: TrainConfig, done: int, steps: int) -> bool:
-    """Is a checkpoint (periodic or final) taken of the weights of step ``done``?"""
-    return done == steps or saves_after(config, done, steps)
