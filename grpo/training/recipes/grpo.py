@@ -53,16 +53,17 @@ def train_step(run: Run, state: RunState, step: int, source: RolloutSource) -> d
         fault_point("sampled")
     scoring = submit_scoring(run, source, sampled)  # 2b. distill: the teacher scores them
     played = source.grade(run, state, step, sampled)  # 3. grade (--reward, or env returns)
-    groups_P, metrics = source.groups(run, played)  # 4. group advantages, rollout metrics
+    groups_P, metrics = source.groups(run, played)  # 4. advantages; 5. rollout metrics
     metrics["off_policy_steps"] = float(staleness)
     limit = config.batch_size if config.dynamic_sampling else None
-    # 5. drop the degenerate groups (under distillation the teacher scores every one)
+    # 5. ... then drop the degenerate groups (under distillation the teacher scores all)
     trainable_P = trainable_groups(groups_P, limit) if scoring is None else list(groups_P)
     if config.dynamic_sampling:
         metrics.update(sampling_metrics(played, trainable_P))
     state.rollout_log = source.records(run, played, groups_P)
     with timed("time/train", timings):
         batch = source.pack(trainable_P)  # 6. align + pack a TokenBatch
+        # 6b. distill: the teacher's log-probs placed on the packed batch
         teacher_N = None if scoring is None else teacher_logprobs(state, scoring, batch, metrics)
         if config.mask_truncated:  # DAPO: truncated completions train no tokens
             batch = mask_sequences(batch, source.truncated(trainable_P))
