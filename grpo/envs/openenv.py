@@ -331,7 +331,7 @@ class SessionGate:
         self._resolving = threading.Lock()
         self._changed = threading.Condition()
 
-    def _learn(self, log: Callable[[str], None]) -> None:
+    def _learn(self, note: Callable[[str], None]) -> None:
         """`resolve()` once, on a daemon thread (a probe of a server that hangs is bounded by
         its timeouts, and a stopping run does not wait for it); its line logged."""
         where = "learning the OpenEnv server's capacity"
@@ -355,7 +355,7 @@ class SessionGate:
             ok, value = outcome[0]
             if not ok:
                 raise value
-            log(value.line)
+            note(value.line)
             with self._changed:
                 self.capacity = value
         finally:
@@ -370,10 +370,10 @@ class SessionGate:
             self._changed.wait(timeout_s)
         return False
 
-    def acquire(self, log: Callable[[str], None]) -> None:
+    def acquire(self, note: Callable[[str], None]) -> None:
         """One place, waited for in short slices (KeyboardInterrupt once the run stops)."""
         if self.capacity is None:
-            self._learn(log)
+            self._learn(note)
         wait_until(self._take, "an OpenEnv episode's queue for a session")
 
     def release(self) -> None:
@@ -419,11 +419,11 @@ class OpenEnvEpisode:
         self._ended = False  # closed: a session opened late (an abandoned call) is closed
         self._lock = threading.Lock()
 
-    def wait_for_session(self, log: Callable[[str], None]) -> None:
+    def wait_for_session(self, note: Callable[[str], None]) -> None:
         """Wait for a place on the server (`SessionGate`), before `initial_observation` and
         outside --env-timeout; the first episode of the run learns the server's capacity."""
         if self.gate is not None and not self._placed:
-            self.gate.acquire(log)
+            self.gate.acquire(note)
             with self._lock:
                 self._placed = True
                 ended = self._ended

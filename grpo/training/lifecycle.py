@@ -220,7 +220,7 @@ def retry(session: Session, call: Callable[[], Any], what: str) -> Any:
     )
 
 
-def run_step(recipe: Recipe, state: RunState, step: int, write: Callable[[str], None]) -> None:
+def run_step(recipe: Recipe, state: RunState, step: int, echo: Callable[[str], None]) -> None:
     """Step ``step`` whole: the recipe's step, then evaluate when due, log, save when due."""
     session, done = recipe.session, step + 1
     metrics: dict[str, float] = {}
@@ -230,7 +230,7 @@ def run_step(recipe: Recipe, state: RunState, step: int, write: Callable[[str], 
             metrics.update(recipe.evaluate(state))
     if done == session.steps or recipe.saves_after(done):
         state.usage += checkpoint_check_usage(state)  # logged with this row
-    log_step(recipe, state, done, metrics, write)
+    log_step(recipe, state, done, metrics, echo)
     if recipe.saves_after(done):
         save_checkpoint(recipe, state, f"step-{done:06d}")
 
@@ -240,7 +240,7 @@ def log_step(
     state: RunState,
     step: int,
     metrics: dict[str, float],
-    write: Callable[[str], None],
+    echo: Callable[[str], None],
 ) -> None:
     """A row to disk (durable), then the console; the weights are now ``step``'s."""
     session = recipe.session
@@ -251,7 +251,7 @@ def log_step(
     state.rollout_log = []
     state.usage, state.usage_logged = TokenUsage(), logged
     state.completed, state.weights_dirty, state.last_metrics = step, False, metrics
-    write(recipe.console_line(step, metrics))
+    echo(recipe.console_line(step, metrics))
 
 
 def checkpoint_check_usage(state: RunState) -> TokenUsage:
@@ -328,13 +328,15 @@ def run_steps(
         disable=not progress,
         dynamic_ncols=True,
     )
-    write = bar.write if progress else echo
+    echo_beside_bar = bar.write if progress else echo
     clock: dict[str, float] = {}
     resume = f"`grpo {recipe.command} --resume {session.run_dir}`"
     with timed("wall_time_s", clock):
         try:
             with stop_on_signals() as stop_requested, recipe.calls(stop_requested):
-                sampler_path = _steps_then_final_save(recipe, state, stop_requested, bar, write)
+                sampler_path = _steps_then_final_save(
+                    recipe, state, stop_requested, bar, echo_beside_bar
+                )
         except KeyboardInterrupt:
             _stop_with_checkpoint(recipe, state)
             raise RunStopped(
@@ -384,16 +386,16 @@ def _steps_then_final_save(
     state: RunState,
     stop_requested: threading.Event,
     bar: Any,
-    write: Callable[[str], None],
+    echo: Callable[[str], None],
 ) -> str:
     """The baseline row, every step not yet logged, the final checkpoint and weights."""
     session = recipe.session
     if state.completed == 0 and recipe.evaluates_after(0):
-        log_step(recipe, state, 0, recipe.baseline(state), write)
+        log_step(recipe, state, 0, recipe.baseline(state), echo)
     for step in range(state.completed, session.steps):
         if stop_requested.is_set():
             raise KeyboardInterrupt
-        run_step(recipe, state, step, write)
+        run_step(recipe, state, step, echo)
         bar.update(1)
     save_checkpoint(recipe, state, "final")
     client = session.training_client
