@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from grpo.core.arrays import as_1d, require_finite, require_kind
 from grpo.core.kl import kl_penalty
 from grpo.core.records import GroupAdvantages
 
@@ -57,19 +58,12 @@ STD_EPSILON = 1e-8
 
 
 def _as_rewards(rewards: npt.ArrayLike, field_name: str) -> FloatArray:
-    array = np.asarray(rewards)
-    if array.ndim != 1:
-        raise ValueError(f"{field_name} must be a 1-D array of rewards, got shape {array.shape}")
-    if array.size and array.dtype.kind not in "iuf":
-        raise TypeError(f"{field_name} must hold real numbers, got dtype {array.dtype}")
+    array = as_1d(rewards, field_name, of=" of rewards")
+    require_kind(array, field_name, "iuf", "real numbers")
     array = array.astype(np.float64)
-    non_finite = np.flatnonzero(~np.isfinite(array))
-    if non_finite.size:
-        first = int(non_finite[0])
-        raise ValueError(
-            f"{field_name}[{first}] = {array[first].item()!r} is not finite; rewards must be "
-            "finite numbers (grade failures as 0, not NaN)"
-        )
+    require_finite(
+        array, field_name, "rewards must be finite numbers (grade failures as 0, not NaN)"
+    )
     return array
 
 
@@ -111,11 +105,8 @@ def _as_batch(
     rewards_N: npt.ArrayLike, group_sizes_B: npt.ArrayLike
 ) -> tuple[FloatArray, IntArray]:
     rewards = _as_rewards(rewards_N, "rewards_N")
-    sizes = np.asarray(group_sizes_B)
-    if sizes.ndim != 1:
-        raise ValueError(f"group_sizes_B must be a 1-D array, got shape {sizes.shape}")
-    if sizes.size and sizes.dtype.kind not in "iu":
-        raise TypeError(f"group_sizes_B must hold integers, got dtype {sizes.dtype}")
+    sizes = as_1d(group_sizes_B, "group_sizes_B")
+    require_kind(sizes, "group_sizes_B", "iu", "integers")
     sizes = sizes.astype(np.int64)
     if (sizes < 1).any():
         raise ValueError(

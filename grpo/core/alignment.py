@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from grpo.core.arrays import as_1d, require_finite, require_kind
 from grpo.core.records import AlignedSequence, ScoredGroup, TokenBatch
 
 __all__ = [
@@ -41,14 +42,8 @@ PAD_TOKEN_ID = 0
 
 
 def _token_ids(value: npt.ArrayLike, field_name: str) -> npt.NDArray[np.int64]:
-    array = np.asarray(value)
-    if array.ndim != 1:
-        raise ValueError(f"{field_name} must be a 1-D array of token ids, got shape {array.shape}")
-    if array.size and array.dtype.kind not in "iu":
-        raise TypeError(
-            f"{field_name} must hold integer token ids, got dtype {array.dtype} "
-            f"(first values {array[:4].tolist()}); pass the tokenizer's ids"
-        )
+    array = as_1d(value, field_name, of=" of token ids")
+    require_kind(array, field_name, "iu", "integer token ids", "; pass the tokenizer's ids")
     return array.astype(np.int64, copy=False)
 
 
@@ -80,13 +75,11 @@ def align(
             f"completion_logprobs has {logprobs.size} entries but completion_tokens has "
             f"{completion.size}; pass the sampler's log-prob of every completion token"
         )
-    non_finite = np.flatnonzero(~np.isfinite(logprobs))
-    if non_finite.size:
-        first = int(non_finite[0])
-        raise ValueError(
-            f"completion_logprobs[{first}] = {logprobs[first].item()!r} is not finite; the "
-            "sampler's log-probs must be finite (check temperature and top-k/top-p masking)"
-        )
+    require_finite(
+        logprobs,
+        "completion_logprobs",
+        "the sampler's log-probs must be finite (check temperature and top-k/top-p masking)",
+    )
     advantage = float(advantage)
     if not np.isfinite(advantage):
         raise ValueError(

@@ -20,6 +20,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from grpo.core.arrays import as_1d, require_kind
+
 __all__ = [
     "LOGPROB_POSITIVE_TOLERANCE",
     "AlignedSequence",
@@ -54,41 +56,20 @@ def _freeze(array: np.ndarray, dtype: type) -> npt.NDArray[Any]:
     return frozen
 
 
-def _as_1d(value: object, field_name: str) -> np.ndarray:
-    array = np.asarray(value)
-    if array.ndim != 1:
-        raise ValueError(
-            f"{field_name} must be a 1-D array, got shape {array.shape}; pass one flat sequence"
-        )
-    return array
+def _typed(dtype: type, kinds: str, holds: str, fix: str) -> Any:
+    """A field converter: a 1-D array of one of dtype ``kinds``, frozen as ``dtype``."""
+
+    def convert(value: object, field: attrs.Attribute) -> npt.NDArray[Any]:
+        array = as_1d(value, field.name, fix="; pass one flat sequence")
+        require_kind(array, field.name, kinds, holds, fix)
+        return _freeze(array, dtype)
+
+    return convert
 
 
-def _to_int64(value: object, field: attrs.Attribute) -> npt.NDArray[np.int64]:
-    array = _as_1d(value, field.name)
-    # An empty list arrives as float64; the length validators report that case better.
-    if array.size and array.dtype.kind not in "iu":
-        raise TypeError(
-            f"{field.name} must hold integers, got dtype {array.dtype} "
-            f"(first values {array[:4].tolist()}); pass integer ids, not floats or bools"
-        )
-    return _freeze(array, np.int64)
-
-
-def _to_float64(value: object, field: attrs.Attribute) -> npt.NDArray[np.float64]:
-    array = _as_1d(value, field.name)
-    if array.size and array.dtype.kind not in "iuf":
-        raise TypeError(
-            f"{field.name} must hold real numbers, got dtype {array.dtype} "
-            f"(first values {array[:4].tolist()}); pass floats"
-        )
-    return _freeze(array, np.float64)
-
-
-def _to_bool(value: object, field: attrs.Attribute) -> npt.NDArray[np.bool_]:
-    array = _as_1d(value, field.name)
-    if array.size and array.dtype.kind != "b":
-        raise TypeError(f"{field.name} must hold booleans, got dtype {array.dtype}")
-    return _freeze(array, np.bool_)
+_to_int64 = _typed(np.int64, "iu", "integers", "; pass integer ids, not floats or bools")
+_to_float64 = _typed(np.float64, "iuf", "real numbers", "; pass floats")
+_to_bool = _typed(np.bool_, "b", "booleans", "; pass True/False flags")
 
 
 def _arrays_equal(left: np.ndarray, right: np.ndarray) -> bool:
