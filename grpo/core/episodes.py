@@ -115,16 +115,25 @@ class Turn:
             )
 
 
-def _to_turns(value: object) -> tuple[Turn, ...]:
+def _to_tuple(value: object) -> tuple[Any, ...]:
     return tuple(value)  # type: ignore[arg-type]
 
 
-def _check_turns(instance: object, attribute: attrs.Attribute, value: tuple[Any, ...]) -> None:
+def _require_items(
+    value: tuple[Any, ...], name: str, kind: type, article: str, at_least_one: str
+) -> None:
+    """ValueError when ``value`` is empty, TypeError naming the first item not a ``kind``."""
     if not value:
-        raise ValueError("turns is empty: an episode has at least one sampled turn")
-    for index, turn in enumerate(value):
-        if not isinstance(turn, Turn):
-            raise TypeError(f"turns[{index}] is a {type(turn).__name__}, not a Turn")
+        raise ValueError(f"{name} is empty: {at_least_one}")
+    for index, item in enumerate(value):
+        if not isinstance(item, kind):
+            raise TypeError(
+                f"{name}[{index}] is a {type(item).__name__}, not {article} {kind.__name__}"
+            )
+
+
+def _check_turns(instance: object, attribute: attrs.Attribute, value: tuple[Any, ...]) -> None:
+    _require_items(value, "turns", Turn, "a", "an episode has at least one sampled turn")
     if value[0].observation_tokens.size == 0:
         raise ValueError(
             "turns[0].observation_tokens is empty: the first sampled token needs a prompt token "
@@ -141,7 +150,7 @@ def _frozen(array: np.ndarray) -> np.ndarray:
 class Episode:
     """One episode: its turns in order and a final reward; the return is Σ rewards + final."""
 
-    turns: tuple[Turn, ...] = attrs.field(converter=_to_turns, validator=_check_turns)
+    turns: tuple[Turn, ...] = attrs.field(converter=_to_tuple, validator=_check_turns)
     final_reward: float = attrs.field(default=0.0, converter=float, validator=_finite_float)
 
     @property
@@ -188,23 +197,15 @@ class Episode:
         return self.turns[-1].stop_reason in ("length", "context")
 
 
-def _to_episodes(value: object) -> tuple[Episode, ...]:
-    return tuple(value)  # type: ignore[arg-type]
-
-
 def _check_episodes(instance: object, attribute: attrs.Attribute, value: tuple[Any, ...]) -> None:
-    if not value:
-        raise ValueError("episodes is empty: a group needs at least one episode")
-    for index, episode in enumerate(value):
-        if not isinstance(episode, Episode):
-            raise TypeError(f"episodes[{index}] is a {type(episode).__name__}, not an Episode")
+    _require_items(value, "episodes", Episode, "an", "a group needs at least one episode")
 
 
 @attrs.frozen
 class EpisodeGroup:
     """The G episodes of one task and their group advantages A_G (rewards R_G = returns)."""
 
-    episodes: tuple[Episode, ...] = attrs.field(converter=_to_episodes, validator=_check_episodes)
+    episodes: tuple[Episode, ...] = attrs.field(converter=_to_tuple, validator=_check_episodes)
     advantages: npt.NDArray[np.float64] = _array_field(_to_float64)
 
     def __attrs_post_init__(self) -> None:

@@ -441,12 +441,11 @@ def chat_completion_body(model: str, choices: Sequence[Choice], prompt_tokens: i
         ]
         return {"content": content, "refusal": None}
 
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
+    return _response_body(
+        "chatcmpl",
+        "chat.completion",
+        model,
+        [
             {
                 "index": index,
                 "message": {"role": "assistant", "content": choice.text, "refusal": None},
@@ -455,8 +454,8 @@ def chat_completion_body(model: str, choices: Sequence[Choice], prompt_tokens: i
             }
             for index, choice in enumerate(choices)
         ],
-        "usage": _usage(prompt_tokens, choices),
-    }
+        _usage(prompt_tokens, choices),
+    )
 
 
 def completion_body(model: str, choices: Sequence[Choice], prompt_tokens: int) -> dict:
@@ -480,12 +479,11 @@ def completion_body(model: str, choices: Sequence[Choice], prompt_tokens: int) -
             "text_offset": offsets,
         }
 
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
+    return _response_body(
+        "cmpl",
+        "text_completion",
+        model,
+        [
             {
                 "index": index,
                 "text": choice.text,
@@ -494,7 +492,21 @@ def completion_body(model: str, choices: Sequence[Choice], prompt_tokens: int) -
             }
             for index, choice in enumerate(choices)
         ],
-        "usage": _usage(prompt_tokens, choices),
+        _usage(prompt_tokens, choices),
+    )
+
+
+def _response_body(
+    id_prefix: str, object_name: str, model: str, choices: list[dict], usage: dict
+) -> dict:
+    """An OpenAI response object: a fresh id, its type, the time, the model, choices, usage."""
+    return {
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "object": object_name,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage,
     }
 
 

@@ -235,25 +235,12 @@ def band_figure(
                 band.steps, band.mean, style, markersize=3, label=f"{label} (n={seeds})"
             )
             if band.steps.size and seeds > 1:
+                interval = (band.steps, band.ci_low, band.ci_high)
                 if metric.startswith(_SPARSE_PREFIX):
                     # A band of evaluations at a few steps would be invisible slivers: draw bars.
-                    ax.vlines(
-                        band.steps,
-                        band.ci_low,
-                        band.ci_high,
-                        color=line.get_color(),
-                        alpha=0.4,
-                        linewidth=4,
-                    )
+                    ax.vlines(*interval, color=line.get_color(), alpha=0.4, linewidth=4)
                 else:
-                    ax.fill_between(
-                        band.steps,
-                        band.ci_low,
-                        band.ci_high,
-                        color=line.get_color(),
-                        alpha=0.2,
-                        linewidth=0,
-                    )
+                    ax.fill_between(*interval, color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set_title(f"{metric}: mean over seeds, band = 95% t interval")
         ax.set_xlabel("step")
         ax.set_ylabel(metric)
