@@ -67,6 +67,21 @@ class Tracker(Protocol):
         """Flush and close the tracker run."""
 
 
+class AppendOnlyTracker:
+    """The part every append-only tracker shares: its service's run, opened by ``start``,
+    and the last step that run holds (set by ``start``; -1: none, None: unknown)."""
+
+    rewinds = False
+
+    def __init__(self) -> None:
+        self._run: Any = None
+        self._held: int | None = None
+
+    def held_through(self) -> int | None:
+        """The last step the tracker's store holds for this run (-1: none; None: unknown)."""
+        return self._held
+
+
 class TrackerUnavailable(RuntimeError):
     """A tracker that cannot start here (its package is missing, or it refused to start)."""
 

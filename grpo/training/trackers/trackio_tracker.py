@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from grpo.training.trackers.base import RunInfo, import_extra
+from grpo.training.trackers.base import AppendOnlyTracker, RunInfo, import_extra
 
 INSTALL = "pip install 'grpo[trackio]'"
 
@@ -27,15 +27,10 @@ def trackio_name(run: RunInfo) -> str:
     return f"{run.group}-{run.run_name}" if run.group else run.run_name
 
 
-class TrackioTracker:
+class TrackioTracker(AppendOnlyTracker):
     """The Trackio mirror of metrics.jsonl."""
 
     name = "trackio"
-    rewinds = False
-
-    def __init__(self) -> None:
-        self._run: Any = None
-        self._held: int | None = None
 
     def start(self, run: RunInfo, config: Mapping[str, Any], resume_step: int | None) -> str | None:
         """``trackio.init`` of the run (continued when resuming)."""
@@ -66,10 +61,6 @@ class TrackioTracker:
         except Exception:  # noqa: BLE001 - a Space, or another store: the fan-out's record
             return None
         return -1 if last is None else int(last)
-
-    def held_through(self) -> int | None:
-        """The last step Trackio holds for this run (-1: none; None: unknown)."""
-        return self._held
 
     def log(
         self, step: int, metrics: Mapping[str, float], texts: Sequence[tuple[str, str]]

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from grpo.training.trackers.base import RunInfo, import_extra
+from grpo.training.trackers.base import AppendOnlyTracker, RunInfo, import_extra
 
 INSTALL = "pip install 'grpo[wandb]'"
 RUN_ID_FILE = "run-id"
@@ -84,15 +84,10 @@ def offline_last_step(wandb_dir: Path, run_id: str) -> int:
     return last
 
 
-class WandbTracker:
+class WandbTracker(AppendOnlyTracker):
     """The W&B mirror of metrics.jsonl."""
 
     name = "wandb"
-    rewinds = False
-
-    def __init__(self) -> None:
-        self._run: Any = None
-        self._held: int | None = None
 
     def start(self, run: RunInfo, config: Mapping[str, Any], resume_step: int | None) -> str | None:
         """``wandb.init`` of this grpo run's W&B run (a new id for a new run)."""
@@ -119,10 +114,6 @@ class WandbTracker:
         else:
             self._held = max(held_offline, int(self._run.starting_step) - 1)
         return line
-
-    def held_through(self) -> int | None:
-        """The last step W&B holds for this run (-1: none)."""
-        return self._held
 
     @staticmethod
     def _init(
