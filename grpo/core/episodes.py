@@ -34,12 +34,11 @@ import numpy.typing as npt
 from grpo.core.advantages import group_advantages
 from grpo.core.alignment import PAD_TOKEN_ID, pack
 from grpo.core.records import (
-    LOGPROB_POSITIVE_TOLERANCE,
     AlignedSequence,
     TokenBatch,
     _array_field,
-    _first_bad,
     _require_finite,
+    _require_sampled,
     _require_token_ids,
     _to_float64,
     _to_int64,
@@ -89,26 +88,12 @@ class Turn:
 
     def __attrs_post_init__(self) -> None:
         _require_token_ids("observation_tokens", self.observation_tokens)
-        if self.action_tokens.size == 0:
-            raise ValueError(
-                "action_tokens is empty: the sampler returned no tokens for this turn; end the "
-                "episode before it or raise --max-tokens"
-            )
-        _require_token_ids("action_tokens", self.action_tokens)
-        if self.action_logprobs.size != self.action_tokens.size:
-            raise ValueError(
-                f"action_logprobs has {self.action_logprobs.size} entries but action_tokens has "
-                f"{self.action_tokens.size}; pass the sampler's log-prob of every sampled token"
-            )
-        _require_finite(
-            "action_logprobs", self.action_logprobs, "the sampler's log-probs must be finite"
+        _require_sampled(
+            ("action_tokens", self.action_tokens),
+            ("action_logprobs", self.action_logprobs),
+            "action_tokens is empty: the sampler returned no tokens for this turn; end the "
+            "episode before it or raise --max-tokens",
         )
-        too_high = self.action_logprobs > LOGPROB_POSITIVE_TOLERANCE
-        if too_high.any():
-            raise ValueError(
-                f"action_logprobs has a positive value {_first_bad(self.action_logprobs, too_high)}"
-                "; pass log-probabilities, not logits or probabilities"
-            )
         if self.tool_errors > self.tool_calls:
             raise ValueError(
                 f"tool_errors = {self.tool_errors} exceeds tool_calls = {self.tool_calls}"

@@ -136,6 +136,34 @@ def _require_binary_mask(values: np.ndarray) -> None:
         )
 
 
+def _require_sampled(
+    tokens: tuple[str, np.ndarray], logprobs: tuple[str, np.ndarray], when_empty: str
+) -> None:
+    """What one sampling returned, as (name, array): at least one token id, and one finite
+    log-prob at most LOGPROB_POSITIVE_TOLERANCE per token; ``when_empty`` says why not empty."""
+    (tokens_name, token_ids), (logprobs_name, values) = tokens, logprobs
+    if token_ids.size == 0:
+        raise ValueError(when_empty)
+    _require_token_ids(tokens_name, token_ids)
+    if values.size != token_ids.size:
+        raise ValueError(
+            f"{logprobs_name} has {values.size} entries but {tokens_name} has {token_ids.size}; "
+            "ask the sampler for the log-prob of every sampled token"
+        )
+    _require_finite(
+        logprobs_name,
+        values,
+        "the sampler's log-probs must be finite (check temperature and top-k/top-p masking)",
+    )
+    too_high = values > LOGPROB_POSITIVE_TOLERANCE
+    if too_high.any():
+        raise ValueError(
+            f"{logprobs_name} has a positive value {_first_bad(values, too_high)} above the "
+            f"rounding tolerance {LOGPROB_POSITIVE_TOLERANCE}; pass log-probabilities "
+            "(log-softmax of the logits), not logits or probabilities"
+        )
+
+
 @attrs.frozen
 class Completion:
     """One sampled completion: token ids, the sampler's log-prob of each, text, stop reason."""
@@ -146,29 +174,12 @@ class Completion:
     stop_reason: str = attrs.field(validator=attrs.validators.instance_of(str))
 
     def __attrs_post_init__(self) -> None:
-        if self.tokens.size == 0:
-            raise ValueError(
-                "completion is empty (tokens has 0 entries): the sampler returned no tokens; "
-                "drop it or raise max_tokens"
-            )
-        _require_token_ids("tokens", self.tokens)
-        if self.logprobs.size != self.tokens.size:
-            raise ValueError(
-                f"logprobs has {self.logprobs.size} entries but tokens has {self.tokens.size}; "
-                "ask the sampler for the log-prob of every sampled token"
-            )
-        _require_finite(
-            "logprobs",
-            self.logprobs,
-            "the sampler's log-probs must be finite (check temperature and top-k/top-p masking)",
+        _require_sampled(
+            ("tokens", self.tokens),
+            ("logprobs", self.logprobs),
+            "completion is empty (tokens has 0 entries): the sampler returned no tokens; "
+            "drop it or raise max_tokens",
         )
-        too_high = self.logprobs > LOGPROB_POSITIVE_TOLERANCE
-        if too_high.any():
-            raise ValueError(
-                f"logprobs has a positive value {_first_bad(self.logprobs, too_high)} above the "
-                f"rounding tolerance {LOGPROB_POSITIVE_TOLERANCE}; pass log-probabilities "
-                "(log-softmax of the logits), not logits or probabilities"
-            )
 
     @property
     def is_truncated(self) -> bool:
