@@ -275,13 +275,9 @@ class GroupAdvantages:
         return np.split(self.advantages, np.cumsum(self.group_sizes)[:-1])
 
 
-def _validate_token_arrays(
-    input_tokens: np.ndarray,
-    target_tokens: np.ndarray,
-    sampling_logprobs: np.ndarray,
-    advantages: np.ndarray,
-    mask: np.ndarray,
-) -> None:
+def _validate_token_arrays(arrays: _NextTokenArrays) -> None:
+    input_tokens, target_tokens = arrays.input_tokens, arrays.target_tokens
+    sampling_logprobs, advantages, mask = arrays.sampling_logprobs, arrays.advantages, arrays.mask
     _require_same_length(
         "input_tokens",
         input_tokens,
@@ -308,14 +304,20 @@ def _validate_token_arrays(
 
 
 @attrs.frozen
-class AlignedSequence:
-    """One completion as next-token arrays of length p + c − 1: input k predicts target k."""
+class _NextTokenArrays:
+    """The next-token arrays an aligned sequence and a packed batch both hold: input k
+    predicts target k, with the sampler's log-prob, the advantage and the mask of k."""
 
     input_tokens: npt.NDArray[np.int64] = _array_field(_to_int64)
     target_tokens: npt.NDArray[np.int64] = _array_field(_to_int64)
     sampling_logprobs: npt.NDArray[np.float64] = _array_field(_to_float64)
     advantages: npt.NDArray[np.float64] = _array_field(_to_float64)
     mask: npt.NDArray[np.float64] = _array_field(_to_float64)
+
+
+@attrs.frozen
+class AlignedSequence(_NextTokenArrays):
+    """One completion as next-token arrays of length p + c − 1: input k predicts target k."""
 
     def __attrs_post_init__(self) -> None:
         _require_nonempty(
@@ -324,37 +326,20 @@ class AlignedSequence:
             "an aligned sequence has p + c − 1 >= 1 positions; build it with "
             "grpo.core.alignment.align",
         )
-        _validate_token_arrays(
-            self.input_tokens,
-            self.target_tokens,
-            self.sampling_logprobs,
-            self.advantages,
-            self.mask,
-        )
+        _validate_token_arrays(self)
 
     def __len__(self) -> int:
         return int(self.input_tokens.size)
 
 
 @attrs.frozen
-class TokenBatch:
+class TokenBatch(_NextTokenArrays):
     """Aligned sequences packed end to end: flat arrays of N positions, `seq_lens` summing to N."""
 
-    input_tokens: npt.NDArray[np.int64] = _array_field(_to_int64)
-    target_tokens: npt.NDArray[np.int64] = _array_field(_to_int64)
-    sampling_logprobs: npt.NDArray[np.float64] = _array_field(_to_float64)
-    advantages: npt.NDArray[np.float64] = _array_field(_to_float64)
-    mask: npt.NDArray[np.float64] = _array_field(_to_float64)
     seq_lens: npt.NDArray[np.int64] = _array_field(_to_int64)
 
     def __attrs_post_init__(self) -> None:
-        _validate_token_arrays(
-            self.input_tokens,
-            self.target_tokens,
-            self.sampling_logprobs,
-            self.advantages,
-            self.mask,
-        )
+        _validate_token_arrays(self)
         short = self.seq_lens < 1
         if short.any():
             raise ValueError(
