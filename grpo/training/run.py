@@ -143,9 +143,9 @@ def _train_in(
     if warning is not None and config.mismatch.mode != "recompute":
         note(warning)
     if pre.teacher is not None:
-        from grpo.training.teacher import sampling_note
+        from grpo.training.teacher import TEMPERED_DISTILLATION
 
-        distill_warning = sampling_note(config)
+        distill_warning = tempered_sampling_note(config, "distilling", TEMPERED_DISTILLATION)
         if distill_warning is not None:
             note(distill_warning)
     probe = normalization_probe(config, service, note)
@@ -220,14 +220,22 @@ def normalization_probe(
     return result.to_record()
 
 
-def sampling_mismatch_note(config: TrainConfig) -> str | None:
-    """Start-up warning when the sampled distribution is not the trainer's (T ≠ 1, top-p < 1)."""
+def tempered_sampling_note(config: TrainConfig, doing: str, consequence: str) -> str | None:
+    """The start-up warning "``doing`` at temperature T, top-p p: ``consequence``" of a run
+    that does not sample at T = 1, top-p 1; None for one that does."""
     if config.temperature == 1.0 and config.top_p == 1.0:
         return None
-    return (
-        f"sampling at temperature {config.temperature:g}, top-p {config.top_p:g}: the local "
-        "sampler's log-probs are those of that tempered, filtered distribution, the trainer's "
-        "of the temperature-1 softmax, so the importance ratio starts away from 1 (logged as "
-        "mismatch/kl_k3); --mismatch-correction recompute trains against the trainer's own "
-        "log-probs instead, token_truncate / token_mask bound the weight (docs/FORMULAS.md)"
+    return f"{doing} at temperature {config.temperature:g}, top-p {config.top_p:g}: {consequence}"
+
+
+def sampling_mismatch_note(config: TrainConfig) -> str | None:
+    """Start-up warning when the sampled distribution is not the trainer's (T ≠ 1, top-p < 1)."""
+    return tempered_sampling_note(
+        config,
+        "sampling",
+        "the local sampler's log-probs are those of that tempered, filtered distribution, "
+        "the trainer's of the temperature-1 softmax, so the importance ratio starts away from 1 "
+        "(logged as mismatch/kl_k3); --mismatch-correction recompute trains against the "
+        "trainer's own log-probs instead, token_truncate / token_mask bound the weight "
+        "(docs/FORMULAS.md)",
     )

@@ -186,15 +186,12 @@ def resolve_teacher(service: Any, config: TrainConfig, student_tokenizer: Any) -
     )
 
 
-def sampling_note(config: TrainConfig) -> str | None:
-    """The start-up warning of a distillation that does not sample at T = 1, top-p 1."""
-    if config.temperature == 1.0 and config.top_p == 1.0:
-        return None
-    return (
-        f"distilling at temperature {config.temperature:g}, top-p {config.top_p:g}: s_t is then "
-        "not the student's own distribution, so s_t - q_t is not a reverse-KL sample; use "
-        "--temperature 1 --top-p 1 (or --mismatch-correction recompute for s)"
-    )
+TEMPERED_DISTILLATION = (
+    "s_t is then not the student's own distribution, so s_t - q_t is not a reverse-KL sample; "
+    "use --temperature 1 --top-p 1 (or --mismatch-correction recompute for s)"
+)
+"""What distilling at T ≠ 1 or top-p < 1 costs: the start-up warning's consequence
+(`grpo.training.run.tempered_sampling_note`)."""
 
 
 class TeacherScoring:
