@@ -116,6 +116,16 @@ def make_service_client(
     raise ValueError(f"--backend must be 'local', 'pytrio' or 'tinker', got {backend!r}")
 
 
+def sampler_on_weights(service: Any, base_model: str, path: str) -> Any:
+    """A sampler on the sampler weights at ``path``, else on the weights of the training
+    state at ``path``; the training state's error when ``path`` is neither."""
+    try:
+        return service.create_sampling_client(base_model=base_model, model_path=path)
+    except Exception:  # noqa: BLE001 - not sampler weights: try it as a training state
+        pass
+    return service.create_training_client_from_state(path).save_weights_and_get_sampling_client()
+
+
 def wait_until_reachable(
     base_url: str,
     *,

@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from grpo.backends.pytrio import error_reason
+from grpo.backends.pytrio import error_reason, sampler_on_weights
 from grpo.core.evaluation import BOOTSTRAP_RESAMPLES
 from grpo.interrupts import dropping_pool
 from grpo.training import run_files
@@ -81,11 +81,7 @@ def sampling_client(service: Any, base_model: str, model_path: str | None) -> An
     if model_path is None:
         return service.create_sampling_client(base_model=base_model)
     try:
-        return service.create_sampling_client(base_model=base_model, model_path=model_path)
-    except Exception:  # noqa: BLE001 - not sampler weights: try it as a training state
-        pass
-    try:
-        training = service.create_training_client_from_state(model_path)
+        return sampler_on_weights(service, base_model, model_path)
     except Exception as error:  # noqa: BLE001 - the message below says what the path must be
         reason = error_reason(error)
         raise ConfigError(
@@ -94,7 +90,6 @@ def sampling_client(service: Any, base_model: str, model_path: str | None) -> An
             f"the state path of its {run_files.CHECKPOINT_FILE}, "
             "or use --run-dir"
         ) from None
-    return training.save_weights_and_get_sampling_client()
 
 
 def weights_of(run_dir: str | Path | None, checkpoint: str | None, base_model: str) -> dict:

@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 from pytrio.types import ModelInput
 
-from grpo.backends.pytrio import call_with_retries, error_reason
+from grpo.backends.pytrio import call_with_retries, error_reason, sampler_on_weights
 from grpo.core.distill import distill_advantages, distill_metrics, teacher_logprobs_at
 from grpo.core.episodes import Episode
 from grpo.core.records import Completion, TokenBatch
@@ -90,13 +90,7 @@ def weights_sampler(
     """A sampler on sampler weights at ``path``, else on a training state's weights (ConfigError
     naming ``flag`` and ``source`` when it is neither)."""
     try:
-        return service.create_sampling_client(base_model=base_model, model_path=path)
-    except Exception:  # noqa: BLE001 - not sampler weights: try it as a training state
-        pass
-    try:
-        return service.create_training_client_from_state(
-            path
-        ).save_weights_and_get_sampling_client()
+        return sampler_on_weights(service, base_model, path)
     except Exception as error:  # noqa: BLE001 - the message below says what the path must be
         reason = error_reason(error)
         raise ConfigError(
