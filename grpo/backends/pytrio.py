@@ -116,14 +116,21 @@ def make_service_client(
     raise ValueError(f"--backend must be 'local', 'pytrio' or 'tinker', got {backend!r}")
 
 
-def sampler_on_weights(service: Any, base_model: str, path: str) -> Any:
+def sampler_on_weights(
+    service: Any, base_model: str, path: str, refused: Callable[[str], Exception]
+) -> Any:
     """A sampler on the sampler weights at ``path``, else on the weights of the training
-    state at ``path``; the training state's error when ``path`` is neither."""
+    state at ``path``; when it is neither, ``refused(reason)`` is raised (the reason is the
+    training state's error, in `error_reason`'s words)."""
     try:
         return service.create_sampling_client(base_model=base_model, model_path=path)
     except Exception:  # noqa: BLE001 - not sampler weights: try it as a training state
         pass
-    return service.create_training_client_from_state(path).save_weights_and_get_sampling_client()
+    try:
+        training = service.create_training_client_from_state(path)
+        return training.save_weights_and_get_sampling_client()
+    except Exception as error:  # noqa: BLE001 - the caller's message says what it must be
+        raise refused(error_reason(error)) from None
 
 
 def wait_until_reachable(

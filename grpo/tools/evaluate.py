@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from grpo.backends.pytrio import error_reason, sampler_on_weights
+from grpo.backends.pytrio import sampler_on_weights
 from grpo.core.evaluation import BOOTSTRAP_RESAMPLES
 from grpo.interrupts import dropping_pool
 from grpo.training import run_files
@@ -80,16 +80,17 @@ def sampling_client(service: Any, base_model: str, model_path: str | None) -> An
     """A sampler on the base model, on sampler weights, or on a training state's weights."""
     if model_path is None:
         return service.create_sampling_client(base_model=base_model)
-    try:
-        return sampler_on_weights(service, base_model, model_path)
-    except Exception as error:  # noqa: BLE001 - the message below says what the path must be
-        reason = error_reason(error)
-        raise ConfigError(
+    return sampler_on_weights(
+        service,
+        base_model,
+        model_path,
+        lambda reason: ConfigError(
             f"--checkpoint {model_path}: neither sampler weights nor a training state "
             f"({reason}); give the sampler_path of a run's {run_files.SUMMARY_FILE} or "
             f"the state path of its {run_files.CHECKPOINT_FILE}, "
             "or use --run-dir"
-        ) from None
+        ),
+    )
 
 
 def weights_of(run_dir: str | Path | None, checkpoint: str | None, base_model: str) -> dict:

@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 from pytrio.types import ModelInput
 
-from grpo.backends.pytrio import call_with_retries, error_reason, sampler_on_weights
+from grpo.backends.pytrio import call_with_retries, sampler_on_weights
 from grpo.core.distill import distill_advantages, distill_metrics, teacher_logprobs_at
 from grpo.core.episodes import Episode
 from grpo.core.records import Completion, TokenBatch
@@ -89,15 +89,16 @@ def weights_sampler(
 ) -> Any:
     """A sampler on sampler weights at ``path``, else on a training state's weights (ConfigError
     naming ``flag`` and ``source`` when it is neither)."""
-    try:
-        return sampler_on_weights(service, base_model, path)
-    except Exception as error:  # noqa: BLE001 - the message below says what the path must be
-        reason = error_reason(error)
-        raise ConfigError(
+    return sampler_on_weights(
+        service,
+        base_model,
+        path,
+        lambda reason: ConfigError(
             f"{flag} {source}: {path} is neither sampler weights nor a training state on "
             f"{base_model} ({reason}); give a finished run directory, the sampler_path of its "
             f"{run_files.SUMMARY_FILE}, or a model name"
-        ) from None
+        ),
+    )
 
 
 def named_sampler(

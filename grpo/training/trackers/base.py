@@ -68,8 +68,9 @@ class Tracker(Protocol):
 
 
 class AppendOnlyTracker:
-    """The part every append-only tracker shares: its service's run, opened by ``start``,
-    and the last step that run holds (set by ``start``; -1: none, None: unknown)."""
+    """The part every append-only tracker on a run object (W&B's, Trackio's) shares: the run,
+    opened by ``start``, the last step it holds (set by ``start``; -1: none, None: unknown),
+    ``run.log`` of each step and ``run.finish``."""
 
     rewinds = False
 
@@ -80,6 +81,18 @@ class AppendOnlyTracker:
     def held_through(self) -> int | None:
         """The last step the tracker's store holds for this run (-1: none; None: unknown)."""
         return self._held
+
+    def log(
+        self, step: int, metrics: Mapping[str, float], texts: Sequence[tuple[str, str]]
+    ) -> None:
+        """``run.log`` of the metrics at ``step``."""
+        self._run.log(dict(metrics), step=step)
+
+    def finish(self) -> None:
+        """``run.finish`` (flushes what the tracker buffered)."""
+        if self._run is not None:
+            service_run, self._run = self._run, None
+            service_run.finish()
 
 
 class TrackerUnavailable(RuntimeError):

@@ -13,7 +13,7 @@ sampling is off.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from grpo.training.trackers.base import AppendOnlyTracker, RunInfo, import_extra
@@ -61,15 +61,3 @@ class TrackioTracker(AppendOnlyTracker):
         except Exception:  # noqa: BLE001 - a Space, or another store: the fan-out's record
             return None
         return -1 if last is None else int(last)
-
-    def log(
-        self, step: int, metrics: Mapping[str, float], texts: Sequence[tuple[str, str]]
-    ) -> None:
-        """``run.log`` of the metrics at ``step``."""
-        self._run.log(dict(metrics), step=step)
-
-    def finish(self) -> None:
-        """``run.finish`` (flushes Trackio's buffer)."""
-        if self._run is not None:
-            trackio_run, self._run = self._run, None
-            trackio_run.finish()

@@ -22,7 +22,7 @@ import netrc
 import os
 import secrets
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -145,15 +145,3 @@ class WandbTracker(AppendOnlyTracker):
             mode=mode,
             settings=settings,
         )
-
-    def log(
-        self, step: int, metrics: Mapping[str, float], texts: Sequence[tuple[str, str]]
-    ) -> None:
-        """``run.log`` of the metrics at ``step``."""
-        self._run.log(dict(metrics), step=step)
-
-    def finish(self) -> None:
-        """``run.finish``."""
-        if self._run is not None:
-            wandb_run, self._run = self._run, None
-            wandb_run.finish()
