@@ -320,15 +320,17 @@ def run_steps(
     from tqdm import tqdm
 
     session = recipe.session
+    # A bar redraws itself with carriage returns: only on a terminal (disable=None: off when
+    # stderr is not a TTY), so a log file (an experiment's train.log) holds whole lines only.
     bar = tqdm(
         total=session.steps,
         initial=state.completed,
         desc=recipe.progress_label,
         unit="step",
-        disable=not progress,
+        disable=None if progress else True,
         dynamic_ncols=True,
     )
-    write = bar.write if progress else echo
+    write = echo if bar.disable else bar.write
     clock: dict[str, float] = {}
     resume = f"`grpo {recipe.command} --resume {session.run_dir}`"
     with timed("wall_time_s", clock):

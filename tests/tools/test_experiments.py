@@ -771,3 +771,21 @@ def test_a_stat_formats_its_t_interval_and_alone_for_one_seed() -> None:
     half = student_t_quantile(0.975, 2) * 1.0 / np.sqrt(3)
     assert stat.format_interval() == f"2.000 [{2 - half:.3f}, {2 + half:.3f}]"
     assert mean_std([0.5]).format_interval() == "0.500" and mean_std([]).format_interval() == "–"
+
+
+def test_a_trainers_progress_bars_leave_no_fragments_in_its_train_log(tmp_path: Path) -> None:
+    trainer = tmp_path / "barred_trainer.py"
+    trainer.write_text(
+        "import sys\nfrom pathlib import Path\nfrom tqdm import tqdm\n"
+        "for _ in tqdm(range(50), mininterval=0):\n    pass\n"
+        "print('trained')\n"
+        "run_dir = Path(sys.argv[sys.argv.index('--run-dir') + 1])\n"
+        "(run_dir / 'summary.json').write_text('{}')\n"
+    )
+    specs = compare_specs(["importance_sampling"], [0], {"steps": 1}, tmp_path / "out")
+    [outcome] = execute_runs(
+        specs, jobs=1, train_command=[sys.executable, str(trainer)], echo=lambda line: None
+    )
+    assert outcome.returncode == 0
+    log = (specs[0].run_dir / "train.log").read_bytes()  # read_text would turn \r into \n
+    assert b"trained\n" in log and b"\r" not in log

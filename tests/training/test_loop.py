@@ -373,6 +373,19 @@ def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path: Path) -> Non
     assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == before
 
 
+def test_a_run_whose_stderr_is_not_a_terminal_prints_whole_lines_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines: list[str] = []
+    train(tiny_config(tmp_path, steps=2), echo=lines.append, progress=True)
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err + captured.out  # no progress bar redrawn into a log file
+    assert [line.split()[:2] for line in lines if line.startswith("step ")] == [
+        ["step", "1/2"],
+        ["step", "2/2"],
+    ]
+
+
 def test_resuming_a_finished_run_changes_nothing(tmp_path: Path) -> None:
     config = tiny_config(tmp_path, steps=1)
     quiet_train(config)

@@ -39,6 +39,9 @@ TRAIN_COMMAND: tuple[str, ...] = (sys.executable, "-m", "grpo", "train")
 DEFAULT_JOBS = 2
 # Compare and sweep set these per run (the run directory and its seed); users may not.
 MANAGED_FLAGS = frozenset({"seed", "run_dir", "run_name"})
+# A trainer's output goes to its train.log: progress bars (tqdm's own, the hub's downloads)
+# redraw with carriage returns and would leave fragments there, so they are turned off.
+QUIET_BARS = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 def normalize_overrides(raw: Mapping[str, Any], *, where: str) -> dict[str, Any]:
@@ -258,6 +261,7 @@ def execute_runs(
     # Parallel trainers each using every core would oversubscribe the CPUs.
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    env.update(QUIET_BARS)
     outcomes: dict[int, RunOutcome] = {}
     pending = []
     for index, (spec, status) in enumerate(zip(specs, statuses, strict=True)):
