@@ -789,3 +789,25 @@ def test_a_trainers_progress_bars_leave_no_fragments_in_its_train_log(tmp_path: 
     assert outcome.returncode == 0
     log = (specs[0].run_dir / "train.log").read_bytes()  # read_text would turn \r into \n
     assert b"trained\n" in log and b"\r" not in log
+
+
+def test_runs_are_announced_when_they_start_and_counted_as_they_end(
+    tmp_path: Path, fake_trainer
+) -> None:
+    train_command, _ = fake_trainer
+    out = tmp_path / "cmp"
+    specs = compare_specs(["importance_sampling", "ppo"], [0, 1], {"steps": 2}, out)
+    execute_runs(specs[:1], jobs=1, train_command=train_command, echo=lambda line: None)
+    lines: list[str] = []
+    execute_runs(specs, jobs=1, train_command=train_command, echo=lines.append)
+    names = [spec.run_dir for spec in specs]
+    # one trainer at a time: each run starts only after the one before it has ended
+    assert [line.split(" (log:")[0].split(" in ")[0] for line in lines[:-1]] == [
+        f"skip   {names[0]} (finished)",
+        f"start  {names[1]}",
+        f"done 1/3 {names[1]}",
+        f"start  {names[2]}",
+        f"done 2/3 {names[2]}",
+        f"start  {names[3]}",
+        f"done 3/3 {names[3]}",
+    ]
