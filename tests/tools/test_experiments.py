@@ -593,6 +593,10 @@ def test_sweep_runs_list_with_names_and_min_order(tmp_path: Path, fake_trainer) 
         ).read_text()
     )
     assert config["loss_config"] == ["clip_high_threshold=5.0"]
+    # one seed: the report asks for more the way a sweep takes them (it has no --seeds flag)
+    report = (out / "report.md").read_text()
+    assert "run 3 seeds or more (`seeds = [0, 1, 2]` in the sweep file)" in report
+    assert "--seeds" not in report
 
 
 def test_sweep_by_a_metric_no_run_logged_says_so_and_ranks_nothing(
@@ -755,15 +759,20 @@ def test_compare_end_to_end_with_the_real_trainer(tmp_path: Path) -> None:
 
 def test_separation_calls_no_winner_when_the_best_interval_overlaps_another() -> None:
     close = [("a", mean_std([0.60, 0.64, 0.62])), ("b", mean_std([0.58, 0.63, 0.61]))]
-    assert separation(close, what="Test accuracy").startswith("Test accuracy: no winner.")
-    assert "`a` and `b` overlap" in separation(close, what="Test accuracy")
-    apart = [("a", mean_std([0.90, 0.91, 0.92])), ("b", mean_std([0.10, 0.11, 0.12]))]
-    assert "`a` is ahead" in separation(apart, what="x") and "overlaps none" in separation(
-        apart, what="x"
+    assert separation(close, what="Test accuracy", more_seeds="m").startswith(
+        "Test accuracy: no winner."
     )
+    assert "`a` and `b` overlap" in separation(close, what="Test accuracy", more_seeds="m")
+    apart = [("a", mean_std([0.90, 0.91, 0.92])), ("b", mean_std([0.10, 0.11, 0.12]))]
+    assert "`a` is ahead" in separation(
+        apart, what="x", more_seeds="m"
+    ) and "overlaps none" in separation(apart, what="x", more_seeds="m")
     single = [("a", mean_std([0.9])), ("b", mean_std([0.1]))]
-    assert "no interval" in separation(single, what="x")
-    assert separation(single[:1], what="x") is None
+    assert "no interval" in separation(single, what="x", more_seeds="`--seeds 3`")
+    assert "run 3 seeds or more (`--seeds 3`)" in separation(
+        single, what="x", more_seeds="`--seeds 3`"
+    )
+    assert separation(single[:1], what="x", more_seeds="m") is None
 
 
 def test_a_stat_formats_its_t_interval_and_alone_for_one_seed() -> None:
