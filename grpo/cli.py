@@ -311,6 +311,7 @@ def run_eval(args: argparse.Namespace) -> int:
         seed=args.seed,
         seeds=args.seeds,
         concurrency=args.concurrency,
+        progress=True,
     )
     for line in report.table():
         print(line)

@@ -19,8 +19,10 @@ Sources accepted by ``load_problems``:
 - a path: a ``.jsonl``/``.json``/``.parquet``/``.csv`` file (it serves whichever split is
   asked for), or a directory holding ``{split}.jsonl`` / ``.json`` / ``.parquet`` / ``.csv``.
 - ``OWNER/NAME`` that is no local path: a Hugging Face hub dataset (``hub_config``,
-  ``hub_split``), from the hub or its cache; offline it fails at once saying how to use a
-  local file instead. A value that looks like a path (a suffix of ``LOCAL_SUFFIXES``, a
+  ``hub_split``), from the hub or its cache. Offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE,
+  or the hub not answering one request within HUB_PROBE_TIMEOUT_S) it is read from the cache
+  alone, without the hub client's retries, and when not cached fails at once saying how to
+  use a local file instead. A value that looks like a path (a suffix of ``LOCAL_SUFFIXES``, a
   leading ``.``, ``~`` or ``/``, a backslash) is never sent to the hub: missing, it fails
   with "no such file" naming the path.
 
@@ -36,6 +38,11 @@ import json
 import os
 import random
 import re
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +62,9 @@ LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 REQUIRED_COLUMNS = ("question", "answer")
 _HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")
 _OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+HUB_PROBE_TIMEOUT_S = 3.0
+"""How long `hub_reachable` waits for the hub's answer (unreachable, the hub client retries
+a request for about half a minute before it gives up)."""
 
 # Train and test never share a phrasing; the operation words (plus/more, minus/away) recur
 # across splits so a model that learned the train phrasings can read the test ones.
@@ -356,15 +366,56 @@ def _offline_message(name: str, split: str, why: str) -> str:
     )
 
 
-def _load_hub(name: str, config: str | None, split: str) -> datasets.Dataset:
-    """A hub dataset's split, from the cache when offline (HF_HUB_OFFLINE=1 fails at once)."""
-    offline = any(os.environ.get(variable, "") not in ("", "0") for variable in _OFFLINE_ENV)
+@cache
+def hub_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Does the Hugging Face hub (its endpoint, HF_ENDPOINT, through the environment's proxy)
+    answer one request within ``timeout_s``? Any HTTP answer counts; asked once a process."""
+    from huggingface_hub import constants
+
+    request = urllib.request.Request(constants.ENDPOINT, method="HEAD")
     try:
-        return datasets.load_dataset(name, config, split=split)
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return True
+    except urllib.error.HTTPError:  # an answer, if not a 2xx one: the hub is there
+        return True
+    except (OSError, ValueError):  # no route, no DNS, refused, timed out; a malformed endpoint
+        return False
+
+
+@contextmanager
+def _hub_offline() -> Iterator[None]:
+    """datasets and huggingface_hub in offline mode for the block (the cache alone, no request
+    and no retry), as HF_HUB_OFFLINE=1 set before they were imported would put them."""
+    from huggingface_hub import constants
+
+    modules = [
+        module for module in (datasets.config, constants) if hasattr(module, "HF_HUB_OFFLINE")
+    ]
+    saved = [module.HF_HUB_OFFLINE for module in modules]
+    for module in modules:
+        module.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        for module, value in zip(modules, saved, strict=True):
+            module.HF_HUB_OFFLINE = value
+
+
+def _load_hub(name: str, config: str | None, split: str) -> datasets.Dataset:
+    """A hub dataset's split; offline (the environment says so, or the hub does not answer
+    `hub_reachable`'s request) from the cache alone, failing at once when it is not cached."""
+    if any(os.environ.get(variable, "") not in ("", "0") for variable in _OFFLINE_ENV):
+        why: str | None = "offline mode"
+    elif not hub_reachable():
+        why = f"no answer from it within {HUB_PROBE_TIMEOUT_S:g} s"
+    else:
+        why = None
+    try:
+        with _hub_offline() if why is not None else nullcontext():
+            return datasets.load_dataset(name, config, split=split)
     except OSError as error:
         # ConnectionError (offline mode, no DNS) and DatasetNotFoundError are both OSErrors.
-        why = "offline mode" if offline else str(error)
-        raise ConnectionError(_offline_message(name, split, why)) from error
+        raise ConnectionError(_offline_message(name, split, why or str(error))) from error
     except ValueError as error:
         raise ValueError(
             f"hub dataset {name} (config {config!r}, split {split!r}): {error}; check "

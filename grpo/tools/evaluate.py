@@ -13,14 +13,23 @@ metric, its mean over seeds and its 95% percentile-bootstrap interval over probl
 their step, dataset, split and rows, decoding, rewards or env, seeds, backend, tokens used),
 every metric with its interval, and every sample's correctness, answer, reward, truncation
 and length, from which each figure can be recomputed.
+
+With ``progress`` (as `grpo eval` runs it), `EvalProgress` shows on stderr what it is doing:
+a line per slow stage (checking the task, loading the model), then the requests answered,
+as a tqdm bar on a terminal or elsewhere (a log file) a whole line at every tenth.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+import math
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import attrs
 
@@ -38,6 +47,64 @@ from grpo.training.config import (
 
 RECORD_FORMAT = "grpo-eval/1"
 BOOTSTRAP_SEED = 0
+PROGRESS_LINES = 10
+"""Away from a terminal, the progress lines an evaluation prints (one at every tenth)."""
+
+
+class EvalProgress:
+    """What an evaluation shows while it works, on ``stream`` (stderr): a line per stage, then
+    a count of the requests answered: a tqdm bar when the stream is a terminal, else a whole
+    line at every PROGRESS_LINES-th of the total (a log file gets no carriage returns).
+    Disabled, it shows nothing."""
+
+    def __init__(self, enabled: bool, stream: IO[str] | None = None) -> None:
+        self.enabled = enabled
+        self.stream = stream if stream is not None else sys.stderr
+
+    def stage(self, text: str) -> None:
+        """One line saying what starts now."""
+        if self.enabled:
+            print(f"[grpo eval] {text}", file=self.stream, flush=True)
+
+    @contextmanager
+    def counting(self, total: int, unit: str) -> Iterator[Callable[[], None]]:
+        """A tick to call as each of ``total`` ``unit``s is done (from any thread)."""
+        if not self.enabled:
+            yield lambda: None
+            return
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            with tqdm(
+                total=total, unit=unit, desc="eval", file=self.stream, dynamic_ncols=True
+            ) as bar:
+                yield lambda: bar.update(1)
+            return
+        lock, done = threading.Lock(), [0]
+        every = math.ceil(total / PROGRESS_LINES)
+
+        def tick() -> None:
+            with lock:
+                done[0] += 1
+                if done[0] % every == 0 or done[0] == total:
+                    self.stage(f"{done[0]}/{total} {unit}s")
+
+        yield tick
+
+
+class _TickingPool:
+    """A thread pool's ``submit`` whose every call ticks ``tick`` once it is done (an
+    evaluation submits one call per problem's samples, or per episode)."""
+
+    def __init__(self, pool: Any, tick: Callable[[], None]) -> None:
+        self._pool, self._tick = pool, tick
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        """``pool.submit(fn, *args, **kwargs)``, ticking when its call ends (not when it is
+        cancelled: a stopped evaluation drops its queued calls)."""
+        future = self._pool.submit(fn, *args, **kwargs)
+        future.add_done_callback(lambda done: None if done.cancelled() else self._tick())
+        return future
 
 
 def _at_least_one(name: str, value: int) -> None:
@@ -235,12 +302,14 @@ def evaluate_report(
     seeds: int = 1,
     concurrency: int = 32,
     echo: Callable[[str], None] = print,
+    progress: bool = False,
 ) -> EvalReport:
     """Evaluate the weights on the first `limit` problems of `split`, for `seeds` seeds.
 
     Of `run_dir`'s final weights, a `checkpoint` path, or (neither given) the base model. The
     task is the run's unless overridden (`reward` replaces its --reward list). Bad input
-    raises `ConfigError` naming the flag and the fix before any model is loaded.
+    raises `ConfigError` naming the flag and the fix before any model is loaded. With
+    `progress`, its stages and requests show on stderr (`EvalProgress`).
     """
     from grpo.backends.pytrio import make_service_client
     from grpo.core.evaluation import seed_summary
@@ -264,6 +333,8 @@ def evaluate_report(
         check_value(name, value)
     if reward is not None and len(reward) == 0:
         raise ConfigError("--reward needs MODULE:FUNCTION; e.g. --reward grpo.rewards:math_verify")
+    shown = EvalProgress(progress)
+    shown.stage("checking the task (its rewards or environment, its dataset)")
     config = eval_config(
         run_dir,
         {
@@ -285,6 +356,7 @@ def evaluate_report(
     weights = weights_of(run_dir, checkpoint, config.base_model)
     local_root = str(Path(run_dir) / run_files.BACKEND_DIR) if run_dir else None
     rows = load_run_problems(config, split, limit=limit)
+    shown.stage(f"loading {config.base_model} ({config.backend} backend)")
     service = make_service_client(config.backend, local_root=local_root, seed=seed)
     sampler = sampling_client(service, config.base_model, model_path)
     tokenizer = sampler.get_tokenizer()
@@ -301,14 +373,21 @@ def evaluate_report(
     )
     decoding = Decoding(temperature=temperature, top_p=top_p, max_tokens=config.max_tokens)
     seed_list = [seed + offset for offset in range(seeds)]
-    with dropping_pool(concurrency, "eval") as pool:  # Ctrl-C: queued requests dropped
+    # One pool call per problem (its samples), or per episode under --env: what is counted.
+    # The pool is left (its threads, which run the ticks, joined) before the count closes.
+    unit = "episode" if config.env else "problem"
+    per_seed = len(problems) * samples if config.env else len(problems)
+    with (
+        shown.counting(per_seed * seeds, unit) as tick,
+        dropping_pool(concurrency, "eval") as pool,  # Ctrl-C: queued requests dropped
+    ):
         results = tuple(
             evaluate_policy(
                 sampler,
                 problems,
                 tokenizer,
                 config,
-                pool=pool,
+                pool=_TickingPool(pool, tick),  # evaluate_policy uses its submit only
                 decoding=decoding,
                 samples=samples,
                 seed=one_seed,

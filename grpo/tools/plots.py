@@ -55,6 +55,14 @@ LOSS_SHAPES_PNG = "docs/loss_shapes.png"
 
 MetricRows = list[dict[str, Any]]
 
+# Curves of a panel can coincide (importance_sampling and cispo are one curve while no ratio
+# is clipped): each gets its own line style and marker, and each later one is drawn thinner
+# on top, so the curves under it still show at its edges.
+SERIES_LINE_STYLES = ("-", "--", "-.", ":")
+SERIES_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+SERIES_WIDEST, SERIES_THINNEST, SERIES_WIDTH_STEP = 3.0, 1.0, 0.6
+SERIES_MARKS_PER_CURVE = 10
+
 
 # --- reading -------------------------------------------------------------------------------
 
@@ -148,6 +156,21 @@ def mean_band(series: Sequence[tuple[np.ndarray, np.ndarray]]) -> Band:
 # --- figures -------------------------------------------------------------------------------
 
 
+def series_style(index: int, points: int, *, sparse: bool) -> dict[str, Any]:
+    """`Axes.plot` keywords of a panel's curve ``index`` over ``points`` steps: its own line
+    style and marker, narrower with smaller marks than every earlier curve (down to a floor);
+    a dense curve is marked at about SERIES_MARKS_PER_CURVE steps, offset per curve."""
+    every = max(1, points // SERIES_MARKS_PER_CURVE)
+    width = max(SERIES_THINNEST, SERIES_WIDEST - SERIES_WIDTH_STEP * index)
+    return {
+        "linestyle": SERIES_LINE_STYLES[index % len(SERIES_LINE_STYLES)],
+        "marker": SERIES_MARKERS[index % len(SERIES_MARKERS)],
+        "linewidth": width,
+        "markersize": 1.0 + 2.0 * width,  # marks on the same point nest, the earlier larger
+        "markevery": None if sparse else (index % every, every),
+    }
+
+
 def _grid_figure(
     panel_count: int, *, columns: int, panel_size: tuple[float, float]
 ) -> tuple[Figure, list[Any]]:
@@ -195,8 +218,9 @@ def metrics_figure(runs: Mapping[str, MetricRows], metrics: Sequence[str]) -> Fi
             for key in keys:
                 steps, values = metric_series(rows, key)
                 line_label = label if len(keys) == 1 else f"{label} ({key})"
-                style = "o-" if key.startswith(_SPARSE_PREFIX) else "-"
-                ax.plot(steps, values, style, label=line_label, markersize=3)
+                sparse = key.startswith(_SPARSE_PREFIX)
+                style = series_style(drawn, steps.size, sparse=sparse)
+                ax.plot(steps, values, label=line_label, **style)
                 drawn += 1
         if drawn == 0:
             raise ValueError(unknown_metric_message(metric, all_keys))
@@ -226,14 +250,12 @@ def band_figure(
     """
     figure, axes = _grid_figure(len(metrics), columns=2, panel_size=(6.0, 4.0))
     for ax, metric in zip(axes, metrics, strict=True):
-        for label, runs in groups.items():
+        for index, (label, runs) in enumerate(groups.items()):
             series = [metric_series(rows, metric) for rows in runs]
             band = mean_band([pair for pair in series if pair[0].size])
             seeds = len(runs)
-            style = "o-" if metric.startswith(_SPARSE_PREFIX) else "-"
-            (line,) = ax.plot(
-                band.steps, band.mean, style, markersize=3, label=f"{label} (n={seeds})"
-            )
+            style = series_style(index, band.steps.size, sparse=metric.startswith(_SPARSE_PREFIX))
+            (line,) = ax.plot(band.steps, band.mean, label=f"{label} (n={seeds})", **style)
             if band.steps.size and seeds > 1:
                 interval = (band.steps, band.ci_low, band.ci_high)
                 if metric.startswith(_SPARSE_PREFIX):

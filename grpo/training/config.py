@@ -702,8 +702,10 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
 
 
 def default_run_name(config: TrainConfig) -> str:
-    """`<loss>-seed<k>-<local time>`: unique per launch, readable in a listing."""
-    return f"{config.loss_fn}-seed{config.seed}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    """`<loss>-seed<k>-<local time>` (a distillation: `distill-seed<k>-<local time>`, as
+    `sft-...` and `dpo-...`): unique per launch, readable in a listing."""
+    what = "distill" if config.recipe == "distill" else config.loss_fn
+    return f"{what}-seed{config.seed}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
 def resolve_run(config: TrainConfig) -> TrainConfig:

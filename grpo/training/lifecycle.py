@@ -68,12 +68,17 @@ class RunResult:
 # --- before the first step ---------------------------------------------------------------
 
 
-def check_run_status(run_dir: Path, resume: bool, command: str) -> str | None:
+def check_run_status(
+    run_dir: Path, resume: bool, command: str, *, extend_flag: str | None = None
+) -> str | None:
     """`run_dir`'s status when resuming (None: a fresh run), after refusing a fresh run into
     a used directory or a resume of a directory that holds no run; `command` names the CLI
-    command (`grpo train`, `grpo sft`) in the error's fix."""
+    command (`grpo train`, `grpo sft`) in the error's fix, `extend_flag` the flag with which
+    a resume continues a finished run (None: a finished run cannot be continued)."""
     status = run_files.run_status(run_dir)
     if not resume:
+        if status == run_files.FINISHED:
+            raise ConfigError(finished_run_message(run_dir, command, extend_flag))
         if status != run_files.NEW:
             raise ConfigError(
                 f"{run_dir} already holds a run ({status}); resume it with `grpo {command} "
@@ -85,12 +90,28 @@ def check_run_status(run_dir: Path, resume: bool, command: str) -> str | None:
     return status
 
 
+def finished_run_message(run_dir: Path, command: str, extend_flag: str | None) -> str:
+    """Why a fresh run cannot go into ``run_dir``, which holds a finished run, and what to do
+    instead: a plain resume would do nothing, so it is suggested only with ``extend_flag``."""
+    steps = int((run_files.read_summary(run_dir) or {}).get("steps", 0))
+    extend = (
+        f"continue it with `grpo {command} --resume {run_dir} {extend_flag}` (N above {steps}), "
+        if extend_flag is not None
+        else ""
+    )
+    return (
+        f"{run_dir} already holds a finished run ({steps} steps, complete): evaluate it with "
+        f"`grpo eval --run-dir {run_dir}`, {extend}or start a new run elsewhere with "
+        "--run-name / --run-dir"
+    )
+
+
 def finished_result(run_dir: Path, echo: Callable[[str], None], hint: str) -> RunResult:
-    """The result of a run that already finished its steps (nothing is done; ``hint`` says how
-    to continue it)."""
+    """The result of resuming a run that already finished its steps: it is complete, nothing
+    is done (``hint`` says how to continue it, when it can be)."""
     summary = run_files.read_summary(run_dir) or {}
     steps = int(summary.get("steps", 0))
-    echo(f"[grpo] {run_dir} already finished {steps} steps; nothing to do{hint}")
+    echo(f"[grpo] {run_dir} is complete: all {steps} steps are done; nothing to resume{hint}")
     return RunResult(
         run_dir=run_dir,
         steps=steps,
@@ -320,15 +341,17 @@ def run_steps(
     from tqdm import tqdm
 
     session = recipe.session
+    # A bar redraws itself with carriage returns: only on a terminal (disable=None: off when
+    # stderr is not a TTY), so a log file (an experiment's train.log) holds whole lines only.
     bar = tqdm(
         total=session.steps,
         initial=state.completed,
         desc=recipe.progress_label,
         unit="step",
-        disable=not progress,
+        disable=None if progress else True,
         dynamic_ncols=True,
     )
-    echo_beside_bar = bar.write if progress else echo
+    echo_beside_bar = echo if bar.disable else bar.write
     clock: dict[str, float] = {}
     resume = f"`grpo {recipe.command} --resume {session.run_dir}`"
     with timed("wall_time_s", clock):

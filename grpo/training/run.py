@@ -70,7 +70,7 @@ def train(
     with run_files.owned(run_dir):
         checkpoint = _check_run_dir(run_dir, config, resume)
         if checkpoint is False:
-            return finished_result(run_dir, echo, " (pass --steps N with N larger to continue it)")
+            return finished_result(run_dir, echo, " (to continue it, resume with a larger --steps)")
         return _train_in(run_dir, config, checkpoint, service_client, echo, progress)
 
 
@@ -114,7 +114,7 @@ def _check_run_dir(
     run_dir: Path, config: TrainConfig, resume: bool
 ) -> run_files.Checkpoint | None | bool:
     """The checkpoint to resume from (None: from scratch), or False when there is nothing to do."""
-    if check_run_status(run_dir, resume, "train") is None:
+    if check_run_status(run_dir, resume, "train", extend_flag="--steps N") is None:
         return None
     checkpoint = run_files.read_checkpoint(run_dir)
     summary = run_files.read_summary(run_dir)

@@ -8,6 +8,7 @@ import datasets
 import pytest
 
 from grpo.core.rewards import gsm8k_gold
+from grpo.tasks import data
 from grpo.tasks.data import (
     ARITHMETIC_PHRASINGS,
     ARITHMETIC_SPLIT_SIZES,
@@ -19,6 +20,7 @@ from grpo.tasks.data import (
     WORD_PROBLEM_TEMPLATES,
     WORD_PROBLEM_THINGS,
     arithmetic_problems,
+    hub_reachable,
     load_problems,
     max_operand,
     warm_start_word_problems,
@@ -235,6 +237,13 @@ def test_unknown_split_is_rejected_with_the_choices(source):
 # --- GSM8K --------------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _hub_answers(monkeypatch):
+    """The hub probe answers (no request) unless a test says otherwise: the tests that fake
+    `datasets.load_dataset` exercise the online path without the network."""
+    monkeypatch.setattr(data, "hub_reachable", lambda: True)
+
+
 def test_gsm8k_offline_raises_a_clear_error_pointing_to_local_files(monkeypatch):
     def unreachable(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (OfflineModeIsEnabled)")
@@ -352,7 +361,11 @@ def test_a_hub_name_offline_fails_at_once_saying_how_to_use_a_local_file(monkeyp
         calls.append((args, kwargs))
         raise ConnectionError("Couldn't reach the Hub (OfflineModeIsEnabled)")
 
+    def probe() -> bool:
+        raise AssertionError("HF_HUB_OFFLINE says offline: the hub is not probed")
+
     monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    monkeypatch.setattr(data, "hub_reachable", probe)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(
         ConnectionError,
@@ -439,3 +452,71 @@ def test_undecodable_compressed_or_header_only_files_are_errors_naming_the_file(
     path.write_bytes(data)
     with pytest.raises(ValueError, match=f"data file {re.escape(str(path))} .*{message}"):
         load_problems(str(path), "train")
+
+
+def _offline_flags() -> tuple[bool, bool]:
+    from huggingface_hub import constants
+
+    return datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+
+
+def test_an_unreachable_hub_is_probed_once_then_read_from_the_cache_alone(monkeypatch):
+    probes, loads = [], []
+    monkeypatch.setattr(data, "hub_reachable", lambda: probes.append(1) or False)
+
+    def cached(*args, **kwargs):
+        loads.append(_offline_flags())
+        return datasets.Dataset.from_list(ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", cached)
+    before = _offline_flags()
+    assert len(load_problems("gsm8k", "test")) == len(ROWS)
+    assert probes == [1] and loads == [(True, True)]  # offline mode: no request, no retry
+    assert _offline_flags() == before
+
+
+def test_an_unreachable_hub_fails_at_once_without_a_request(monkeypatch):
+    import socket
+
+    lookups = []
+
+    def no_dns(*args, **kwargs):
+        lookups.append(args)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(data, "hub_reachable", lambda: False)
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    with pytest.raises(
+        ConnectionError,
+        match=r"grpo-tests/no-such-set from the Hugging Face hub \(no answer from it within "
+        r"3 s\); the hub is unreachable.*--dataset path/to/test.jsonl",
+    ):
+        load_problems("grpo-tests/no-such-set", "test")
+    assert lookups == []  # the hub client made no request (unpatched: 5 retries, ~30 s)
+
+
+def test_the_hub_probe_counts_any_http_answer_as_reachable(monkeypatch):
+    import http.server
+    import threading
+
+    from huggingface_hub import constants
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self) -> None:
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    probe = hub_reachable.__wrapped__  # the probe itself, not its per-process answer
+    try:
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        assert probe(timeout_s=5.0) is True
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert probe(timeout_s=5.0) is False  # the port is closed now: refused

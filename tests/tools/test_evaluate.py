@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ from grpo.core.rewards import RewardInput
 from grpo.reward_scores import score_completions
 from grpo.rewards import load_rewards
 from grpo.tasks.data import columns_of, load_run_problems
+from grpo.tools.evaluate import EvalProgress
 from grpo.training.config import TrainConfig
 from grpo.training.evaluation import (
     Decoding,
@@ -274,7 +276,9 @@ def test_bad_eval_flags_name_the_flag_and_exit_2(
     assert main(["eval", "--limit", "2", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
-    assert len(err.strip().splitlines()) == 1, err
+    # one error line; before it at most the stage eval was in ("[grpo eval] checking the task")
+    said = [line for line in err.strip().splitlines() if not line.startswith("[grpo eval] ")]
+    assert len(said) == 1, err
 
 
 def test_eval_refuses_an_existing_out_file_without_force(
@@ -311,3 +315,47 @@ def test_correctness_reads_the_first_rewards_first_component_and_failed_calls_ar
     assert completion_samples([completions], scores, failing).correct_PG.tolist() == [
         [False, False]
     ]
+
+
+def test_eval_shows_its_stages_and_each_tenth_of_the_requests_on_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["eval", "--limit", "10", "--seeds", "2"]) == 0
+    captured = capsys.readouterr()
+    shown = captured.err.splitlines()
+    assert shown[:2] == [
+        "[grpo eval] checking the task (its rewards or environment, its dataset)",
+        "[grpo eval] loading grpo/tiny-qwen3-bpe (local backend)",
+    ]
+    # stderr is no terminal here: whole lines, one per tenth of the 10 problems x 2 seeds
+    assert shown[2:] == [f"[grpo eval] {n}/20 problems" for n in range(2, 21, 2)]
+    assert "\r" not in captured.err and "[grpo eval]" not in captured.out
+    assert "  avg@1 " in captured.out
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("total", "lines_at"), [(25, [3, 6, 9, 12, 15, 18, 21, 24, 25]), (3, [1, 2, 3])]
+)
+def test_eval_progress_is_a_bar_on_a_terminal_and_whole_lines_elsewhere(
+    total: int, lines_at: list[int]
+) -> None:
+    log = io.StringIO()
+    with EvalProgress(True, log).counting(total, "episode") as tick:
+        for _ in range(total):
+            tick()
+    assert log.getvalue().splitlines() == [f"[grpo eval] {n}/{total} episodes" for n in lines_at]
+    terminal = _Terminal()
+    with EvalProgress(True, terminal).counting(total, "episode") as tick:
+        for _ in range(total):
+            tick()
+    assert "\r" in terminal.getvalue() and f"{total}/{total}" in terminal.getvalue()
+    quiet = io.StringIO()
+    with EvalProgress(False, quiet).counting(total, "episode") as tick:
+        tick()
+    EvalProgress(False, quiet).stage("nothing")
+    assert quiet.getvalue() == ""

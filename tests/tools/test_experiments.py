@@ -593,6 +593,10 @@ def test_sweep_runs_list_with_names_and_min_order(tmp_path: Path, fake_trainer) 
         ).read_text()
     )
     assert config["loss_config"] == ["clip_high_threshold=5.0"]
+    # one seed: the report asks for more the way a sweep takes them (it has no --seeds flag)
+    report = (out / "report.md").read_text()
+    assert "run 3 seeds or more (`seeds = [0, 1, 2]` in the sweep file)" in report
+    assert "--seeds" not in report
 
 
 def test_sweep_by_a_metric_no_run_logged_says_so_and_ranks_nothing(
@@ -755,15 +759,20 @@ def test_compare_end_to_end_with_the_real_trainer(tmp_path: Path) -> None:
 
 def test_separation_calls_no_winner_when_the_best_interval_overlaps_another() -> None:
     close = [("a", mean_std([0.60, 0.64, 0.62])), ("b", mean_std([0.58, 0.63, 0.61]))]
-    assert separation(close, what="Test accuracy").startswith("Test accuracy: no winner.")
-    assert "`a` and `b` overlap" in separation(close, what="Test accuracy")
-    apart = [("a", mean_std([0.90, 0.91, 0.92])), ("b", mean_std([0.10, 0.11, 0.12]))]
-    assert "`a` is ahead" in separation(apart, what="x") and "overlaps none" in separation(
-        apart, what="x"
+    assert separation(close, what="Test accuracy", more_seeds="m").startswith(
+        "Test accuracy: no winner."
     )
+    assert "`a` and `b` overlap" in separation(close, what="Test accuracy", more_seeds="m")
+    apart = [("a", mean_std([0.90, 0.91, 0.92])), ("b", mean_std([0.10, 0.11, 0.12]))]
+    assert "`a` is ahead" in separation(
+        apart, what="x", more_seeds="m"
+    ) and "overlaps none" in separation(apart, what="x", more_seeds="m")
     single = [("a", mean_std([0.9])), ("b", mean_std([0.1]))]
-    assert "no interval" in separation(single, what="x")
-    assert separation(single[:1], what="x") is None
+    assert "no interval" in separation(single, what="x", more_seeds="`--seeds 3`")
+    assert "run 3 seeds or more (`--seeds 3`)" in separation(
+        single, what="x", more_seeds="`--seeds 3`"
+    )
+    assert separation(single[:1], what="x", more_seeds="m") is None
 
 
 def test_a_stat_formats_its_t_interval_and_alone_for_one_seed() -> None:
@@ -771,3 +780,43 @@ def test_a_stat_formats_its_t_interval_and_alone_for_one_seed() -> None:
     half = student_t_quantile(0.975, 2) * 1.0 / np.sqrt(3)
     assert stat.format_interval() == f"2.000 [{2 - half:.3f}, {2 + half:.3f}]"
     assert mean_std([0.5]).format_interval() == "0.500" and mean_std([]).format_interval() == "–"
+
+
+def test_a_trainers_progress_bars_leave_no_fragments_in_its_train_log(tmp_path: Path) -> None:
+    trainer = tmp_path / "barred_trainer.py"
+    trainer.write_text(
+        "import sys\nfrom pathlib import Path\nfrom tqdm import tqdm\n"
+        "for _ in tqdm(range(50), mininterval=0):\n    pass\n"
+        "print('trained')\n"
+        "run_dir = Path(sys.argv[sys.argv.index('--run-dir') + 1])\n"
+        "(run_dir / 'summary.json').write_text('{}')\n"
+    )
+    specs = compare_specs(["importance_sampling"], [0], {"steps": 1}, tmp_path / "out")
+    [outcome] = execute_runs(
+        specs, jobs=1, train_command=[sys.executable, str(trainer)], echo=lambda line: None
+    )
+    assert outcome.returncode == 0
+    log = (specs[0].run_dir / "train.log").read_bytes()  # read_text would turn \r into \n
+    assert b"trained\n" in log and b"\r" not in log
+
+
+def test_runs_are_announced_when_they_start_and_counted_as_they_end(
+    tmp_path: Path, fake_trainer
+) -> None:
+    train_command, _ = fake_trainer
+    out = tmp_path / "cmp"
+    specs = compare_specs(["importance_sampling", "ppo"], [0, 1], {"steps": 2}, out)
+    execute_runs(specs[:1], jobs=1, train_command=train_command, echo=lambda line: None)
+    lines: list[str] = []
+    execute_runs(specs, jobs=1, train_command=train_command, echo=lines.append)
+    names = [spec.run_dir for spec in specs]
+    # one trainer at a time: each run starts only after the one before it has ended
+    assert [line.split(" (log:")[0].split(" in ")[0] for line in lines[:-1]] == [
+        f"skip   {names[0]} (finished)",
+        f"start  {names[1]}",
+        f"done 1/3 {names[1]}",
+        f"start  {names[2]}",
+        f"done 2/3 {names[2]}",
+        f"start  {names[3]}",
+        f"done 3/3 {names[3]}",
+    ]

@@ -15,6 +15,7 @@ from grpo.tools import plots
 from grpo.tools.plots import (
     add_plot_arguments,
     add_plot_losses_arguments,
+    band_figure,
     default_metrics,
     loss_shape_curves,
     mean_band,
@@ -213,3 +214,29 @@ def test_mean_band_carries_the_t_interval_of_the_mean_where_two_seeds_logged() -
     np.testing.assert_allclose(band.ci_low[:2], band.mean[:2] - half)
     np.testing.assert_allclose(band.ci_high[:2], band.mean[:2] + half)
     assert np.isnan(band.ci_low[2]) and np.isnan(band.ci_high[2])
+
+
+def _look(line) -> tuple:
+    return (line.get_linestyle(), line.get_marker())
+
+
+def test_identical_curves_stay_visible_each_in_its_own_style_over_a_wider_one(
+    tmp_path: Path,
+) -> None:
+    rows = training_rows("importance_sampling", [0.1, 0.2, 0.4, 0.5], [0.0, 0.0, 0.0, 0.0])
+    same = [write_run(tmp_path / name, rows) for name in ("is", "cispo", "ppo")]
+    runs = {path.name: read_run_metrics(path) for path in same}
+    groups = {name: [metrics] for name, metrics in runs.items()}
+    for figure in (
+        metrics_figure(runs, ["reward", "test/reward"]),
+        band_figure(groups, ["reward"]),
+    ):
+        for ax in figure.axes:
+            lines = ax.lines[:3]
+            assert [line.get_label().split(" ")[0] for line in lines] == ["is", "cispo", "ppo"]
+            assert len({_look(line) for line in lines}) == 3  # each curve its own dashes, marks
+            widths = [line.get_linewidth() for line in lines]
+            assert widths == sorted(widths, reverse=True) and len(set(widths)) == 3
+    out = tmp_path / "same.png"
+    assert run_plot(plot_args(*map(str, same), "--metrics", "reward", "--out", str(out))) == 0
+    assert out.read_bytes().startswith(b"\x89PNG")

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from grpo.backends.local.tiny import TINY_MODEL_NAME
-from grpo.training.config import ConfigError, TrainConfig
+from grpo.training.config import ConfigError, TrainConfig, resolve_run
+from grpo.training.dpo_config import DpoConfig, resolve_dpo_run
 from grpo.training.run import dry_run
 from grpo.training.run_files import read_metrics
+from grpo.training.sft_config import SftConfig, resolve_sft_run
 from grpo.training.teacher import check_same_tokenizer
 from tests.invariance import assert_same_rows
 from tests.runs import comparable, quiet_train, tiny_config
@@ -201,3 +203,12 @@ def test_a_run_cannot_be_its_own_teacher(tmp_path: Path) -> None:
     itself = r"--run-dir \S+self is --teacher \S+self, which is being read"
     with pytest.raises(ConfigError, match=itself):
         quiet_train(config, resume=True)
+
+
+def test_default_run_names_say_the_recipe() -> None:
+    distill = resolve_run(TrainConfig(recipe="distill", teacher="Qwen/Qwen3-8B", seed=2))
+    assert distill.run_name.startswith("distill-seed2-")  # not the loss's importance_sampling-
+    assert distill.run_dir == str(Path("runs") / distill.run_name)
+    assert resolve_run(TrainConfig(loss_fn="cispo")).run_name.startswith("cispo-seed0-")
+    assert resolve_sft_run(SftConfig(data="rows.jsonl")).run_name.startswith("sft-seed0-")
+    assert resolve_dpo_run(DpoConfig(data="pairs.jsonl")).run_name.startswith("dpo-seed0-")

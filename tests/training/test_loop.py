@@ -367,10 +367,25 @@ def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path: Path) -> Non
     quiet_train(config)
     before = (tmp_path / "run" / "metrics.jsonl").read_bytes()
     with pytest.raises(
-        ConfigError, match=r"already holds a run \(finished\); resume it with `grpo train --resume"
+        ConfigError,
+        match=r"already holds a finished run \(1 steps, complete\): evaluate it with `grpo "
+        r"eval --run-dir .*`, continue it with `grpo train --resume .* --steps N` \(N above 1\)",
     ):
         quiet_train(config)
     assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_run_whose_stderr_is_not_a_terminal_prints_whole_lines_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines: list[str] = []
+    train(tiny_config(tmp_path, steps=2), echo=lines.append, progress=True)
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err + captured.out  # no progress bar redrawn into a log file
+    assert [line.split()[:2] for line in lines if line.startswith("step ")] == [
+        ["step", "1/2"],
+        ["step", "2/2"],
+    ]
 
 
 def test_resuming_a_finished_run_changes_nothing(tmp_path: Path) -> None:
@@ -381,7 +396,11 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path: Path) -> None:
     }
     lines: list[str] = []
     result = train(config, resume=True, echo=lines.append, progress=False)
-    assert any("already finished 1 steps; nothing to do" in line for line in lines)
+    assert any(
+        "is complete: all 1 steps are done; nothing to resume (to continue it, resume with a "
+        "larger --steps)" in line
+        for line in lines
+    )
     assert result.steps == 1 and result.final_metrics
     after = {
         path.name: path.read_bytes() for path in (tmp_path / "run").iterdir() if path.is_file()

@@ -15,7 +15,8 @@ from pytrio.types import ModelInput
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig
 from grpo.training.init_from import init_state_path, init_training_client
-from grpo.training.recipes.sft import dry_run_sft, example_datum, sft
+from grpo.training.lifecycle import finished_result
+from grpo.training.recipes.sft import check_run_dir, dry_run_sft, example_datum, sft
 from grpo.training.run import RunStopped
 from grpo.training.sft_config import SftConfig
 from tests.invariance import assert_same_rows
@@ -219,3 +220,20 @@ def test_sft_resumes_from_the_newest_intact_checkpoint_when_the_latest_is_damage
         comparable(run_files.read_metrics(tmp_path / "damaged")),
         comparable(run_files.read_metrics(whole.run_dir)),
     )
+
+
+def test_a_finished_sft_run_is_called_complete_and_no_resume_is_suggested(tmp_path: Path) -> None:
+    run_dir = tmp_path / "done"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"recipe": "sft"}))
+    (run_dir / "summary.json").write_text(json.dumps({"finished": True, "steps": 4}))
+    with pytest.raises(ConfigError) as refused:
+        check_run_dir(run_dir, resume=False)
+    message = str(refused.value)
+    assert "finished run (4 steps, complete)" in message
+    assert f"`grpo eval --run-dir {run_dir}`" in message and "--resume" not in message
+    assert check_run_dir(run_dir, resume=True) is False  # a resume does nothing ...
+    said: list[str] = []
+    result = finished_result(run_dir, said.append, "")
+    assert said == [f"[grpo] {run_dir} is complete: all 4 steps are done; nothing to resume"]
+    assert result.steps == 4  # ... and says so

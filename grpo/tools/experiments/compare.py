@@ -164,7 +164,9 @@ def render_compare_report(
         key=lambda summary: -float(summary.test_reward.mean or 0.0),
     )
     verdict = separation(
-        [(summary.label, summary.test_reward) for summary in by_test], what="Test accuracy"
+        [(summary.label, summary.test_reward) for summary in by_test],
+        what="Test accuracy",
+        more_seeds="`--seeds 3`",
     )
     lines += ["", verdict] if verdict else []
     lines += unfinished_section(all_runs)

@@ -39,6 +39,9 @@ TRAIN_COMMAND: tuple[str, ...] = (sys.executable, "-m", "grpo", "train")
 DEFAULT_JOBS = 2
 # Compare and sweep set these per run (the run directory and its seed); users may not.
 MANAGED_FLAGS = frozenset({"seed", "run_dir", "run_name"})
+# A trainer's output goes to its train.log: progress bars (tqdm's own, the hub's downloads)
+# redraw with carriage returns and would leave fragments there, so they are turned off.
+QUIET_BARS = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 def normalize_overrides(raw: Mapping[str, Any], *, where: str) -> dict[str, Any]:
@@ -173,8 +176,15 @@ class Trainers:
         self._live: set[subprocess.Popen[bytes]] = set()
         self.stop_signal: int | None = None
 
-    def run(self, command: Sequence[str], log: IO[str], env: Mapping[str, str]) -> int | None:
-        """Run one trainer to its end (None: not started, the experiment is stopping)."""
+    def run(
+        self,
+        command: Sequence[str],
+        log: IO[str],
+        env: Mapping[str, str],
+        on_start: Callable[[], None] = lambda: None,
+    ) -> int | None:
+        """Run one trainer to its end (None: not started, the experiment is stopping);
+        ``on_start`` is called once its process runs."""
         with self._lock:
             if self.stop_signal is not None:
                 return None
@@ -186,6 +196,7 @@ class Trainers:
                 start_new_session=True,
             )
             self._live.add(process)
+        on_start()
         try:
             return process.wait()
         finally:
@@ -224,6 +235,7 @@ def _launch(
     train_command: Sequence[str],
     env: Mapping[str, str],
     trainers: Trainers,
+    on_start: Callable[[], None],
 ) -> RunOutcome:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     command = launch_command(spec, status, train_command)
@@ -231,7 +243,7 @@ def _launch(
     with (spec.run_dir / run_files.LOG_FILE).open("a", encoding="utf-8") as log:
         log.write(f"$ {shlex.join(command)}\n")
         log.flush()
-        returncode = trainers.run(command, log, env)
+        returncode = trainers.run(command, log, env, on_start)
     action = "resumed" if status == UNFINISHED else "started"
     if returncode is None:
         action = "not started"
@@ -249,7 +261,9 @@ def execute_runs(
 ) -> list[RunOutcome]:
     """Run every spec not yet finished, `jobs` subprocesses at a time; outcomes in spec order.
 
-    Every existing run directory is checked against its spec before anything starts.
+    Every existing run directory is checked against its spec before anything starts. Each
+    run is announced when its trainer actually starts (`start`/`resume`), and as each ends
+    `done N/M` (or `FAILED N/M`): N runs of the M to run have ended.
     """
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
@@ -258,6 +272,7 @@ def execute_runs(
     # Parallel trainers each using every core would oversubscribe the CPUs.
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    env.update(QUIET_BARS)
     outcomes: dict[int, RunOutcome] = {}
     pending = []
     for index, (spec, status) in enumerate(zip(specs, statuses, strict=True)):
@@ -267,28 +282,42 @@ def execute_runs(
         else:
             pending.append((index, spec, status))
     trainers = Trainers()
+    echo_lock = threading.Lock()  # runs start on the pool's threads
+
+    def announce(spec: RunSpec, status: str) -> Callable[[], None]:
+        def started() -> None:
+            with echo_lock:
+                echo(
+                    f"{'resume' if status == UNFINISHED else 'start '} {spec.run_dir} "
+                    f"(log: {spec.run_dir / run_files.LOG_FILE})"
+                )
+
+        return started
+
+    ended, total = 0, len(pending)
     with forwarding_signals(trainers), ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {}
-        for index, spec, status in pending:
-            echo(
-                f"{'resume' if status == UNFINISHED else 'start '} {spec.run_dir} "
-                f"(log: {spec.run_dir / run_files.LOG_FILE})"
-            )
-            futures[pool.submit(_launch, spec, status, train_command, env, trainers)] = index
+        futures = {
+            pool.submit(
+                _launch, spec, status, train_command, env, trainers, announce(spec, status)
+            ): index
+            for index, spec, status in pending
+        }
         try:
             for future in as_completed(futures):
                 outcome = future.result()
                 outcomes[futures[future]] = outcome
                 if outcome.returncode is None:
                     continue
+                ended += 1
                 if outcome.returncode == 0:
-                    verdict = "done  "
+                    verdict = f"done {ended}/{total}"
                 elif run_files.run_status(outcome.spec.run_dir) == FINISHED:
                     # The run's results are complete; only the process's exit went wrong.
-                    verdict = f"done, then exit {outcome.returncode}:"
+                    verdict = f"done {ended}/{total}, then exit {outcome.returncode}:"
                 else:
-                    verdict = f"FAILED (exit {outcome.returncode})"
-                echo(f"{verdict} {outcome.spec.run_dir} in {outcome.seconds:.1f}s")
+                    verdict = f"FAILED {ended}/{total} (exit {outcome.returncode})"
+                with echo_lock:
+                    echo(f"{verdict} {outcome.spec.run_dir} in {outcome.seconds:.1f}s")
         except KeyboardInterrupt:
             for future in futures:
                 future.cancel()

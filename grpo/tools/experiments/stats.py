@@ -221,16 +221,18 @@ def mean_std(values: Iterable[float | None]) -> Stat:
     return Stat(mean=mean, std=std, n=count, interval=t_interval(present))
 
 
-def separation(entries: Sequence[tuple[str, Stat]], *, what: str) -> str | None:
+def separation(entries: Sequence[tuple[str, Stat]], *, what: str, more_seeds: str) -> str | None:
     """A sentence on whether the first entry (the best) is separated from the others by their
-    95% intervals: overlapping intervals are reported as no winner. None for fewer than two."""
+    95% intervals: overlapping intervals are reported as no winner. None for fewer than two.
+    ``more_seeds`` is how the experiment's own command asks for three seeds (compare: a flag,
+    sweep: its file), recommended when one seed gives no interval."""
     present = [(label, stat) for label, stat in entries if stat.mean is not None]
     if len(present) < 2:
         return None
     if any(stat.interval is None for _, stat in present):
         return (
             f"{what}: with one seed of a configuration there is no interval, so the order is "
-            "not evidence of a difference; run `--seeds 3` or more."
+            f"not evidence of a difference; run 3 seeds or more ({more_seeds})."
         )
     (best, best_stat), others = present[0], present[1:]
     assert best_stat.interval is not None

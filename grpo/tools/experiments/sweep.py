@@ -372,6 +372,7 @@ def render_sweep_report(
     verdict = separation(
         [(entry.summary.label, entry.metric) for entry in ranked if entry.rank],
         what=f"`{plan.rank_by}`",
+        more_seeds="`seeds = [0, 1, 2]` in the sweep file",
     )
     lines += ["", verdict] if verdict else []
     all_runs = [run for entry in ranked for run in entry.summary.runs]
