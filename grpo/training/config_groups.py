@@ -77,6 +77,7 @@ class RunSettings:
         "experiment tracker (repeatable): swanlab (in --swanlab-mode), wandb, tensorboard, "
         "trackio, or none; metrics.jsonl is always written (README, Experiment tracking)",
         TRACKER_LIST,
+        metavar="TRACKER",
     )
     swanlab_mode: str = flag("disabled", "SwanLab logging mode", OneOf(SWANLAB_MODES))
     swanlab_project: str = flag(
@@ -106,8 +107,8 @@ class ServiceSettings:
         "what the trainer divides a loss's gradient by: nothing (sum) or the request's active "
         "tokens, advantage tokens or samples; the loop pre-scales its datums for it, so the "
         "gradient applied is the loss's either way (docs/FORMULAS.md). Local backend: what "
-        "it divides by (default sum); --backend pytrio: what the service is taken to divide "
-        "by (default: the probe's verdict, else samples)",
+        "it divides by; --backend pytrio: what the service is taken to divide by (default: "
+        "sum on the local backend; on pytrio the probe's verdict, else samples)",
         OneOf(NORMALIZATIONS, none_ok=True),
     )
     connect_timeout: float = flag(

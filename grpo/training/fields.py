@@ -34,12 +34,13 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def flag(default: Any, help: str, *checks: Check) -> Any:
-    """An attrs field carrying its CLI help (metadata["help"]) and its checks, run in order."""
+def flag(default: Any, help: str, *checks: Check, metavar: str | None = None) -> Any:
+    """An attrs field carrying its CLI help (metadata["help"]) and its checks, run in order;
+    `metavar`: how `--help` writes an entry of a repeatable flag (default KEY=VALUE)."""
     return attrs.field(
         default=default,
         validator=attrs.validators.and_(*checks) if checks else None,
-        metadata={"help": help},
+        metadata={"help": help} if metavar is None else {"help": help, "metavar": metavar},
     )
 
 

@@ -80,7 +80,7 @@ class DataSettings:
         "####), 'whole' (the whole field) or 'regex:PATTERN' (group 1 of the last match)",
         GOLD_RULE,
     )
-    system_prompt: str | None = flag(None, "system message put before every prompt (default none)")
+    system_prompt: str | None = flag(None, "system message put before every prompt (default: none)")
     question_suffix: str = flag(
         QUESTION_SUFFIX, "text appended to every question (default: the article's instruction)"
     )
@@ -113,6 +113,7 @@ class RewardSettings:
         (),
         "reward MODULE:FUNCTION[=WEIGHT] or FILE.py:FUNCTION[=WEIGHT] (repeatable; "
         "default grpo.rewards:boxed_match)",
+        metavar="MODULE:FUNCTION[=WEIGHT]",
     )
     reward_errors: str = flag(
         "stop",
