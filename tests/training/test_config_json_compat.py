@@ -7,15 +7,18 @@ back by today's code with the same keys and values, so an old run resumes unchan
 """
 
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 
 from grpo.cli import build_parser
 from grpo.training import flags, run_files
-from grpo.training.config import resolve_run, to_dict
+from grpo.training.config import config_from_dict, resolve_run, to_dict
 from grpo.training.dpo_config import DpoConfig, dpo_to_dict
+from grpo.training.run import RunStopped, train
 from grpo.training.sft_config import SftConfig, recipe_config_from_dict, sft_to_dict
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -66,3 +69,24 @@ def test_old_data_recipe_config_json_loads_with_the_same_values(
     assert values.pop("recipe") == name
     config = recipe_config_from_dict(config_class, name, values, where=str(run_dir))
     assert json.loads(json.dumps(writer(config))) == saved  # type: ignore[operator]
+
+
+def test_an_old_run_stopped_after_its_first_step_resumes_to_the_end(tmp_path: Path) -> None:
+    saved = json.loads((FIXTURES / "train_config.json").read_text())
+    run_dir = tmp_path / "old-grpo"
+    config = config_from_dict({**saved, "run_dir": str(run_dir)})
+
+    def stop_after_first_step(line: str) -> None:
+        if line.startswith("step 1/"):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(RunStopped):
+        train(config, echo=stop_after_first_step, progress=False)
+    # The directory now holds the config.json the old code wrote, byte for byte.
+    shutil.copy(FIXTURES / "train_config.json", run_dir / run_files.CONFIG_FILE)
+    args = build_parser(["train"]).parse_args(["train", "--resume", str(run_dir)])
+    resumed, resume = flags.config_from_args(args)
+    train(resolve_run(resumed), resume=resume, echo=lambda _line: None, progress=False)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "step" in row] == [1, 2, 3]
+    assert run_files.read_config(run_dir) == {**saved, "run_dir": str(run_dir)}
