@@ -303,7 +303,7 @@ FIELDS: Mapping[str, Field] = attrs.fields_dict(TrainConfig)
 FIELD_NAMES: frozenset[str] = frozenset(FIELDS)
 
 
-def check_keys(overrides: Mapping[str, Any], *, where: str) -> None:
+def check_keys(overrides: Mapping[str, object], *, where: str) -> None:
     """Reject keys that are not `grpo train` flags, naming the key and the fix."""
     for key in overrides:
         if key not in FIELD_NAMES:
@@ -323,7 +323,7 @@ def check_value(name: str, value: object) -> Any:
     return value
 
 
-def config_from_dict(values: Mapping[str, Any], *, where: str | None = None) -> TrainConfig:
+def config_from_dict(values: Mapping[str, object], *, where: str | None = None) -> TrainConfig:
     """A TrainConfig from flag values (underscore keys); errors prefixed with `where` if given."""
     check_keys(values, where=where or "configuration")
     try:

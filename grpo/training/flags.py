@@ -103,7 +103,7 @@ def explicit_flags(
     }
 
 
-def train_argv(overrides: Mapping[str, Any]) -> list[str]:
+def train_argv(overrides: Mapping[str, object]) -> list[str]:
     """The `grpo train` arguments that set each field of `overrides` (others keep their defaults).
 
     Booleans are switches (`--custom-loss`; False is the absent switch, or `--no-fewshot` for
@@ -139,7 +139,7 @@ def _line_of(text: str, key: str) -> int | None:
 
 
 def checked_overrides(
-    raw: Mapping[str, Any], *, where: str, text: str | None = None
+    raw: Mapping[str, object], *, where: str, text: str | None = None
 ) -> dict[str, Any]:
     """Flag values with underscore keys, each converted and checked by its field (ConfigError).
 
