@@ -256,7 +256,8 @@ class MismatchSettings:
     mismatch_correction: str = flag(
         "none",
         "sampler-trainer mismatch correction: token_truncate (truncated IS), token_mask "
-        "(masked IS), sequence_truncate, sequence_mask (docs/FORMULAS.md); costs one forward",
+        "(masked IS), sequence_truncate, sequence_mask, or recompute (the trainer's own "
+        "log-probs as the behaviour policy) (docs/FORMULAS.md); costs one forward",
         OneOf(MISMATCH_CORRECTION_NAMES),
     )
     mismatch_cap: float = flag(2.0, "truncated-IS cap C on the mismatch ratio (>= 1)")
