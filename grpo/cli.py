@@ -19,7 +19,7 @@ import os
 import shutil
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,29 +30,31 @@ from grpo.training.config import (
     check_user_inputs,
     resolve_run,
 )
+from grpo.training.fields import Field
 
 DEBUG_ENV = "GRPO_DEBUG"
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every TrainConfig flag, plus `--config FILE.toml` and `--resume RUN_DIR`."""
-    flags.add_train_arguments(parser)
-    parser.add_argument(
+    """Every TrainConfig flag in its help group, plus `--config FILE.toml`, `--resume RUN_DIR`
+    and `--dry-run` (in the run group)."""
+    run = flags.add_train_arguments(parser)["run"]
+    run.add_argument(
         "--config",
         dest="config_file",
         default=None,
         metavar="FILE.toml",
         help="TOML file of flag values; flags on the command line override it",
     )
-    parser.add_argument(
+    run.add_argument(
         "--resume",
         default=None,
         metavar="RUN_DIR",
         help="continue a run directory from its last checkpoint "
         "(same data order and random stream)",
     )
-    parser.add_argument(
+    run.add_argument(
         "--dry-run",
         action="store_true",
         help="run every check a real run does first, print the planned tokens (and cost, "
@@ -83,13 +85,13 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _add_data_recipe_arguments(
-    parser: argparse.ArgumentParser, fields: dict[str, Any], what: str, reads: str
+    parser: argparse.ArgumentParser, fields: Mapping[str, Field], what: str, reads: str
 ) -> None:
     """A data recipe's flags (its own and those shared with `grpo train`), --resume and
     --dry-run (which ``reads`` before printing the plan)."""
-    flags.add_train_arguments(parser, fields=fields)
-    parser.add_argument("--resume", default=None, metavar="RUN_DIR", help=f"continue {what}")
-    parser.add_argument(
+    run = flags.add_train_arguments(parser, fields=fields)["run"]
+    run.add_argument("--resume", default=None, metavar="RUN_DIR", help=f"continue {what}")
+    run.add_argument(
         "--dry-run",
         action="store_true",
         help=f"{reads}, print the plan (tokens, steps, cost) and exit; nothing is written",
@@ -98,7 +100,7 @@ def _add_data_recipe_arguments(
 
 def _run_data_recipe(
     args: argparse.Namespace,
-    fields: dict[str, Any],
+    fields: Mapping[str, Field],
     config_of: Callable[[dict[str, Any]], Any],
     dry_run: Callable[..., list[str]],
     run: Callable[..., Any],
@@ -184,7 +186,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend",
         default=None,
-        help=f"one of {', '.join(BACKENDS)} (default: the run's, else local)",
+        metavar="{" + ",".join(BACKENDS) + "}",
+        help="where the weights are sampled (default: the run's, else local)",
     )
     parser.add_argument(
         "--base-model",
@@ -220,7 +223,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "grpo.envs:calculator_wordproblems",
     )
     task.add_argument("--max-turns", type=int, default=None, help="most turns of an --env episode")
-    parser.add_argument("--split", default="test", help="train or test (default: test)")
+    parser.add_argument(
+        "--split",
+        default="test",
+        metavar="{train,test}",
+        help="the split evaluated (default: test)",
+    )
     parser.add_argument(
         "--limit", type=int, default=200, help="number of problems, >= 1 (default: 200)"
     )
@@ -239,7 +247,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--top-p", type=float, default=1.0, help="nucleus threshold in (0, 1] (default: 1.0)"
     )
     decoding.add_argument(
-        "--max-tokens", type=int, default=None, help="(default: the run's, else 24)"
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="most generated tokens per completion (default: the run's, else 24)",
     )
     decoding.add_argument(
         "--seed", type=int, default=0, help="sampling seed of the first seed (default: 0)"
@@ -251,7 +262,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         help="evaluate with seeds --seed, --seed + 1, ...: each metric's mean over them and "
         "its 95%% bootstrap interval over problems (default: 1)",
     )
-    parser.add_argument("--concurrency", type=int, default=32, help="(default: 32)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=32,
+        help="sampling requests in flight at once (default: 32)",
+    )
     parser.add_argument(
         "--out",
         default=None,

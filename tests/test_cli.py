@@ -380,3 +380,59 @@ def test_pytrio_without_a_key_says_how_to_log_in(tmp_path: Path, capsys, monkeyp
     run = ["train", *TINY_FLAGS, "--backend", "pytrio", "--run-dir", str(tmp_path / "run")]
     fails_cleanly(run, capsys, "PyTRIO service unavailable", "trio login", "--backend local")
     fails_cleanly(["eval", "--backend", "pytrio", "--limit", "2"], capsys, "trio login")
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """Each option of a `--help` text (its first flag) and its whole entry, in one line."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if line.startswith("  -"):
+            current = stripped.split()[0].rstrip(",")
+            entries[current] = stripped
+        elif line.startswith("    ") and current is not None:
+            entries[current] += " " + stripped
+        else:
+            current = None
+    return entries
+
+
+@pytest.mark.parametrize("command", ["train", "distill", "sft", "dpo"])
+def test_help_groups_its_flags_and_says_each_default_once(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    titles = {line[:-1] for line in text.splitlines() if line.endswith(":") and line[0] != " "}
+    assert {"run", "data and task", "update", "evaluation and checkpoints", "service"} <= titles
+    if command in ("train", "distill"):
+        assert {"sampling", "loss", "KL and mismatch", "environments and tools"} <= titles
+        assert {"judge", "teacher", "prices"} <= titles
+    entries = _help_entries(text)
+    twice = [flag for flag, entry in entries.items() if entry.count("(default") > 1]
+    assert twice == [], f"defaults said twice: {twice}"
+
+
+def test_train_help_lists_every_choice_and_says_what_a_reward_is(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    entries = _help_entries(capsys.readouterr().out)
+    assert "{center,standardize,rloo,batch_standardize}" in entries["--advantage"]
+    assert "recompute}" in entries["--mismatch-correction"]
+    assert "{k1,k2,k3}" in entries["--kl-estimator"]
+    assert entries["--reward"].startswith("--reward MODULE:FUNCTION[=WEIGHT]")
+    assert "KEY=VALUE" not in entries["--reward"]
+    assert "(default: none)" in entries["--system-prompt"]
+
+
+def test_serve_help_shows_the_port_default(capsys: pytest.CaptureFixture[str]) -> None:
+    from grpo.serve.command import DEFAULT_PORT
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    entries = _help_entries(capsys.readouterr().out)
+    assert f"default: {DEFAULT_PORT}" in entries["--port"]

@@ -41,7 +41,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--host", default="127.0.0.1", help="address to bind (default: loopback only)"
     )
     parser.add_argument(
-        "--port", type=_port, default=DEFAULT_PORT, help="port (0 picks a free one)"
+        "--port",
+        type=_port,
+        default=DEFAULT_PORT,
+        help=f"port (0 picks a free one; default: {DEFAULT_PORT})",
     )
     parser.add_argument(
         "--root", default=None, help=f"checkpoint directory (default: {default_root()})"

@@ -351,7 +351,7 @@ def evaluate_report(
             "max_tokens": max_tokens,
         },
     )
-    # --reward with --env is refused by the config itself (grpo.training.config.check_recipe).
+    # --reward with --env is refused by the config itself (grpo.training.config.check_combinations).
     model_path = run_files.eval_weights_path(Path(run_dir)) if run_dir else checkpoint
     weights = weights_of(run_dir, checkpoint, config.base_model)
     local_root = str(Path(run_dir) / run_files.BACKEND_DIR) if run_dir else None

@@ -1,7 +1,7 @@
-"""The typed configuration of `grpo dpo`: its own flags, and the ones it shares with `grpo train`.
+"""The typed configuration of `grpo dpo`: its own groups of flags, and the groups it shares.
 
-As `grpo sft`'s (`grpo.training.sft_config`): a record of its own, the shared flags copied
-from `TrainConfig`'s fields with their help and checks (`shared`).
+As `grpo sft`'s (`grpo.training.sft_config`): a record of its own, composed of the shared
+groups of `grpo.training.config_groups`, the learning-rate schedule of SFT, and its own.
 
 No `from __future__ import annotations` here: the field transformer reads each field's type.
 """
@@ -11,23 +11,32 @@ from typing import Any
 import attrs
 
 from grpo.core.dpo import DPO_LOSSES, DpoSettings
-from grpo.core.sft import LR_SCHEDULES
+from grpo.training.config_groups import (
+    CheckpointSettings,
+    ModelSettings,
+    OptimizerSettings,
+    PriceSettings,
+    RunSettings,
+    ServiceSettings,
+)
 from grpo.training.fields import (
     NOT_EMPTY,
     Above,
     AtLeast,
     ConfigError,
+    Field,
     Interval,
     OneOf,
     flag,
+    grouped,
     with_checks,
 )
-from grpo.training.sft_config import RECIPE_KEY, resolve_recipe_run, shared
+from grpo.training.sft_config import RECIPE_KEY, ScheduleSettings, resolve_recipe_run
 
 
-@attrs.frozen(field_transformer=with_checks)
-class DpoConfig:
-    """Every knob of `grpo dpo`; --data is required."""
+@attrs.frozen(slots=False, field_transformer=grouped("data and task"))
+class DpoDataSettings:
+    """The preference pairs DPO trains on."""
 
     data: str | None = flag(
         None,
@@ -35,16 +44,30 @@ class DpoConfig:
         "rows (README, Preference training)",
         NOT_EMPTY,
     )
-    eval_data: str | None = flag(
-        None, "held-out pairs for eval/dpo/* (default: --eval-fraction of --data)", NOT_EMPTY
+
+
+@attrs.frozen(slots=False, field_transformer=grouped("run"))
+class DpoStartSettings:
+    """The weights DPO starts from, and its reference policy."""
+
+    ref: str | None = flag(
+        None,
+        "reference policy: a finished run directory or a weights path (default: the "
+        "--init-from run's final weights, else the base model)",
+        NOT_EMPTY,
     )
-    eval_fraction: float = flag(
-        0.1,
-        "share of --data held out for eval/dpo/* when no --eval-data (0 = none)",
-        Interval(0, 1, "left"),
+    init_from: str | None = flag(
+        None,
+        "start from the final weights of a finished run directory (same backend, base model "
+        "and LoRA rank); they are the reference too unless --ref",
+        NOT_EMPTY,
     )
-    steps: int = flag(0, "optimizer steps (0 = one pass over the training pairs)", AtLeast(0))
-    batch_size: int = flag(16, "pairs per step (two datums each)", AtLeast(1))
+
+
+@attrs.frozen(slots=False, field_transformer=grouped("loss"))
+class DpoLossSettings:
+    """The per-pair loss and its β, ε and α (docs/FORMULAS.md)."""
+
     dpo_beta: float = flag(
         0.1, "β: scale of the implicit reward β·(log π − log π_ref) (docs/FORMULAS.md)", Above(0)
     )
@@ -57,58 +80,74 @@ class DpoConfig:
     sft_weight: float = flag(
         0.0, "α: weight of the SFT loss on the chosen completions (RPO; 0 = off)", AtLeast(0)
     )
-    ref: str | None = flag(
-        None,
-        "reference policy: a finished run directory or a weights path (default: the "
-        "--init-from run's final weights, else the base model)",
-        NOT_EMPTY,
+
+
+@attrs.frozen(slots=False, field_transformer=grouped("update"))
+class DpoUpdateSettings:
+    """How many steps, of how many pairs."""
+
+    steps: int = flag(0, "optimizer steps (0 = one pass over the training pairs)", AtLeast(0))
+    batch_size: int = flag(16, "pairs per step (two datums each)", AtLeast(1))
+
+
+@attrs.frozen(slots=False, field_transformer=grouped("evaluation and checkpoints"))
+class DpoEvaluationSettings:
+    """The held-out pairs and how often eval/dpo/* is measured."""
+
+    eval_data: str | None = flag(
+        None, "held-out pairs for eval/dpo/* (default: --eval-fraction of --data)", NOT_EMPTY
     )
-    lr_schedule: str = flag(
-        "linear", "learning-rate decay after the warm-up (docs/FORMULAS.md)", OneOf(LR_SCHEDULES)
+    eval_fraction: float = flag(
+        0.1,
+        "share of --data held out for eval/dpo/* when no --eval-data (0 = none)",
+        Interval(0, 1, "left"),
     )
-    warmup_steps: int = flag(0, "steps of linear learning-rate warm-up", AtLeast(0))
     eval_every: int = flag(
         5,
         "eval/dpo/* on the held-out pairs before training, every N steps and at the end "
         "(0 = never)",
         AtLeast(0),
     )
+
+
+@attrs.frozen(slots=False, field_transformer=grouped("service"))
+class DpoServiceSettings:
+    """The reference log-prob requests (once per run)."""
+
     concurrency: int = flag(
         32, "reference compute_logprobs requests in flight at once (once per run)", AtLeast(1)
     )
-    init_from: str | None = flag(
-        None,
-        "start from the final weights of a finished run directory (same backend, base model "
-        "and LoRA rank); they are the reference too unless --ref",
-        NOT_EMPTY,
+
+
+_LEARNING_RATE = attrs.fields_dict(OptimizerSettings)["learning_rate"]
+
+
+# attrs collects the fields from the last base to the first.
+@attrs.frozen(field_transformer=with_checks)
+class DpoConfig(
+    PriceSettings,
+    DpoServiceSettings,
+    ServiceSettings,
+    CheckpointSettings,
+    DpoEvaluationSettings,
+    ScheduleSettings,
+    OptimizerSettings,
+    DpoUpdateSettings,
+    DpoLossSettings,
+    DpoDataSettings,
+    DpoStartSettings,
+    RunSettings,
+    ModelSettings,
+):
+    """Every knob of `grpo dpo`; --data is required."""
+
+    learning_rate: float = attrs.field(
+        default=5e-4,
+        validator=_LEARNING_RATE.validator,
+        converter=_LEARNING_RATE.converter,
+        metadata=_LEARNING_RATE.metadata,
     )
-    backend: str = shared("backend")
-    base_model: str = shared("base_model")
-    lora_rank: int = shared("lora_rank")
-    learning_rate: float = shared("learning_rate", 5e-4)
-    beta1: float = shared("beta1")
-    beta2: float = shared("beta2")
-    eps: float = shared("eps")
-    weight_decay: float = shared("weight_decay")
-    grad_clip_norm: float = shared("grad_clip_norm")
-    seed: int = shared("seed")
-    save_every: int = shared("save_every")
-    run_dir: str | None = shared("run_dir")
-    run_name: str | None = shared("run_name")
-    log_to: tuple[str, ...] = shared("log_to")
-    swanlab_mode: str = shared("swanlab_mode")
-    swanlab_project: str = shared("swanlab_project")
-    tracker_group: str | None = shared("tracker_group")
-    connect_timeout: float = shared("connect_timeout")
-    threads: int = shared("threads")
-    service_normalization: str | None = shared("service_normalization")
-    max_retries: int = shared("max_retries")
-    price_file: str | None = shared("price_file")
-    price_prompt: float | None = shared("price_prompt")
-    price_completion: float | None = shared("price_completion")
-    price_train: float | None = shared("price_train")
-    price_forward: float | None = shared("price_forward")
-    price_currency: str | None = shared("price_currency")
+    """The shared --learning-rate with DPO's own default."""
 
     def __attrs_post_init__(self) -> None:
         if self.data is None:
@@ -131,7 +170,7 @@ class DpoConfig:
         )
 
 
-DPO_FIELDS: dict[str, "attrs.Attribute[Any]"] = attrs.fields_dict(DpoConfig)
+DPO_FIELDS: dict[str, Field] = attrs.fields_dict(DpoConfig)
 
 
 def dpo_to_dict(config: DpoConfig) -> dict[str, Any]:

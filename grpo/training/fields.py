@@ -16,11 +16,13 @@ import importlib
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import attrs
 
-Check = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+Field: TypeAlias = "attrs.Attribute[Any]"
+"""A field of a configuration record (its value's type varies from field to field)."""
+Check = Callable[[object, Field, Any], None]
 
 
 class ConfigError(ValueError):
@@ -32,13 +34,31 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def flag(default: Any, help: str, *checks: Check) -> Any:
-    """An attrs field carrying its CLI help (metadata["help"]) and its checks, run in order."""
+def flag(default: Any, help: str, *checks: Check, metavar: str | None = None) -> Any:
+    """An attrs field carrying its CLI help (metadata["help"]) and its checks, run in order;
+    `metavar`: how `--help` writes an entry of a repeatable flag (default KEY=VALUE)."""
     return attrs.field(
         default=default,
         validator=attrs.validators.and_(*checks) if checks else None,
-        metadata={"help": help},
+        metadata={"help": help} if metavar is None else {"help": help, "metavar": metavar},
     )
+
+
+HELP_GROUPS = (
+    "run",
+    "data and task",
+    "sampling",
+    "loss",
+    "update",
+    "KL and mismatch",
+    "environments and tools",
+    "judge",
+    "teacher",
+    "evaluation and checkpoints",
+    "service",
+    "prices",
+)
+"""The argument groups of `grpo train --help` (and sft, dpo, distill), in their order."""
 
 
 # --- allowed values ----------------------------------------------------------------------
@@ -46,10 +66,15 @@ def flag(default: Any, help: str, *checks: Check) -> Any:
 
 @attrs.frozen(repr=False)
 class Registry:
-    """The names of registry `module.name` (sorted if `sort`), imported when first read."""
+    """The names of registry `module.name` (sorted if `sort`), imported when first read.
+
+    `shown`: the names as `--help` lists them, written out so that help imports no torch
+    (tests/training/test_flags.py checks they are the registry's).
+    """
 
     module: str
     name: str
+    shown: tuple[str, ...]
     sort: bool = False
 
     def names(self) -> list[str]:
@@ -62,11 +87,33 @@ class Registry:
         return f"sorted({name})" if self.sort else name
 
 
-ADVANTAGE_NAMES = Registry("grpo.core.advantages", "ADVANTAGES")
-LOSS_NAMES = Registry("grpo.core.losses", "LOSSES", sort=True)
-REDUCTION_NAMES = Registry("grpo.core.losses", "REDUCTIONS")
-KL_ESTIMATOR_NAMES = Registry("grpo.core.losses", "KL_ESTIMATORS")
-MISMATCH_CORRECTION_NAMES = Registry("grpo.core.mismatch", "MISMATCH_CORRECTIONS")
+ADVANTAGE_NAMES = Registry(
+    "grpo.core.advantages", "ADVANTAGES", ("center", "standardize", "rloo", "batch_standardize")
+)
+LOSS_NAMES = Registry(
+    "grpo.core.losses",
+    "LOSSES",
+    ("cispo", "cross_entropy", "dro", "gspo", "importance_sampling", "ppo"),
+    sort=True,
+)
+REDUCTION_NAMES = Registry(
+    "grpo.core.losses",
+    "REDUCTIONS",
+    ("sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"),
+)
+KL_ESTIMATOR_NAMES = Registry("grpo.core.losses", "KL_ESTIMATORS", ("k1", "k2", "k3"))
+MISMATCH_CORRECTION_NAMES = Registry(
+    "grpo.core.mismatch",
+    "MISMATCH_CORRECTIONS",
+    ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "recompute"),
+)
+REGISTRIES = (
+    ADVANTAGE_NAMES,
+    LOSS_NAMES,
+    REDUCTION_NAMES,
+    KL_ESTIMATOR_NAMES,
+    MISMATCH_CORRECTION_NAMES,
+)
 
 
 @attrs.frozen(repr=False)
@@ -77,7 +124,7 @@ class OneOf:
     allowed: tuple[str, ...] | Registry
     none_ok: bool = False
 
-    def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    def __call__(self, _instance: object, attribute: Field, value: str | None) -> None:
         allowed = self.allowed.names() if isinstance(self.allowed, Registry) else self.allowed
         if value is None and self.none_ok:
             return
@@ -88,6 +135,11 @@ class OneOf:
 
     def __repr__(self) -> str:
         return f"OneOf({self.allowed!r})"
+
+    @property
+    def shown(self) -> tuple[str, ...]:
+        """The allowed names as `--help` lists them (a registry's without importing it)."""
+        return self.allowed.shown if isinstance(self.allowed, Registry) else self.allowed
 
 
 # --- ranges ------------------------------------------------------------------------------
@@ -100,7 +152,7 @@ class AtLeast:
     low: float
     why: str = ""
 
-    def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    def __call__(self, _instance: object, attribute: Field, value: float | None) -> None:
         if value is not None and value < self.low:
             raise ConfigError(
                 f"{flag_name(attribute.name)} must be >= {self.low}{self.why}, got {value}"
@@ -116,7 +168,7 @@ class AtMost:
 
     high: float
 
-    def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    def __call__(self, _instance: object, attribute: Field, value: float | None) -> None:
         if value is not None and value > self.high:
             raise ConfigError(f"{flag_name(attribute.name)} must be <= {self.high:g}, got {value}")
 
@@ -130,7 +182,7 @@ class Above:
 
     low: float
 
-    def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    def __call__(self, _instance: object, attribute: Field, value: float) -> None:
         if not value > self.low:
             raise ConfigError(f"{flag_name(attribute.name)} must be > {self.low}, got {value}")
 
@@ -144,7 +196,7 @@ class InRange:
 
     values: range
 
-    def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    def __call__(self, _instance: object, attribute: Field, value: int) -> None:
         if value not in self.values:
             raise ConfigError(
                 f"{flag_name(attribute.name)} must be in "
@@ -164,7 +216,7 @@ class Interval:
     closed: str
     """Which ends belong to the interval: "left" or "right"."""
 
-    def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    def __call__(self, _instance: object, attribute: Field, value: float) -> None:
         inside = (
             self.low <= value < self.high
             if self.closed == "left"
@@ -190,7 +242,7 @@ class Interval:
 class NotEmpty:
     """A text value (None passes) must not be blank."""
 
-    def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    def __call__(self, _instance: object, attribute: Field, value: str | None) -> None:
         if value is not None and not value.strip():
             raise ConfigError(f"{flag_name(attribute.name)} must not be empty, got {value!r}")
 
@@ -199,7 +251,7 @@ class NotEmpty:
 class PlainName:
     """A run name names a directory and a SwanLab run: one path component, no `..`."""
 
-    def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    def __call__(self, _instance: object, attribute: Field, value: str | None) -> None:
         if value is None:
             return
         bad = (
@@ -223,7 +275,7 @@ class EnvVarName:
     """The name of an environment variable (None passes): letters, digits and '_', not a
     digit first. A value that is not one is most likely the secret itself, refused unechoed."""
 
-    def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    def __call__(self, _instance: object, attribute: Field, value: str | None) -> None:
         if value is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
             raise ConfigError(
                 f"{flag_name(attribute.name)} takes the NAME of an environment variable "
@@ -236,7 +288,7 @@ class EnvVarName:
 class GoldRule:
     """'####', 'whole' or 'regex:PATTERN' with a pattern that compiles."""
 
-    def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    def __call__(self, _instance: object, attribute: Field, value: str) -> None:
         if value in ("####", "whole"):
             return
         if not value.startswith("regex:"):
@@ -256,7 +308,7 @@ class GoldRule:
 class TrackerList:
     """--log-to: one or more of TRACKER_NAMES, each once; `none` only alone."""
 
-    def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    def __call__(self, _instance: object, attribute: Field, value: tuple[str, ...]) -> None:
         from grpo.training.trackers.base import TRACKER_NAMES
 
         cli = flag_name(attribute.name)
@@ -311,7 +363,7 @@ def parse_loss_config(entries: Iterable[str]) -> dict[str, float | None]:
     return parsed
 
 
-def field_kind(field: "attrs.Attribute[Any]") -> tuple[Any, bool]:
+def field_kind(field: Field) -> tuple[Any, bool]:
     """(the field's type without None, whether None is allowed): `int | None` -> (int, True)."""
     annotation = field.type
     args = getattr(annotation, "__args__", ())
@@ -320,7 +372,7 @@ def field_kind(field: "attrs.Attribute[Any]") -> tuple[Any, bool]:
     return annotation, False
 
 
-def _example(name: str, default: Any) -> str:
+def _example(name: str, default: object) -> str:
     return f" (e.g. {flag_name(name)} {default}, or {name} = {default!r} in TOML)"
 
 
@@ -334,7 +386,7 @@ class StrictType:
     kind: Any
     optional: bool
 
-    def __call__(self, _instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    def __call__(self, _instance: object, attribute: Field, value: object) -> None:
         if value is None and self.optional:
             return
         kind, name, cli = self.kind, attribute.name, flag_name(attribute.name)
@@ -366,7 +418,7 @@ class StrictType:
         return f"StrictType({kind}{' | None' if self.optional else ''})"
 
 
-def _convert(attribute: "attrs.Attribute[Any]") -> Callable[[Any], Any] | None:
+def _convert(attribute: Field) -> Callable[[object], object] | None:
     """TOML/JSON values to the field's type: ints to floats, lists and tables to tuples."""
     kind, _ = field_kind(attribute)
     if kind is float:
@@ -376,14 +428,14 @@ def _convert(attribute: "attrs.Attribute[Any]") -> Callable[[Any], Any] | None:
     return None
 
 
-def _int_to_float(value: Any) -> Any:
+def _int_to_float(value: object) -> object:
     """An int as a float (TOML `lr = 1`); anything else, or an int too large, as given."""
     if type(value) is int and abs(value) < 2**1023:
         return float(value)
     return value
 
 
-def _key_value_entries(value: Any) -> Any:
+def _key_value_entries(value: object) -> object:
     """A list stays a list of entries as a tuple; a table {k = v} becomes ("k=v", ...)."""
     if isinstance(value, Mapping):
         return tuple(f"{key}={item}" for key, item in value.items())
@@ -392,10 +444,14 @@ def _key_value_entries(value: Any) -> Any:
     return value
 
 
-def with_checks(_cls: type, fields: list["attrs.Attribute[Any]"]) -> list["attrs.Attribute[Any]"]:
-    """Give every field its strict type check (first) and its converter (a field transformer)."""
+def with_checks(_cls: type, fields: list[Field]) -> list[Field]:
+    """Give every field of the class itself its strict type check (first) and its converter
+    (a field transformer); inherited fields were given theirs by the class defining them."""
     checked = []
     for field in fields:
+        if field.inherited:
+            checked.append(field)
+            continue
         own = [field.validator] if field.validator is not None else []
         checked.append(
             field.evolve(
@@ -404,3 +460,29 @@ def with_checks(_cls: type, fields: list["attrs.Attribute[Any]"]) -> list["attrs
             )
         )
     return checked
+
+
+FieldTransformer = Callable[[type, list[Field]], list[Field]]
+
+
+def grouped(title: str) -> FieldTransformer:
+    """The field transformer of a group of flags: `with_checks`, and each of the class's own
+    fields shown under `title` (one of HELP_GROUPS) in `--help`."""
+    if title not in HELP_GROUPS:
+        raise ValueError(f"help group {title!r} is not one of {', '.join(HELP_GROUPS)}")
+
+    def transform(cls: type, fields: list[Field]) -> list[Field]:
+        titled = [
+            field
+            if field.inherited or "group" in field.metadata
+            else field.evolve(metadata={**field.metadata, "group": title})
+            for field in fields
+        ]
+        return with_checks(cls, titled)
+
+    return transform
+
+
+def help_group(field: Field) -> str:
+    """The `--help` group of `field` ("run" for a field no group class defines)."""
+    return str(field.metadata.get("group", "run"))

@@ -26,18 +26,24 @@ from grpo.training.config import (
     config_from_dict,
     flag_name,
 )
-from grpo.training.fields import field_kind
+from grpo.training.fields import HELP_GROUPS, Field, OneOf, field_kind, help_group
 
 
 def add_train_arguments(
     parser: argparse._ActionsContainer,
     *,
     exclude: Iterable[str] = (),
-    fields: Mapping[str, Any] = FIELDS,
-) -> None:
+    fields: Mapping[str, Field] = FIELDS,
+) -> dict[str, argparse._ActionsContainer]:
     """One `--flag` per field of `fields` (TrainConfig's) but `exclude`; unset flags stay out of
-    the namespace."""
+    the namespace. On a parser, each flag goes in its field's help group (HELP_GROUPS, in that
+    order; groups without flags are not shown); on an argument group, all go in that group.
+    Returns the containers by group title, so a command can add its own flags to one."""
     excluded = set(exclude)
+    if isinstance(parser, argparse.ArgumentParser):
+        groups = {title: parser.add_argument_group(title) for title in HELP_GROUPS}
+    else:
+        groups = dict.fromkeys(HELP_GROUPS, parser)
     for name, field in fields.items():
         if name in excluded:
             continue
@@ -45,19 +51,50 @@ def add_train_arguments(
         kwargs: dict[str, Any] = {
             "dest": name,
             "default": argparse.SUPPRESS,
-            "help": f"{field.metadata['help']} (default: {field.default!r})",
+            "help": help_text(field),
         }
+        choices = field_choices(field)
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif getattr(kind, "__origin__", None) is tuple:
-            kwargs.update(action="append", metavar="TRACKER" if name == "log_to" else "KEY=VALUE")
+            kwargs.update(action="append", metavar=field.metadata.get("metavar", "KEY=VALUE"))
         else:
             kwargs["type"] = kind
-        parser.add_argument(flag_name(name), **kwargs)
+            if choices:
+                kwargs["metavar"] = "{" + ",".join(choices) + "}"
+        groups[help_group(field)].add_argument(flag_name(name), **kwargs)
+    return groups
+
+
+def field_choices(field: Field) -> tuple[str, ...]:
+    """The values a `OneOf` field allows, as `--help` lists them (() for any other field)."""
+    validator = field.validator
+    checks = getattr(validator, "_validators", (validator,))
+    for check in checks:
+        if isinstance(check, OneOf):
+            return check.shown
+    return ()
+
+
+def help_text(field: Field) -> str:
+    """A field's help with its default said once: the help's own words when they state it
+    ("(default: ...)"), else "(default: VALUE)" appended."""
+    text = str(field.metadata["help"])
+    if "default" not in text:
+        default = field.default
+        shown = (
+            ", ".join(map(repr, default))
+            if isinstance(default, tuple) and default
+            else "none"
+            if default is None or default == ()
+            else repr(default)
+        )
+        text += f" (default: {shown})"
+    return text.replace("%", "%%")
 
 
 def explicit_flags(
-    args: argparse.Namespace, *, exclude: Iterable[str] = (), fields: Mapping[str, Any] = FIELDS
+    args: argparse.Namespace, *, exclude: Iterable[str] = (), fields: Mapping[str, Field] = FIELDS
 ) -> dict[str, Any]:
     """The flags of `fields` set on the command line (those `add_train_arguments` added)."""
     excluded = set(exclude)
@@ -66,7 +103,7 @@ def explicit_flags(
     }
 
 
-def train_argv(overrides: Mapping[str, Any]) -> list[str]:
+def train_argv(overrides: Mapping[str, object]) -> list[str]:
     """The `grpo train` arguments that set each field of `overrides` (others keep their defaults).
 
     Booleans are switches (`--custom-loss`; False is the absent switch, or `--no-fewshot` for
@@ -102,7 +139,7 @@ def _line_of(text: str, key: str) -> int | None:
 
 
 def checked_overrides(
-    raw: Mapping[str, Any], *, where: str, text: str | None = None
+    raw: Mapping[str, object], *, where: str, text: str | None = None
 ) -> dict[str, Any]:
     """Flag values with underscore keys, each converted and checked by its field (ConfigError).
 

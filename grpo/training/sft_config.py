@@ -1,15 +1,15 @@
-"""The typed configuration of `grpo sft`: its own flags, and the ones it shares with `grpo train`.
+"""The typed configuration of `grpo sft`: its own groups of flags, and the groups it shares.
 
 SFT has a record of its own rather than fields on `TrainConfig`: its flags (--data,
 --batch-tokens, --lr-schedule ...) mean nothing to a GRPO run and must not appear in
 `grpo train --help`, nor in the sweeps and TOML files that build a TrainConfig. The flags
-both recipes have (model, backend, optimizer, seed, checkpoints, logging, prices) are
-`TrainConfig`'s own fields, copied here with their help, type checks and validators
-(`shared`), so each stays defined once, in `grpo.training.config`.
+every recipe has (model, backend, optimizer, seed, checkpoints, logging, prices) come from
+the shared groups of `grpo.training.config_groups`, each defined once.
 
 No `from __future__ import annotations` here: the field transformer reads each field's type.
 """
 
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -17,34 +17,40 @@ from typing import Any, TypeVar
 import attrs
 
 from grpo.core.sft import LR_SCHEDULES
-from grpo.training.config import FIELDS as TRAIN_FIELDS
+from grpo.training.config_groups import (
+    CheckpointSettings,
+    ModelSettings,
+    OptimizerSettings,
+    PriceSettings,
+    RunSettings,
+    ServiceSettings,
+)
 from grpo.training.fields import (
     NOT_EMPTY,
     AtLeast,
     ConfigError,
+    Field,
     Interval,
     OneOf,
     flag,
+    grouped,
     with_checks,
 )
 
-_UNSET = object()
 
+@attrs.frozen(slots=False, field_transformer=grouped("update"))
+class ScheduleSettings:
+    """The learning-rate schedule of the data recipes (SFT, DPO)."""
 
-def shared(name: str, default: Any = _UNSET) -> Any:
-    """TrainConfig's field ``name`` (help, type check, validators); its default or ``default``."""
-    field = TRAIN_FIELDS[name]
-    return attrs.field(
-        default=field.default if default is _UNSET else default,
-        validator=field.validator,
-        converter=field.converter,
-        metadata=field.metadata,
+    lr_schedule: str = flag(
+        "linear", "learning-rate decay after the warm-up (docs/FORMULAS.md)", OneOf(LR_SCHEDULES)
     )
+    warmup_steps: int = flag(0, "steps of linear learning-rate warm-up", AtLeast(0))
 
 
-@attrs.frozen(field_transformer=with_checks)
-class SftConfig:
-    """Every knob of `grpo sft`; --data is required."""
+@attrs.frozen(slots=False, field_transformer=grouped("data and task"))
+class SftDataSettings:
+    """The rows SFT trains on."""
 
     data: str | None = flag(
         None,
@@ -52,6 +58,22 @@ class SftConfig:
         "'text' rows (README, Supervised fine-tuning)",
         NOT_EMPTY,
     )
+
+
+@attrs.frozen(slots=False, field_transformer=grouped("update"))
+class SftUpdateSettings:
+    """How many passes, in batches of how many tokens."""
+
+    epochs: int = flag(1, "passes over the training rows", AtLeast(1))
+    batch_tokens: int = flag(
+        4096, "most tokens per batch (whole rows; one optimizer step per batch)", AtLeast(1)
+    )
+
+
+@attrs.frozen(slots=False, field_transformer=grouped("evaluation and checkpoints"))
+class SftEvaluationSettings:
+    """The held-out rows and how often their loss is measured."""
+
     eval_data: str | None = flag(
         None, "held-out rows for the eval loss (default: --eval-fraction of --data)", NOT_EMPTY
     )
@@ -60,53 +82,35 @@ class SftConfig:
         "share of --data held out for the eval loss when no --eval-data (0 = none)",
         Interval(0, 1, "left"),
     )
-    epochs: int = flag(1, "passes over the training rows", AtLeast(1))
-    batch_tokens: int = flag(
-        4096, "most tokens per batch (whole rows; one optimizer step per batch)", AtLeast(1)
-    )
-    lr_schedule: str = flag(
-        "linear", "learning-rate decay after the warm-up (docs/FORMULAS.md)", OneOf(LR_SCHEDULES)
-    )
-    warmup_steps: int = flag(0, "steps of linear learning-rate warm-up", AtLeast(0))
     eval_every: int = flag(
         10,
         "eval loss on the held-out rows before training, every N steps and at the end (0 = never)",
         AtLeast(0),
     )
-    backend: str = shared("backend")
-    base_model: str = shared("base_model")
-    lora_rank: int = shared("lora_rank")
-    learning_rate: float = shared("learning_rate")
-    beta1: float = shared("beta1")
-    beta2: float = shared("beta2")
-    eps: float = shared("eps")
-    weight_decay: float = shared("weight_decay")
-    grad_clip_norm: float = shared("grad_clip_norm")
-    seed: int = shared("seed")
-    save_every: int = shared("save_every")
-    run_dir: str | None = shared("run_dir")
-    run_name: str | None = shared("run_name")
-    log_to: tuple[str, ...] = shared("log_to")
-    swanlab_mode: str = shared("swanlab_mode")
-    swanlab_project: str = shared("swanlab_project")
-    tracker_group: str | None = shared("tracker_group")
-    connect_timeout: float = shared("connect_timeout")
-    threads: int = shared("threads")
-    service_normalization: str | None = shared("service_normalization")
-    max_retries: int = shared("max_retries")
-    price_file: str | None = shared("price_file")
-    price_prompt: float | None = shared("price_prompt")
-    price_completion: float | None = shared("price_completion")
-    price_train: float | None = shared("price_train")
-    price_forward: float | None = shared("price_forward")
-    price_currency: str | None = shared("price_currency")
+
+
+# attrs collects the fields from the last base to the first.
+@attrs.frozen(field_transformer=with_checks)
+class SftConfig(
+    PriceSettings,
+    ServiceSettings,
+    CheckpointSettings,
+    SftEvaluationSettings,
+    ScheduleSettings,
+    OptimizerSettings,
+    SftUpdateSettings,
+    SftDataSettings,
+    RunSettings,
+    ModelSettings,
+):
+    """Every knob of `grpo sft`; --data is required."""
 
     def __attrs_post_init__(self) -> None:
         if self.data is None:
             raise ConfigError("--data is required: a .jsonl/.parquet/.csv file of training rows")
 
 
-SFT_FIELDS: dict[str, "attrs.Attribute[Any]"] = attrs.fields_dict(SftConfig)
+SFT_FIELDS: dict[str, Field] = attrs.fields_dict(SftConfig)
 RECIPE_KEY = "recipe"
 """config.json of an SFT run names its recipe (``"sft"``), so `grpo train` can tell it apart."""
 
@@ -115,7 +119,7 @@ RecipeConfig = TypeVar("RecipeConfig")
 
 
 def recipe_config_from_dict(
-    config_class: type[RecipeConfig], command: str, values: dict[str, Any], *, where: str
+    config_class: type[RecipeConfig], command: str, values: Mapping[str, object], *, where: str
 ) -> RecipeConfig:
     """A recipe's config (SftConfig, DpoConfig) from flag values; ConfigError naming an
     unknown key, `grpo <command> --help` and `where`."""
@@ -131,11 +135,6 @@ def recipe_config_from_dict(
         raise ConfigError(f"{where}: {error}") from None
 
 
-def sft_config_from_dict(values: dict[str, Any], *, where: str) -> SftConfig:
-    """An SftConfig from flag values; ConfigError naming an unknown key and `where`."""
-    return recipe_config_from_dict(SftConfig, "sft", values, where=where)
-
-
 def sft_to_dict(config: SftConfig) -> dict[str, Any]:
     """The config as config.json holds it: its fields and ``recipe: "sft"``."""
     return {**attrs.asdict(config), RECIPE_KEY: "sft"}
@@ -146,7 +145,10 @@ def resolve_sft_run(config: SftConfig) -> SftConfig:
     return resolve_recipe_run(config, "sft")
 
 
-def resolve_recipe_run(config: Any, prefix: str) -> Any:
+Run = TypeVar("Run", bound=RunSettings)
+
+
+def resolve_recipe_run(config: Run, prefix: str) -> Run:
     """A recipe config (SFT, DPO) with its run name (--run-name, else the run directory's
     name, else <prefix>-seed<k>-<time>) and run directory (default runs/<run name>)."""
     directory_name = Path(config.run_dir).name if config.run_dir else ""

@@ -277,3 +277,17 @@ def test_the_preflight_checks_the_user_inputs_before_any_service_call(
     with pytest.raises(ConfigError) as error:
         preflight(config, no_service)
     assert message in str(error.value)
+
+
+def test_each_concern_is_a_nested_record_with_its_own_checks() -> None:
+    from grpo.training.train_groups import EnvSettings, TeacherSettings
+
+    config = TrainConfig(kl_coef=0.25, judge_max_tokens=64, price_prompt=1.5)
+    assert (config.kl.kl_coef, config.judge.judge_max_tokens) == (0.25, 64)
+    assert config.prices.price_prompt == 1.5 and config.kl_coef == 0.25
+    with pytest.raises(ConfigError, match="--env-arg base_url=x is read by --env openenv"):
+        EnvSettings(env_arg=("base_url=x",))
+    with pytest.raises(ConfigError, match="--recipe distill needs --teacher"):
+        TeacherSettings(recipe="distill")
+    with pytest.raises(ConfigError, match="--distill-discount must be in"):
+        TrainConfig(recipe="distill", teacher="t", group_size=1, distill_discount=1.5)

@@ -243,3 +243,10 @@ def test_checked_overrides_name_the_source() -> None:
     with pytest.raises(ConfigError, match=r"^f\.toml: --top-p must be in \(0, 1\], got 2\.0$"):
         checked_overrides({"top-p": 2.0}, where="f.toml")
     assert checked_overrides({"top-p": 1}, where="f.toml") == {"top_p": 1.0}
+
+
+def test_help_lists_each_registry_with_exactly_its_names() -> None:
+    from grpo.training.fields import REGISTRIES
+
+    for registry in REGISTRIES:
+        assert list(registry.shown) == registry.names(), registry
