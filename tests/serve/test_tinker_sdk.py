@@ -176,7 +176,8 @@ def test_the_sdk_drives_every_method(server: ServeHandle) -> None:
 
     client.close("success").result()
     status, body = post(server, "/api/v1/session_heartbeat", {"session_id": session})
-    assert status == 400 and "finished" in body["message"]
+    # 410: the status on which the SDK's heartbeat loop stops ("session has finished")
+    assert status == 410 and "finished" in body["message"]
 
 
 def test_stop_token_is_kept_in_sampled_tokens(server: ServeHandle) -> None:
