@@ -128,6 +128,11 @@ class HTTPServer(ThreadingHTTPServer):
         self.watchdog = HeaderWatchdog(self.stopping)
         self.state: ServeState | None = None
 
+    def server_close(self) -> None:
+        """Close the listening socket and end the header watchdog's thread."""
+        self.stopping.set()
+        super().server_close()
+
     def process_request(self, request: Any, client_address: Any) -> None:
         """Serve the connection on a thread if a slot is free, else answer 503 and close it."""
         if not self._slots.acquire(blocking=False):

@@ -1,11 +1,15 @@
 """Tinker sessions on `grpo serve` end: a session whose client went silent (no heartbeat, no
 request) for the expiry is freed with its training and sampling clients; a live one is not;
-a request on the expired one is a 4xx saying to make a new ServiceClient."""
+a request on the expired one is a 4xx saying to make a new ServiceClient. And a
+`--backend tinker` program that exits without closing its client still finishes its session."""
 
 from __future__ import annotations
 
 import gc
 import json
+import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 import weakref
@@ -21,6 +25,7 @@ from tinker import types  # noqa: E402
 from grpo.backends.names import TINY_MODEL_NAME  # noqa: E402
 from grpo.serve.server import ServeHandle, serve_in_thread  # noqa: E402
 from grpo.serve.tinker_service import TinkerService  # noqa: E402
+from grpo.serve.wire import ServeError  # noqa: E402
 from tests.serve.conftest import SERVE_API_KEY  # noqa: E402
 from tests.serve.test_tinker_sdk import TINKER_KEY, TOKENS, ce_datum, service  # noqa: E402
 
@@ -114,3 +119,27 @@ def test_a_silent_session_expires_and_frees_its_clients_while_a_live_one_stays(
 def test_the_expiry_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--tinker-session-expiry must be > 0"):
         serve_in_thread(root=tmp_path, tinker_session_expiry_s=0)
+
+
+def test_a_backend_tinker_program_that_exits_without_closing_finishes_its_session(
+    tmp_path: Path,
+) -> None:
+    program = (
+        "from grpo.backends.tinker_sdk import make_tinker_service_client\n"
+        "service = make_tinker_service_client()\n"
+        f"service.create_lora_training_client(base_model={TINY_MODEL_NAME!r}, rank=4, seed=0)\n"
+        "print(service.client.holder.get_session_id())\n"
+    )
+    with serve_in_thread(root=tmp_path / "served", api_key=SERVE_API_KEY) as handle:
+        env = {**os.environ, "TINKER_BASE_URL": handle.url, "TINKER_API_KEY": TINKER_KEY}
+        env.pop("TINKER_TELEMETRY", None)
+        done = subprocess.run(
+            [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr
+        session_id = done.stdout.split()[-1]
+        models, _ = handle.state.tinker.session_members(session_id)
+        assert models and all(handle.state.tinker.find_model(m) is None for m in models)
+        with pytest.raises(ServeError, match="was finished"):
+            handle.state.tinker.session(session_id)
