@@ -27,7 +27,13 @@ from grpo.serve.server import ServeHandle, serve_in_thread  # noqa: E402
 from grpo.serve.tinker_service import TinkerService  # noqa: E402
 from grpo.serve.wire import ServeError  # noqa: E402
 from tests.serve.conftest import SERVE_API_KEY  # noqa: E402
-from tests.serve.test_tinker_sdk import TINKER_KEY, TOKENS, ce_datum, service  # noqa: E402
+from tests.serve.test_tinker_sdk import (  # noqa: E402
+    TINKER_KEY,
+    TOKENS,
+    ce_datum,
+    close_clients,
+    service,
+)
 
 EXPIRY_S = 60.0
 
@@ -51,6 +57,7 @@ def clocked(tmp_path: Path) -> Iterator[tuple[ServeHandle, FakeClock]]:
         clock = FakeClock()
         handle.state.tinker.clock = clock
         yield handle, clock
+        close_clients()
 
 
 def heartbeat(handle: ServeHandle, session_id: str) -> int:
@@ -74,46 +81,42 @@ def test_a_silent_session_expires_and_frees_its_clients_while_a_live_one_stays(
     handle, clock = clocked
     tinker_state: TinkerService = handle.state.tinker
     dead, live = service(handle), service(handle)
-    try:
-        trainers = {}
-        for name, client in (("dead", dead), ("live", live)):
-            trainers[name] = client.create_lora_training_client(
-                base_model=TINY_MODEL_NAME, rank=4, seed=1
-            ).result()
-        dead_id, live_id = (trainers[name].get_info().model_id for name in ("dead", "live"))
-        dead_sampler = trainers["dead"].save_weights_and_get_sampling_client().result()
-        freed = weakref.ref(tinker_state.model(dead_id).client)
-        dead_session, live_session = dead.holder.get_session_id(), live.holder.get_session_id()
+    trainers = {}
+    for name, client in (("dead", dead), ("live", live)):
+        trainers[name] = client.create_lora_training_client(
+            base_model=TINY_MODEL_NAME, rank=4, seed=1
+        ).result()
+    dead_id, live_id = (trainers[name].get_info().model_id for name in ("dead", "live"))
+    dead_sampler = trainers["dead"].save_weights_and_get_sampling_client().result()
+    freed = weakref.ref(tinker_state.model(dead_id).client)
+    dead_session, live_session = dead.holder.get_session_id(), live.holder.get_session_id()
 
-        clock.now += EXPIRY_S - 10  # the live client heartbeats; the dead one is silent
-        assert heartbeat(handle, live_session) == 200
-        clock.now += 11  # the dead one silent past the expiry, the live one 11 s
-        assert tinker_state.expire_silent_sessions() == [dead_session]
-        assert tinker_state.find_model(dead_id) is None
-        assert tinker_state.find_model(live_id) is not None
+    clock.now += EXPIRY_S - 10  # the live client heartbeats; the dead one is silent
+    assert heartbeat(handle, live_session) == 200
+    clock.now += 11  # the dead one silent past the expiry, the live one 11 s
+    assert tinker_state.expire_silent_sessions() == [dead_session]
+    assert tinker_state.find_model(dead_id) is None
+    assert tinker_state.find_model(live_id) is not None
 
-        datum = ce_datum(TOKENS, np.ones(len(TOKENS) - 1))
-        with pytest.raises(tinker.BadRequestError, match="expired.*make a new ServiceClient"):
-            trainers["dead"].forward_backward([datum], "cross_entropy").result()
-        params = types.SamplingParams(max_tokens=2, seed=0)
-        prompt = types.ModelInput.from_ints(TOKENS)
-        with pytest.raises(tinker.BadRequestError, match="make a new ServiceClient"):
-            dead_sampler.sample(prompt=prompt, num_samples=1, sampling_params=params).result()
-        assert heartbeat(handle, dead_session) == 410  # the SDK stops heartbeating on a 410
+    datum = ce_datum(TOKENS, np.ones(len(TOKENS) - 1))
+    with pytest.raises(tinker.BadRequestError, match="expired.*make a new ServiceClient"):
+        trainers["dead"].forward_backward([datum], "cross_entropy").result()
+    params = types.SamplingParams(max_tokens=2, seed=0)
+    prompt = types.ModelInput.from_ints(TOKENS)
+    with pytest.raises(tinker.BadRequestError, match="make a new ServiceClient"):
+        dead_sampler.sample(prompt=prompt, num_samples=1, sampling_params=params).result()
+    assert heartbeat(handle, dead_session) == 410  # the SDK stops heartbeating on a 410
 
-        # the live session trains on (and its job moves the worker off the dead one's last)
-        out = trainers["live"].forward_backward([datum], "cross_entropy").result()
-        assert np.isfinite(out.metrics["loss:sum"])
-        gc.collect()
-        assert freed() is None  # the dead session's trainer (and its adapter) is gone
-        # a new ServiceClient is the fix for the dead one
-        again = service(handle)
-        trainer = again.create_lora_training_client(base_model=TINY_MODEL_NAME, rank=4).result()
-        assert trainer.forward_backward([datum], "cross_entropy").result().metrics
-        again.close("success").result()
-    finally:
-        dead.close("success").result()
-        live.close("success").result()
+    # the live session trains on (and its job moves the worker off the dead one's last)
+    out = trainers["live"].forward_backward([datum], "cross_entropy").result()
+    assert np.isfinite(out.metrics["loss:sum"])
+    gc.collect()
+    assert freed() is None  # the dead session's trainer (and its adapter) is gone
+    # a new ServiceClient is the fix for the dead one
+    again = service(handle)
+    trainer = again.create_lora_training_client(base_model=TINY_MODEL_NAME, rank=4).result()
+    assert trainer.forward_backward([datum], "cross_entropy").result().metrics
+    again.close("success").result()
 
 
 def test_the_expiry_must_be_positive(tmp_path: Path) -> None:
