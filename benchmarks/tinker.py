@@ -1,6 +1,6 @@
 """What the Tinker route costs: an rl_loop-shaped step through the `tinker` SDK vs in process.
 
-`python -m benchmarks.tinker [--quick] [--steps N] [--rounds R] [--no-hog]`
+`python -m benchmarks.tinker [--quick] [--steps N] [--rounds R] [--no-hog] [--phases]`
 
 One step of tinker-cookbook's rl_loop shape on the built-in tiny model (LoRA rank 32):
 `save_weights_and_get_sampling_client`, 8 prompts x 8 completions of up to 24 new tokens
@@ -13,7 +13,9 @@ long polls). Both sides run torch on 1 thread.
 
 The two alternate, a round of `--steps` steps each way, `--rounds` times, quiet and then
 beside a CPU hog (`while True: pass`, stopped with the benchmark); the table gives each
-way's median step and the ratio of the medians. Target (issue 48): the route at most 1.3x
+way's median step and the ratio of the medians (`--phases`: then each phase of the step,
+quiet: the sampler save, the 8 sampling requests, datum building, forward_backward,
+optim_step). Target (issue 48): the route at most 1.3x
 the in-process step. The full benchmark runs the server as a separate process
 (`python -m grpo serve`), as users do; `--quick` (1 round of 1 step, quiet only) runs it on
 a thread of this process, so the SDK and the server share one GIL.
@@ -27,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,27 @@ def step_datums(
     ]
 
 
+PHASES = ("sampler save", "sampling", "datums", "forward_backward", "optim_step")
+
+
+class PhaseClock:
+    """Seconds of each phase of a step, `mark`ed as each ends (one list per phase name)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {name: [] for name in PHASES}
+        self._last = time.perf_counter()
+
+    def start(self) -> None:
+        """A step begins."""
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        """Phase `name` ended now."""
+        now = time.perf_counter()
+        self.times[name].append(now - self._last)
+        self._last = now
+
+
 class InProcess:
     """The step on an in-process `LocalServiceClient` (pytrio's types, Tinker's sum)."""
 
@@ -111,17 +134,24 @@ class InProcess:
         tokenizer = self.training.get_tokenizer()
         self.prompts = [tokenizer.encode(q, add_special_tokens=False) for q in QUESTIONS]
 
-    def step(self, seed: int) -> float:
-        """One rl_loop step; its summed loss."""
+    def step(self, seed: int, clock: PhaseClock | None = None) -> float:
+        """One rl_loop step (its phases timed on `clock`, if given); its summed loss."""
+        mark = clock.mark if clock else lambda _phase: None
         adam, datum, model_input, sampling = self.types
         sampler = self.training.save_weights_and_get_sampling_client()
+        mark("sampler save")
         params = sampling(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed)
         futures = [
             sampler.sample(model_input.from_ints(prompt), GROUP, params) for prompt in self.prompts
         ]
+        [future.result() for future in futures]
+        mark("sampling")
         datums = step_datums(self.prompts, futures, datum, model_input)
+        mark("datums")
         out = self.training.forward_backward(datums, "importance_sampling").result()
+        mark("forward_backward")
         self.training.optim_step(adam(learning_rate=LEARNING_RATE)).result()
+        mark("optim_step")
         return float(out.metrics.get("loss:sum", next(iter(out.metrics.values()))))
 
     def close(self) -> None:
@@ -142,10 +172,12 @@ class ThroughSdk:
         ).result()
         self.prompts = [list(prompt) for prompt in prompts]
 
-    def step(self, seed: int) -> float:
-        """One rl_loop step; its summed loss."""
+    def step(self, seed: int, clock: PhaseClock | None = None) -> float:
+        """One rl_loop step (its phases timed on `clock`, if given); its summed loss."""
+        mark = clock.mark if clock else lambda _phase: None
         types = self.tinker.types
         sampler = self.training.save_weights_and_get_sampling_client().result()
+        mark("sampler save")
         params = types.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed)
         futures = [
             sampler.sample(
@@ -153,10 +185,19 @@ class ThroughSdk:
             )
             for prompt in self.prompts
         ]
+        [future.result() for future in futures]
+        mark("sampling")
         datums = step_datums(self.prompts, futures, types.Datum, types.ModelInput)
+        mark("datums")
         out = self.training.forward_backward(datums, "importance_sampling").result()
+        mark("forward_backward")
         self.training.optim_step(types.AdamParams(learning_rate=LEARNING_RATE)).result()
+        mark("optim_step")
         return float(out.metrics["loss:sum"])
+
+    def close(self) -> None:
+        """Finish the SDK's session (the server frees its training client)."""
+        self.service.close("success").result()
 
 
 @contextmanager
@@ -186,12 +227,65 @@ def timed_steps(step: Callable[[int], float], seeds: Sequence[int]) -> list[floa
     return durations
 
 
+def scenario_rows(
+    local: InProcess,
+    remote: ThroughSdk,
+    scenarios: Sequence[tuple[str, bool]],
+    steps: int,
+    rounds: int,
+) -> list[list[str]]:
+    """A table row per (label, hog) scenario: each way's median step and their ratio, the two
+    ways alternated in `rounds` rounds of `steps` steps."""
+    rows = []
+    for label, hog in scenarios:
+        times: dict[str, list[float]] = {"in process": [], "through the SDK": []}
+        with cpu_hog(hog):
+            for round_index in range(rounds):
+                seeds = [1 + round_index * steps + i for i in range(steps)]
+                times["in process"] += timed_steps(local.step, seeds)
+                times["through the SDK"] += timed_steps(remote.step, seeds)
+        local_s = statistics.median(times["in process"])
+        sdk_s = statistics.median(times["through the SDK"])
+        rows.append(
+            [
+                label,
+                f"{local_s:.3f}",
+                f"{sdk_s:.3f}",
+                f"{sdk_s / local_s:.2f}x",
+                f"{len(times['in process'])} + {len(times['through the SDK'])}",
+            ]
+        )
+    return rows
+
+
+def phase_rows(local: InProcess, remote: ThroughSdk, steps: int, rounds: int) -> list[list[str]]:
+    """A table row per phase of the step, quiet: each way's median ms and their difference,
+    the two ways alternated in `rounds` rounds of `steps` steps."""
+    clocks = {"in process": PhaseClock(), "through the SDK": PhaseClock()}
+    ways = (("in process", local), ("through the SDK", remote))
+    for round_index in range(rounds):
+        for label, way in ways:
+            for i in range(steps):
+                clocks[label].start()
+                way.step(1 + round_index * steps + i, clocks[label])
+    rows = []
+    for phase in PHASES:
+        local_ms, sdk_ms = (
+            1000 * statistics.median(clocks[label].times[phase]) for label, _ in ways
+        )
+        rows.append([phase, f"{local_ms:.1f}", f"{sdk_ms:.1f}", f"{sdk_ms - local_ms:+.1f}"])
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the Tinker-route benchmark and print its table."""
     parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="steps each way in a round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds each way")
     parser.add_argument("--no-hog", action="store_true", help="the quiet scenario only")
+    parser.add_argument(
+        "--phases", action="store_true", help="also time each phase of the step (quiet)"
+    )
     args = parser.parse_args(argv)
     steps, rounds = (1, 1) if args.quick else (args.steps, args.rounds)
     given = list(sys.argv[1:] if argv is None else argv)
@@ -202,7 +296,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = "a thread of this process" if args.quick else "a separate process"
     print(f"server on {where}; {rounds} round(s) of {steps} step(s) each way, alternated\n")
     scenarios = [("quiet", False)] + ([] if args.quick or args.no_hog else [("CPU hog", True)])
-    rows = []
     with tempfile.TemporaryDirectory(prefix="grpo-bench-tinker-") as scratch, torch_threads(1):
         root = Path(scratch)
         local = InProcess(root / "local")
@@ -212,24 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ) as served:
                 remote = ThroughSdk(served.url, local.prompts)
                 local.step(0), remote.step(0)  # warm-up: first compiles, first connections
-                for label, hog in scenarios:
-                    times: dict[str, list[float]] = {"in process": [], "through the SDK": []}
-                    with cpu_hog(hog):
-                        for round_index in range(rounds):
-                            seeds = [1 + round_index * steps + i for i in range(steps)]
-                            times["in process"] += timed_steps(local.step, seeds)
-                            times["through the SDK"] += timed_steps(remote.step, seeds)
-                    local_s = statistics.median(times["in process"])
-                    sdk_s = statistics.median(times["through the SDK"])
-                    rows.append(
-                        [
-                            label,
-                            f"{local_s:.3f}",
-                            f"{sdk_s:.3f}",
-                            f"{sdk_s / local_s:.2f}x",
-                            f"{len(times['in process'])} + {len(times['through the SDK'])}",
-                        ]
-                    )
+                with closing(remote):
+                    rows = scenario_rows(local, remote, scenarios, steps, rounds)
+                    phases = phase_rows(local, remote, steps, rounds) if args.phases else []
         finally:
             local.close()
     print(
@@ -239,6 +317,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     print("\ntarget: through the SDK at most 1.3x the in-process step (issue 48)")
+    if phases:
+        print("\nphase by phase, quiet (medians)\n")
+        print(
+            markdown_table(["phase", "in process ms", "through the SDK ms", "difference"], phases)
+        )
     return 0
 
 

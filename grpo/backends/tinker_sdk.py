@@ -19,7 +19,9 @@ they are set, and never stores, logs or repeats the key.
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +34,7 @@ BASE_URL_ENV = "TINKER_BASE_URL"
 API_KEY_ENV = "TINKER_API_KEY"
 INSTALL_HINT = 'pip install -e ".[tinker]"'
 CLOSE_TIMEOUT_S = 10.0
+EXIT_FINISH_TIMEOUT_S = 2.0
 WEIGHT_INPUTS = ("advantages", "weights")
 
 
@@ -276,11 +279,54 @@ class TinkerTrainingClient:
         return getattr(self.client, name)
 
 
+def finish_session(client: Any, status: str = "success") -> None:
+    """Finish an SDK ServiceClient's session (its heartbeats stop, the service frees its
+    clients); a service already gone, or a session it expired, is not an error."""
+    try:
+        client.close(status).result(timeout=CLOSE_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - closing is best effort: the session expires anyway
+        pass
+
+
+_UNFINISHED: dict[int, tuple[Any, str]] = {}  # id(SDK client) -> it and its URL, until finished
+_UNFINISHED_LOCK = threading.Lock()
+
+
+@atexit.register
+def _finish_sessions_at_exit() -> None:
+    """Finish the sessions a program left open (the SDK never does: a service would keep
+    their clients until they expired). One plain POST each: at exit the SDK's own close
+    would flush telemetry through an executor that is already shut down."""
+    with _UNFINISHED_LOCK:
+        clients = list(_UNFINISHED.values())
+        _UNFINISHED.clear()
+    for client, base_url in clients:
+        post_finish(client, base_url)
+
+
+def post_finish(client: Any, base_url: str) -> None:
+    """POST the finish of an SDK ServiceClient's session to `base_url` with the SDK's key from
+    the environment (best effort, `EXIT_FINISH_TIMEOUT_S`)."""
+    import httpx
+
+    try:
+        session_id = client.holder.get_session_id()
+        url = f"{base_url.rstrip('/')}/api/v1/sessions/{session_id}/finish"
+        key = os.environ.get(API_KEY_ENV, "")
+        body = {"reason": {"type": "interrupted"}, "detail": "the program exited"}
+        httpx.post(url, json=body, headers={"X-API-Key": key}, timeout=EXIT_FINISH_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - best effort at exit: the session expires anyway
+        pass
+
+
 class TinkerServiceClient:
-    """The SDK's `ServiceClient` behind pytrio's API; clients it makes are wrapped too."""
+    """The SDK's `ServiceClient` behind pytrio's API; clients it makes are wrapped too. Its
+    session is finished by `close()`, else when the program exits."""
 
     def __init__(self, client: Any, base_url: str) -> None:
         self.client, self.base_url = resolved(client), base_url
+        with _UNFINISHED_LOCK:
+            _UNFINISHED[id(self.client)] = (self.client, base_url)
 
     def create_lora_training_client(
         self, base_model: str, rank: int = 32, seed: int | None = None, **options: Any
@@ -317,11 +363,12 @@ class TinkerServiceClient:
         return plain(rest.get_server_capabilities()).result()
 
     def close(self, status: str = "success") -> None:
-        """Finish the session (its heartbeats stop); a service already gone is not an error."""
-        try:
-            self.client.close(status).result(timeout=CLOSE_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - closing is best effort: the session expires anyway
-            pass
+        """Finish the session (its heartbeats stop), once; a service already gone is not an
+        error."""
+        with _UNFINISHED_LOCK:
+            open_session = _UNFINISHED.pop(id(self.client), None) is not None
+        if open_session:
+            finish_session(self.client, status)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)

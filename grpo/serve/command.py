@@ -20,6 +20,7 @@ from grpo.serve.limits import MAX_CONNECTIONS, MAX_REQUEST_BYTES, REQUEST_TIMEOU
 from grpo.serve.routes import OPERATIONS
 from grpo.serve.server import LOOPBACK_HOSTS, ServeHandle, start_server
 from grpo.serve.tinker_routes import tinker_exports
+from grpo.serve.tinker_service import SESSION_EXPIRY_S
 
 DEFAULT_PORT = 8765
 
@@ -135,6 +136,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "such as the built-in one, every core for large ones; OMP_NUM_THREADS or "
         "torch.set_num_threads, when set, are left alone; grpo/backends/local/threads.py)",
     )
+    parser.add_argument(
+        "--tinker-session-expiry",
+        type=float,
+        default=SESSION_EXPIRY_S,
+        metavar="SECONDS",
+        help="free a Tinker session (its training and sampling clients) after this many "
+        "seconds without a heartbeat or request; the SDK heartbeats every 10 s "
+        f"(default {SESSION_EXPIRY_S:g})",
+    )
     parser.add_argument("--log-requests", action="store_true", help="log every request to stderr")
 
 
@@ -152,6 +162,7 @@ def _check_bounds(args: argparse.Namespace) -> None:
         ("--max-request-bytes", args.max_request_bytes),
         ("--max-connections", args.max_connections),
         ("--request-timeout", args.request_timeout),
+        ("--tinker-session-expiry", args.tinker_session_expiry),
     ):
         if not value > 0:
             raise ValueError(f"{flag} must be > 0, got {value}")
@@ -198,6 +209,7 @@ def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) 
             max_batch_size=args.max_batch_size,
             max_tokens_per_request=args.max_tokens_per_request,
             threads=args.threads,
+            tinker_session_expiry_s=args.tinker_session_expiry,
         )
     except ValueError as error:
         echo(f"grpo serve: {error}")

@@ -18,7 +18,7 @@ from grpo.serve.faults import FaultPlan
 from grpo.serve.handler import HTTPServer
 from grpo.serve.limits import MAX_CONNECTIONS, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S
 from grpo.serve.registry import RunRegistry
-from grpo.serve.tinker_service import TinkerService
+from grpo.serve.tinker_service import SESSION_EXPIRY_S, TinkerService
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -70,13 +70,19 @@ def start_server(
     max_batch_size: int | None = None,
     max_tokens_per_request: int | None = None,
     threads: int = 0,
+    tinker_session_expiry_s: float = SESSION_EXPIRY_S,
 ) -> tuple[HTTPServer, LocalServiceClient]:
     """A bound, not yet serving server on a local backend under `root`; port 0 = any free port.
 
     An empty or whitespace `api_key` is a ValueError (it must not turn the check off), and
     so is a `host` off loopback without a key: every route would be open to the network.
+    A Tinker session silent for `tinker_session_expiry_s` expires (`grpo.serve.tinker_service`).
     """
     api_key = checked_api_key(api_key)
+    if not tinker_session_expiry_s > 0:
+        raise ValueError(
+            f"--tinker-session-expiry must be > 0 seconds, got {tinker_session_expiry_s}"
+        )
     if api_key is None and host not in LOOPBACK_HOSTS:
         raise ValueError(
             f"--host {host} makes the server reachable from other machines: give it a key "
@@ -117,7 +123,7 @@ def start_server(
     server.state = ServeState(
         registry,
         TrainerEvents(registry, server.stopping),
-        TinkerService(registry, server.stopping),
+        TinkerService(registry, server.stopping, session_expiry_s=tinker_session_expiry_s),
     )
     return server, local
 
@@ -138,6 +144,7 @@ def serve_in_thread(
     service_normalization: str = DEFAULT_SERVICE_NORMALIZATION,
     max_batch_size: int | None = None,
     max_tokens_per_request: int | None = None,
+    tinker_session_expiry_s: float = SESSION_EXPIRY_S,
 ) -> ServeHandle:
     """Serve on a daemon thread (for tests and notebooks); close the handle to stop.
 
@@ -146,7 +153,8 @@ def serve_in_thread(
     the bounds are `grpo.serve.limits`' (``--max-request-bytes`` ...);
     `service_normalization` is the trainer's gradient scale (``--service-normalization``),
     `max_batch_size` / `max_tokens_per_request` the trainer limits advertised to clients
-    (pytrio 0.2.9 splits a larger call into micro-batches).
+    (pytrio 0.2.9 splits a larger call into micro-batches), `tinker_session_expiry_s` how
+    long a silent Tinker session lives (``--tinker-session-expiry``).
     """
     server, local = start_server(
         root=root,
@@ -163,6 +171,7 @@ def serve_in_thread(
         service_normalization=service_normalization,
         max_batch_size=max_batch_size,
         max_tokens_per_request=max_tokens_per_request,
+        tinker_session_expiry_s=tinker_session_expiry_s,
     )
     thread = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="grpo-serve", daemon=True

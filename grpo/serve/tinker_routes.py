@@ -202,8 +202,9 @@ def create_session(state: Any, request: Request) -> Reply:
 
 @_user_errors
 def session_heartbeat(state: Any, request: Request) -> Reply:
-    """`SessionHeartbeatResponse`."""
-    state.tinker.session(_text(request.json(), "session_id"))
+    """`SessionHeartbeatResponse`; 410 for a finished or expired session (the SDK's signal to
+    stop heartbeating it)."""
+    state.tinker.heartbeat(_text(request.json(), "session_id"))
     return Reply(200, {"type": "session_heartbeat"})
 
 

@@ -8,6 +8,13 @@ order (a request whose predecessor has not arrived waits for it, at most
 ``SEQUENCE_WAIT_S``), a retried ``seq_id`` answers the future it already made (idempotent),
 and ``retrieve_future`` long-polls it. A failed computation is a finished future with
 ``{error, category: "user"}`` (a bug: ``"server"``); a refused request is a 400 at submit.
+
+A session lives while its client is: the SDK heartbeats every 10 s, and any request naming
+the session, one of its training clients or its sampling sessions counts as one. A session
+silent for ``session_expiry_s`` (``grpo serve --tinker-session-expiry``, default
+`SESSION_EXPIRY_S`) expires, as one finished without `finish_session` would: its training
+clients and sampling sessions are freed, and a request on it is a 400 saying to make a new
+ServiceClient (its heartbeat a 410, which ends the SDK's heartbeat loop).
 """
 
 from __future__ import annotations
@@ -30,8 +37,12 @@ from grpo.serve.wire import ServeError, chain, local_call, not_found
 
 MAX_LONG_POLL_S = 20.0
 SEQUENCE_WAIT_S = 5.0
+SESSION_EXPIRY_S = 600.0
+"""A session silent this long expires: 60 of the SDK's heartbeats (every 10 s) missed."""
+SESSION_SWEEP_MAX_S = 30.0
 _FUTURES_KEPT = 4096
 _SAMPLERS_KEPT = 32
+_CLOSED_SESSIONS_KEPT = 4096
 
 
 @attrs.define
@@ -71,13 +82,27 @@ def failure_body(error: BaseException) -> dict[str, Any]:
 class TinkerService:
     """The Tinker route's sessions, models, samplers and futures (all methods thread-safe)."""
 
-    def __init__(self, registry: RunRegistry, stopping: threading.Event) -> None:
+    def __init__(
+        self,
+        registry: RunRegistry,
+        stopping: threading.Event,
+        *,
+        session_expiry_s: float = SESSION_EXPIRY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not session_expiry_s > 0:
+            raise ValueError(f"--tinker-session-expiry must be > 0 seconds, got {session_expiry_s}")
         self.registry = registry
         self.stopping = stopping
+        self.session_expiry_s = session_expiry_s
+        self.clock = clock
+        self._sweeper: threading.Thread | None = None
         self._lock = threading.Lock()
         self._sessions: dict[str, dict[str, Any]] = {}
         self._models: dict[str, TinkerModel] = {}
-        self._samplers: collections.OrderedDict[str, tuple[LocalSamplingClient, str, str | None]]
+        self._samplers: collections.OrderedDict[
+            str, tuple[LocalSamplingClient, str, str | None, str]
+        ]
         self._samplers = collections.OrderedDict()
         self._futures: collections.OrderedDict[str, Pending] = collections.OrderedDict()
         self._samples: collections.OrderedDict[tuple[str, int], str] = collections.OrderedDict()
@@ -85,31 +110,67 @@ class TinkerService:
     # --- sessions ----------------------------------------------------------------------
 
     def create_session(self) -> str:
-        """A new session's id."""
+        """A new session's id (and the first sweep of silent sessions starts its thread)."""
         session_id = f"session-{uuid.uuid4().hex[:12]}"
         with self._lock:
             self._sessions[session_id] = {
                 "finished": False,
-                "heartbeat": time.monotonic(),
+                "expired": False,
+                "heartbeat": self.clock(),
                 "models": [],
                 "samplers": [],
             }
+            if self._sweeper is None:
+                self._sweeper = threading.Thread(
+                    target=self._sweep, name="grpo-serve-tinker-sessions", daemon=True
+                )
+                self._sweeper.start()
         return session_id
 
     def session(self, session_id: str) -> dict[str, Any]:
-        """An open session; 404 when unknown, 400 when finished."""
+        """An open session, its heartbeat renewed; 404 when unknown, 400 when finished or
+        expired (the message says to make a new ServiceClient)."""
         with self._lock:
             found = self._sessions.get(session_id)
+            if found is not None and not found["finished"]:
+                found["heartbeat"] = self.clock()
         if found is None:
             raise not_found("session", session_id)
         if found["finished"]:
-            raise ServeError(
-                400,
-                "validation.session_finished",
-                f"session_id {session_id!r} was finished; make a new ServiceClient",
-            )
-        found["heartbeat"] = time.monotonic()
+            raise self._closed_error(session_id, found)
         return found
+
+    def heartbeat(self, session_id: str) -> None:
+        """Renew a session; 410 when it was finished or expired (the SDK then stops
+        heartbeating it), 404 when unknown."""
+        try:
+            self.session(session_id)
+        except ServeError as error:
+            if error.code in ("validation.session_finished", "validation.session_expired"):
+                raise ServeError(410, error.code, error.message) from None
+            raise
+
+    def _closed_error(self, session_id: str, record: dict[str, Any]) -> ServeError:
+        if record["expired"]:
+            return ServeError(
+                400,
+                "validation.session_expired",
+                f"session_id {session_id!r} expired: no heartbeat or request for "
+                f"{self.session_expiry_s:g} s (grpo serve --tinker-session-expiry), so its "
+                "training and sampling clients were freed; make a new ServiceClient (and "
+                "resume from a saved state with create_training_client_from_state)",
+            )
+        return ServeError(
+            400,
+            "validation.session_finished",
+            f"session_id {session_id!r} was finished; make a new ServiceClient",
+        )
+
+    def _touch(self, session_id: str) -> None:
+        """Count a request on one of the session's clients as a heartbeat (under the lock)."""
+        record = self._sessions.get(session_id)
+        if record is not None and not record["finished"]:
+            record["heartbeat"] = self.clock()
 
     def finish_session(self, session_id: str) -> None:
         """Finish a session and free its models' trainers (idempotent)."""
@@ -117,11 +178,42 @@ class TinkerService:
             found = self._sessions.get(session_id)
             if found is None:
                 raise not_found("session", session_id)
-            found["finished"] = True
-            for model_id in [
-                m for m, item in self._models.items() if item.session_id == session_id
-            ]:
-                del self._models[model_id]  # its adapter is freed with the client
+            self._close_session(session_id, found, expired=False)
+
+    def _close_session(self, session_id: str, record: dict[str, Any], *, expired: bool) -> None:
+        """Mark a session finished (or expired) and free its training clients; an expired
+        session's sampling sessions too (under the lock)."""
+        if record["finished"]:
+            return
+        record["finished"], record["expired"] = True, expired
+        for model_id in [m for m, item in self._models.items() if item.session_id == session_id]:
+            del self._models[model_id]  # its adapter is freed with the client
+        if expired:
+            for sampler_id in record["samplers"]:
+                self._samplers.pop(sampler_id, None)
+        closed = [key for key, item in self._sessions.items() if item["finished"]]
+        for key in closed[: max(0, len(closed) - _CLOSED_SESSIONS_KEPT)]:
+            del self._sessions[key]
+
+    def expire_silent_sessions(self) -> list[str]:
+        """Expire every open session silent for more than `session_expiry_s`; their ids."""
+        with self._lock:
+            now = self.clock()
+            silent = [
+                (key, record)
+                for key, record in self._sessions.items()
+                if not record["finished"] and now - record["heartbeat"] > self.session_expiry_s
+            ]
+            for key, record in silent:
+                self._close_session(key, record, expired=True)
+        return [key for key, _ in silent]
+
+    def _sweep(self) -> None:
+        """Expire silent sessions every quarter of the expiry (at most `SESSION_SWEEP_MAX_S`)
+        until the server stops."""
+        interval = min(self.session_expiry_s / 4, SESSION_SWEEP_MAX_S)
+        while not self.stopping.wait(interval):
+            self.expire_silent_sessions()
 
     def session_ids(self) -> list[str]:
         """Every session of this process, oldest first."""
@@ -157,12 +249,24 @@ class TinkerService:
             return self._models.get(model_id)
 
     def model(self, model_id: str) -> TinkerModel:
-        """A live model; 404 naming it when unknown."""
+        """A live model (its session's heartbeat renewed); 400 when its session was finished
+        or expired, 404 naming it when unknown."""
         with self._lock:
             found = self._models.get(model_id)
-        if found is None:
-            raise not_found("model_id", model_id)
-        return found
+            if found is not None:
+                self._touch(found.session_id)
+                return found
+            owner = self._owner("models", model_id)
+        if owner is not None:
+            raise self._closed_error(*owner)
+        raise not_found("model_id", model_id)
+
+    def _owner(self, kind: str, member: str) -> tuple[str, dict[str, Any]] | None:
+        """The closed session that had `member` among its `kind` (under the lock), or None."""
+        for key, record in self._sessions.items():
+            if record["finished"] and member in record[kind]:
+                return key, record
+        return None
 
     def in_order(self, model: TinkerModel, seq_id: int | None, start: Callable[[], Pending]) -> str:
         """The request id of `model`'s request `seq_id`: the one already made for a retried
@@ -198,7 +302,7 @@ class TinkerService:
         recent few are kept)."""
         session_id = f"sampler-{uuid.uuid4().hex[:12]}"
         with self._lock:
-            self._samplers[session_id] = (sampler, base_model, path)
+            self._samplers[session_id] = (sampler, base_model, path, owner)
             members = self._sessions.get(owner, {}).get("samplers")
             if members is not None:
                 members.append(session_id)
@@ -208,14 +312,18 @@ class TinkerService:
         return session_id
 
     def sampler(self, session_id: str) -> tuple[LocalSamplingClient, str, str | None]:
-        """A sampling session's sampler, base model and model path; 404 when unknown."""
+        """A sampling session's sampler, base model and model path (its session's heartbeat
+        renewed); 400 when its session expired, 404 when unknown."""
         with self._lock:
             found = self._samplers.get(session_id)
             if found is not None:
                 self._samplers.move_to_end(session_id)
-        if found is None:
-            raise not_found("sampling_session_id", session_id)
-        return found
+                self._touch(found[3])
+                return found[:3]
+            owner = self._owner("samplers", session_id)
+        if owner is not None and owner[1]["expired"]:
+            raise self._closed_error(*owner)
+        raise not_found("sampling_session_id", session_id)
 
     def sample_once(self, key: tuple[str, int] | None, start: Callable[[], Pending]) -> str:
         """The request id of sample request `key` (sampling session, seq_id): the one already

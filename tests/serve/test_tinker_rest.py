@@ -20,7 +20,13 @@ from tinker import types  # noqa: E402
 from grpo.backends.names import TINY_MODEL_NAME  # noqa: E402
 from grpo.serve.server import ServeHandle, serve_in_thread  # noqa: E402
 from tests.serve.conftest import SERVE_API_KEY  # noqa: E402
-from tests.serve.test_tinker_sdk import TINKER_KEY, TOKENS, ce_datum, service  # noqa: E402
+from tests.serve.test_tinker_sdk import (  # noqa: E402
+    TINKER_KEY,
+    TOKENS,
+    ce_datum,
+    close_clients,
+    service,
+)
 
 RANK = 4
 
@@ -30,6 +36,7 @@ def server(tmp_path: Path) -> Iterator[ServeHandle]:
     """`grpo serve` on a free loopback port with an API key."""
     with serve_in_thread(root=tmp_path / "served", api_key=SERVE_API_KEY) as handle:
         yield handle
+        close_clients()
 
 
 def raw(handle: ServeHandle, method: str, path: str) -> tuple[int, dict[str, Any]]:

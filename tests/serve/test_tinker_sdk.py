@@ -35,17 +35,31 @@ LOSS_TOLERANCE = 1e-4  # relative, float32 sums of a few dozen terms
 RANK = 4
 
 
+_OPEN_CLIENTS: list[Any] = []  # the SDK clients `service` made, closed by `close_clients`
+
+
 @pytest.fixture
 def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ServeHandle]:
     """`grpo serve` on a free loopback port with an API key; the SDK's telemetry left on."""
     monkeypatch.setenv("TINKER_TELEMETRY", "1")
     with serve_in_thread(root=tmp_path / "served", api_key=SERVE_API_KEY) as handle:
         yield handle
+        close_clients()
 
 
 def service(handle: ServeHandle) -> Any:
-    """The SDK's ServiceClient on `handle`, with the key in the form the SDK accepts."""
-    return tinker.ServiceClient(base_url=handle.url, api_key=TINKER_KEY)
+    """The SDK's ServiceClient on `handle`, with the key in the form the SDK accepts (its
+    session finished by `close_clients`, if not before)."""
+    client = tinker.ServiceClient(base_url=handle.url, api_key=TINKER_KEY)
+    _OPEN_CLIENTS.append(client)
+    return client
+
+
+def close_clients() -> None:
+    """Finish the sessions of the SDK clients `service` made (while their server still runs:
+    else each would heartbeat a gone server for the rest of the session)."""
+    while _OPEN_CLIENTS:
+        _OPEN_CLIENTS.pop().close("success").result(timeout=30)
 
 
 def policy_datum(tokens: list[int], advantage: float, logprobs: np.ndarray) -> Any:
@@ -176,7 +190,8 @@ def test_the_sdk_drives_every_method(server: ServeHandle) -> None:
 
     client.close("success").result()
     status, body = post(server, "/api/v1/session_heartbeat", {"session_id": session})
-    assert status == 400 and "finished" in body["message"]
+    # 410: the status on which the SDK's heartbeat loop stops ("session has finished")
+    assert status == 410 and "finished" in body["message"]
 
 
 def test_stop_token_is_kept_in_sampled_tokens(server: ServeHandle) -> None:
