@@ -1,4 +1,5 @@
-"""The README's measured claims about the default run, checked so they cannot drift.
+"""The docs' measured claims, checked so they cannot drift: the default run (docs/training.md,
+"The default run") and the DPO example (docs/sft-dpo-distill.md, "Preference training").
 
 The figures are exact on the hardware they were measured on (an Intel CPU with AVX-512 and
 torch 2.13.0's MKL, 1 or 2 threads, every forcible CPU path: see docs/DESIGN.md,
@@ -21,13 +22,15 @@ from grpo.training.config import TrainConfig
 from grpo.training.run_files import read_metrics
 from tests.runs import quiet_train
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+TRAINING_GUIDE = ROOT / "docs" / "training.md"
+DPO_GUIDE = ROOT / "docs" / "sft-dpo-distill.md"
 TEST_REWARD_NOISE = 3 * 0.026
 TRAIN_REWARD_NOISE = 0.05  # a 10-step mean over 640 completions
 
 
 def measured_on_this_hardware() -> bool:
-    """Whether this CPU is of the kind the README's figures were measured on."""
+    """Whether this CPU is of the kind the docs' figures were measured on."""
     cpuinfo = Path("/proc/cpuinfo")
     vendor = cpuinfo.read_text() if cpuinfo.exists() else ""
     return (
@@ -38,18 +41,18 @@ def measured_on_this_hardware() -> bool:
 
 
 def readme_figures() -> tuple[list[float], list[float]]:
-    """(mean train reward per 10 steps, test reward at steps 0/40/80) as the README states."""
-    text = README.read_text()
+    """(mean train reward per 10 steps, test reward at steps 0/40/80) as the guide states."""
+    text = TRAINING_GUIDE.read_text()
     row = re.search(r"^\| mean train reward \|(.*)\|$", text, re.M)
     tests = re.search(
         r"(\d\.\d{3}) before\s+training, (\d\.\d{3}) at step 40, (\d\.\d{3}) at step 80", text
     )
-    assert row and tests, "the README's default-run figures are not where this test reads them"
+    assert row and tests, "docs/training.md's default-run figures are not where they are read"
     return [float(cell) for cell in row.group(1).split("|")], [float(v) for v in tests.groups()]
 
 
 @pytest.mark.slow
-def test_the_default_run_gives_the_readme_figures(tmp_path: Path) -> None:
+def test_the_default_run_gives_the_documented_figures(tmp_path: Path) -> None:
     train_means, test_rewards = readme_figures()
     rows = read_metrics(quiet_train(TrainConfig(run_dir=str(tmp_path / "default"))).run_dir)
     trained = [row["reward"] for row in rows if row["step"] >= 1]
@@ -67,14 +70,14 @@ def test_the_default_run_gives_the_readme_figures(tmp_path: Path) -> None:
 
 
 def readme_dpo_table() -> dict[str, list[float]]:
-    """The README's held-out DPO table (Preference training): metric -> steps 0, 5 ... 20."""
-    rows = re.findall(r"^\| (eval/dpo/\w+) \|(.*)\|$", README.read_text(), re.M)
-    assert rows, "the README's DPO table is not where this test reads it"
+    """The guide's held-out DPO table (Preference training): metric -> steps 0, 5 ... 20."""
+    rows = re.findall(r"^\| (eval/dpo/\w+) \|(.*)\|$", DPO_GUIDE.read_text(), re.M)
+    assert rows, "docs/sft-dpo-distill.md's DPO table is not where this test reads it"
     return {name: [float(cell) for cell in cells.split("|")] for name, cells in rows}
 
 
 @pytest.mark.slow
-def test_the_dpo_example_learns_as_the_readme_says(tmp_path: Path) -> None:
+def test_the_dpo_example_learns_as_the_guide_says(tmp_path: Path) -> None:
     """The built-in DPO example: on the hardware the figures were measured on, every cell of
     the table; elsewhere the claims, not the digits: the policy starts at the reference, and
     the held-out margin, accuracy and rewards move as stated."""
@@ -82,7 +85,7 @@ def test_the_dpo_example_learns_as_the_readme_says(tmp_path: Path) -> None:
     from grpo.training.recipes.dpo import dpo
 
     table = readme_dpo_table()
-    data = README.parent / "examples" / "dpo_arithmetic.jsonl"
+    data = ROOT / "examples" / "dpo_arithmetic.jsonl"
     config = DpoConfig(data=str(data), run_dir=str(tmp_path / "dpo"), steps=20)
     result = dpo(config, echo=lambda _line: None, progress=False)
     rows = [row for row in read_metrics(result.run_dir) if "eval/dpo/loss" in row]
@@ -91,7 +94,7 @@ def test_the_dpo_example_learns_as_the_readme_says(tmp_path: Path) -> None:
         measured = {name: [round(row[name], 4) for row in rows] for name in table}
         stated = {name: list(cells) for name, cells in table.items()}
         # but the step-0 accuracy: a coin toss over |h| < 1e-4 ties, which the batching of
-        # the reference's concurrent requests can flip (the README says so)
+        # the reference's concurrent requests can flip (the guide says so)
         measured["eval/dpo/accuracy"][0] = stated["eval/dpo/accuracy"][0]
         assert measured == stated
     first, last = rows[0], rows[-1]

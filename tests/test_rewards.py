@@ -213,11 +213,11 @@ def slow(completion: str, row: dict, sample: RewardInput) -> float:
     return math.sin(len(completion) + sample.index)
 
 
-def test_the_readme_example_reward_loads_and_scores() -> None:
+def test_the_documented_example_reward_loads_and_scores() -> None:
     example = Path(__file__).resolve().parents[1] / "examples" / "my_rewards.py"
     (reward,) = load_rewards([f"{example}:brief=0.5"])
     assert reward.weight == 0.5 and reward.takes_sample
-    scores = score_completions([reward], _items(["a" * 18, "b" * 21, "c" * 30]), [3])
+    scores = score_completions([reward], _items(["a" * 10, "b" * 13, "c" * 30]), [3])
     assert np.concatenate(scores.totals_P).tolist() == [0.5, 0.25, 0.0]
 
 

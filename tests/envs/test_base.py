@@ -110,10 +110,10 @@ def test_load_env_factory_from_a_module_and_a_file(tmp_path):
             load_env_factory(spec)
 
 
-def test_the_readme_guess_the_number_environment_plays_by_the_protocol():
+def test_the_documented_guess_the_number_environment_plays_by_the_protocol():
     example = Path(__file__).resolve().parents[2] / "examples" / "guess_number.py"
-    readme = (example.parents[1] / "README.md").read_text(encoding="utf-8")
-    assert example.read_text(encoding="utf-8") in readme  # the README shows the file as is
+    guide = (example.parents[1] / "docs" / "environments.md").read_text(encoding="utf-8")
+    assert example.read_text(encoding="utf-8") in guide  # the guide shows the file as is
     make = load_env_factory(f"{example}:make")
     env = make(Task("", "", index=2))  # secret 15
     assert env.initial_observation()[0]["role"] == "user"

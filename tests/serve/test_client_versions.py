@@ -1,4 +1,4 @@
-"""Every supported pytrio client version, unchanged, drives `grpo serve` (README table).
+"""Every supported pytrio client version, unchanged, drives `grpo serve` (docs/serve.md table).
 
 Each version's wheel is fetched once into a cache (``GRPO_PYTRIO_WHEELS``, default
 ``~/.cache/grpo/pytrio-wheels``) with ``pip download --no-deps``, installed alone with

@@ -1,6 +1,6 @@
 """Every recipe x flag combination runs and does what it says, or is refused naming both.
 
-The table of the README ("Recipes and flags") is this test: GRPO and distillation, on single
+The table of docs/training.md ("Recipes and flags") is this test: GRPO and distillation, on single
 completions and on an environment's episodes, each with one of --dynamic-sampling,
 --max-steps-off-policy, --mismatch-correction, --custom-loss, --kl-coef, --reward,
 --init-from and --resume. A combination that runs must leave the metric that proves the

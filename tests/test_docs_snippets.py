@@ -1,0 +1,294 @@
+"""Every fenced code block of README.md and docs/*.md runs as written, so no snippet can rot.
+
+A document's blocks run in order, in one temporary working directory (holding links to the
+repository's `examples/`, `docs/` and `grpo/`, so the paths the docs use resolve), so a later
+block uses what an earlier one wrote (`runs/quickstart` ...):
+
+- ```python blocks run as a script (`sys.executable`);
+- ```bash and ```console blocks run under `bash -e -o pipefail`, every `grpo` recipe command
+  in them with small step counts (`SMALL`: `grpo train ...` gets `--steps 2`, `grpo eval`
+  `--limit 5 --seeds 1` ...), so the document's figures come from its full runs, not these;
+- a marker on the line before a block says otherwise: `<!-- docs-test: KIND ARG (why) -->`
+  with KIND `illustrative` (not run: it needs an account, a server of yours, or is an output
+  whose digits depend on the CPU), `check` (a ```text block: each of its lines must be a line
+  of the previous block's output), `file NAME` (written to NAME for the blocks after it),
+  `copy-of PATH` (must be a part of the repository file PATH), `serve PORT` (runs while a
+  `grpo serve` listens on PORT), `slow` (runs in the `slow` test of the document), `diagram`
+  (a ```text block that is no output: a tree or a flow).
+
+The port 8765 that the docs name is replaced by a free port in every block of a document.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RUN_LANGUAGES = {"python", "bash", "console"}
+MARKERS = {"illustrative", "check", "file", "copy-of", "serve", "slow", "diagram"}
+DOCS_PORT = "8765"
+TIMEOUT_S = 600
+
+# flag -> value set on every `grpo <recipe>` command a block runs (added or replaced);
+# --eval-every is lowered to 2 where a command evaluates at all.
+SMALL: dict[str, dict[str, str]] = {
+    "train": {"--steps": "2", "--eval-limit": "10"},
+    "distill": {"--steps": "2", "--eval-limit": "10"},
+    "sft": {"--epochs": "1"},
+    "dpo": {"--steps": "2"},
+    "eval": {"--limit": "5", "--seeds": "1"},
+    "compare": {"--steps": "2", "--seeds": "1", "--eval-limit": "10", "--jobs": "2"},
+}
+FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
+MARKER = re.compile(r"<!-- docs-test: ([\w-]+)(?: ([^\s(]+))?(?: \([^)]*\))? -->\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block: where it is, its language, its text and its marker."""
+
+    document: Path
+    line: int
+    language: str
+    text: str
+    marker: str = ""
+    argument: str = ""
+
+    @property
+    def where(self) -> str:
+        """`README.md:12`, for failure messages."""
+        return f"{self.document.relative_to(ROOT)}:{self.line}"
+
+    @property
+    def runs(self) -> bool:
+        """Whether the test runs this block."""
+        return self.language in RUN_LANGUAGES and self.marker != "illustrative"
+
+
+def blocks_of(document: Path) -> list[Block]:
+    """Every fenced block of `document`, with the marker of the line before it."""
+    text = document.read_text(encoding="utf-8")
+    blocks = []
+    for match in FENCE.finditer(text):
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        marker = MARKER.search(before)
+        blocks.append(
+            Block(
+                document=document,
+                line=text.count("\n", 0, match.start()) + 1,
+                language=match.group(1).strip(),
+                text=match.group(2),
+                marker=marker.group(1) if marker else "",
+                argument=(marker.group(2) or "") if marker else "",
+            )
+        )
+    return blocks
+
+
+def small(command: str) -> str:
+    """`command` with SMALL's flags set when it is a `grpo <recipe>` command (not a dry run)."""
+    words = shlex.split(command, comments=True)
+    if len(words) < 2 or words[0] != "grpo" or words[1] not in SMALL or "--dry-run" in words:
+        return command
+    for flag, value in SMALL[words[1]].items():
+        if flag in words:
+            words[words.index(flag) + 1] = value
+        else:
+            words += [flag, value]
+    if "--eval-every" in words and words[words.index("--eval-every") + 1] != "0":
+        words[words.index("--eval-every") + 1] = "2"
+    return shlex.join(words)
+
+
+def small_script(script: str) -> str:
+    """A bash block with its continued lines joined and each recipe command made small."""
+    lines = script.replace("\\\n", " ").splitlines()
+    return "\n".join(line if re.search(r"[&|;$<>]", line) else small(line) for line in lines)
+
+
+def free_port() -> str:
+    """A free loopback port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+def environment(home: Path) -> dict[str, str]:
+    """This checkout first on the path, this interpreter's `grpo` and `python`, a fresh HOME."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["HOME"] = str(home)
+    env["GRPO_DOCS_TEST"] = "1"
+    return env
+
+
+def run_block(block: Block, text: str, workdir: Path, env: dict[str, str], index: int) -> str:
+    """Run one block in `workdir`; its combined output (a failure names the block)."""
+    if block.language == "python":
+        script = workdir / f"snippet_{index}.py"
+        script.write_text(text, encoding="utf-8")
+        argv = [sys.executable, str(script)]
+    else:
+        argv = ["bash", "-e", "-o", "pipefail", "-c", small_script(text)]
+    process = subprocess.Popen(
+        argv,
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_S)
+    finally:
+        try:  # whatever the block left behind (a server it started) goes with it
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        process.wait()
+    assert process.returncode == 0, f"{block.where} failed ({process.returncode}):\n{output}"
+    return output
+
+
+class Server:
+    """`grpo serve --port PORT` for a block marked `serve`, stopped after it."""
+
+    def __init__(self, port: str, workdir: Path, env: dict[str, str]) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "grpo", "serve", "--port", port],
+            cwd=workdir,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def __enter__(self) -> Server:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(self.url, timeout=5)
+                return self
+            except urllib.error.HTTPError:
+                return self
+            except OSError:
+                time.sleep(0.5)
+        raise AssertionError(f"grpo serve did not answer at {self.url}")
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def run_document(document: Path, tmp_path: Path, *, slow: bool) -> None:
+    """Run the document's blocks in order (those marked `slow` only when `slow`)."""
+    workdir, home = tmp_path / "work", tmp_path / "home"
+    workdir.mkdir()
+    home.mkdir()
+    for name in ("examples", "docs", "grpo"):
+        (workdir / name).symlink_to(ROOT / name)
+    env, port = environment(home), free_port()
+    last_output = ""
+    for index, block in enumerate(blocks_of(document)):
+        text = block.text.replace(DOCS_PORT, port)
+        if block.marker == "file":
+            (workdir / block.argument).write_text(text, encoding="utf-8")
+        elif block.marker == "check":
+            missing = [
+                line
+                for line in text.splitlines()
+                if line.strip() and line.rstrip() not in last_output.splitlines()
+            ]
+            assert not missing, f"{block.where}: not in the output above: {missing}\n{last_output}"
+        elif block.runs and (block.marker == "slow") == slow:
+            if block.marker == "serve":
+                with Server(port, workdir, env):
+                    last_output = run_block(block, text, workdir, env, index)
+            else:
+                last_output = run_block(block, text, workdir, env, index)
+
+
+def documents_with(predicate) -> list[Path]:
+    """The documents with a block that `predicate` holds for."""
+    return [path for path in DOCUMENTS if any(predicate(block) for block in blocks_of(path))]
+
+
+def test_every_block_has_a_language_a_known_marker_and_outputs_are_marked() -> None:
+    problems = []
+    for document in DOCUMENTS:
+        for block in blocks_of(document):
+            if not block.language:
+                problems.append(f"{block.where}: no language (```text for an output)")
+            if block.marker and block.marker not in MARKERS:
+                problems.append(f"{block.where}: unknown marker {block.marker!r}")
+            if block.language == "text" and block.marker not in {"illustrative", "check", "diagram"}:
+                problems.append(f"{block.where}: an output must be checked or illustrative")
+            if block.marker in {"file", "copy-of", "serve"} and not block.argument:
+                problems.append(f"{block.where}: marker {block.marker!r} needs its argument")
+    assert not problems, "\n".join(problems)
+
+
+def test_copies_of_repository_files_are_copies() -> None:
+    for document in DOCUMENTS:
+        for block in blocks_of(document):
+            if block.marker == "copy-of":
+                source = (ROOT / block.argument).read_text(encoding="utf-8")
+                assert block.text in source, f"{block.where} is no longer {block.argument}"
+
+
+def test_the_marker_parser_and_the_small_commands() -> None:
+    assert small("grpo train --run-name q") == "grpo train --run-name q --steps 2 --eval-limit 10"
+    assert small("grpo train --steps 40 --eval-every 10") == (
+        "grpo train --steps 2 --eval-every 2 --eval-limit 10"
+    )
+    assert small("grpo train --eval-every 0  # no evaluation") == (
+        "grpo train --eval-every 0 --steps 2 --eval-limit 10"
+    )
+    assert small("grpo train --dry-run --steps 20") == "grpo train --dry-run --steps 20"
+    assert small("grpo plot runs/q --out q.png") == "grpo plot runs/q --out q.png"
+    assert small_script("grpo eval \\\n  --samples 8") == "grpo eval --samples 8 --limit 5 --seeds 1"
+    assert MARKER.search("<!-- docs-test: file prices.toml -->").groups() == ("file", "prices.toml")
+    assert MARKER.search("<!-- docs-test: illustrative (needs a login) -->").groups() == (
+        "illustrative",
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    "document",
+    documents_with(lambda block: block.runs and block.marker != "slow"),
+    ids=lambda path: path.name,
+)
+def test_the_snippets_run(document: Path, tmp_path: Path) -> None:
+    run_document(document, tmp_path, slow=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "document",
+    documents_with(lambda block: block.runs and block.marker == "slow"),
+    ids=lambda path: path.name,
+)
+def test_the_slow_snippets_run(document: Path, tmp_path: Path) -> None:
+    run_document(document, tmp_path, slow=True)
