@@ -436,3 +436,16 @@ def test_serve_help_shows_the_port_default(capsys: pytest.CaptureFixture[str]) -
         main(["serve", "--help"])
     entries = _help_entries(capsys.readouterr().out)
     assert f"default: {DEFAULT_PORT}" in entries["--port"]
+    assert [flag for flag, entry in entries.items() if entry.count("(default") > 1] == []
+
+
+def test_eval_help_lists_its_choices_and_says_each_default_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    entries = _help_entries(capsys.readouterr().out)
+    assert entries["--backend"].startswith("--backend {local,pytrio,tinker}")
+    assert entries["--split"].startswith("--split {train,test}")
+    assert "(default: 32)" in entries["--concurrency"]
+    assert [flag for flag, entry in entries.items() if entry.count("(default") > 1] == []

@@ -291,3 +291,18 @@ def test_each_concern_is_a_nested_record_with_its_own_checks() -> None:
         TeacherSettings(recipe="distill")
     with pytest.raises(ConfigError, match="--distill-discount must be in"):
         TrainConfig(recipe="distill", teacher="t", group_size=1, distill_discount=1.5)
+
+
+def test_a_flag_every_recipe_has_is_defined_once() -> None:
+    from grpo.training.config_groups import SHARED_GROUPS
+    from grpo.training.dpo_config import DPO_FIELDS
+    from grpo.training.sft_config import SFT_FIELDS
+
+    shared = {name for group in SHARED_GROUPS for name in attrs.fields_dict(group)}
+    assert shared <= set(FIELDS) & set(SFT_FIELDS) & set(DPO_FIELDS)
+    for name in shared:
+        same = (FIELDS[name].metadata, FIELDS[name].validator, FIELDS[name].default)
+        assert (SFT_FIELDS[name].metadata, SFT_FIELDS[name].validator) == same[:2], name
+        assert SFT_FIELDS[name].default == same[2], name
+        assert DPO_FIELDS[name].metadata == same[0], name
+    assert DPO_FIELDS["learning_rate"].default == 5e-4  # DPO's own default of the shared flag
