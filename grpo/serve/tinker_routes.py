@@ -394,7 +394,9 @@ def save_weights_for_sampler(state: Any, request: Request) -> Reply:
     def start() -> Pending:
         if name is None:
             sampler = model.client.save_weights_and_get_sampling_client()
-            session = state.tinker.add_sampler(sampler, model.base_model, None, model.session_id)
+            session = state.tinker.add_sampler(
+                sampler, model.base_model, None, model.session_id, model.model_id
+            )
             return done({"sampling_session_id": session, "type": kind})
         saved = model.client.save_weights_for_sampler(name, ttl)
         path = tinker_path(model.model_id, "sampler", name)
@@ -537,7 +539,7 @@ def asample(state: Any, request: Request) -> Reply:
 
     seq_id = _int(body, "seq_id")
     key = None if session is None or seq_id is None else (session, seq_id)
-    request_id = state.tinker.sample_once(key, start)
+    request_id = state.tinker.sample_once(key, start, session)
     ids = [f"{request_id}-{index}" for index in range(num_samples)]
     return _future(request_id, None, sample_sequence_ids=ids)
 

@@ -40,6 +40,8 @@ SEQUENCE_WAIT_S = 5.0
 SESSION_EXPIRY_S = 600.0
 """A session silent this long expires: 60 of the SDK's heartbeats (every 10 s) missed."""
 SESSION_SWEEP_MAX_S = 30.0
+GATE_MAX_S = 0.05
+"""The longest a sampling session's first request waits for the rest of its step's burst."""
 _FUTURES_KEPT = 4096
 _SAMPLERS_KEPT = 32
 _CLOSED_SESSIONS_KEPT = 4096
@@ -79,6 +81,16 @@ def failure_body(error: BaseException) -> dict[str, Any]:
     return {"error": f"{type(error).__name__}: {error}", "category": "server"}
 
 
+@attrs.define
+class _Gate:
+    """A sampling session's first burst: its requests held until `expected` arrived."""
+
+    expected: int
+    deadline: float
+    held: list[tuple[Callable[[], Pending], Future]] = attrs.field(factory=list)
+    open: bool = False
+
+
 class TinkerService:
     """The Tinker route's sessions, models, samplers and futures (all methods thread-safe)."""
 
@@ -106,6 +118,11 @@ class TinkerService:
         self._samplers = collections.OrderedDict()
         self._futures: collections.OrderedDict[str, Pending] = collections.OrderedDict()
         self._samples: collections.OrderedDict[tuple[str, int], str] = collections.OrderedDict()
+        # the sampling bursts of each training client's samplers, to gather the next one
+        self._sample_counts: dict[str, int] = {}  # sampling session -> its requests
+        self._model_samplers: dict[str, list[str]] = {}  # model id -> its last samplers
+        self._gates: collections.OrderedDict[str, _Gate] = collections.OrderedDict()
+        self._gate_turn = threading.Condition(self._lock)
 
     # --- sessions ----------------------------------------------------------------------
 
@@ -188,6 +205,8 @@ class TinkerService:
         record["finished"], record["expired"] = True, expired
         for model_id in [m for m, item in self._models.items() if item.session_id == session_id]:
             del self._models[model_id]  # its adapter is freed with the client
+            for key in self._model_samplers.pop(model_id, []):
+                self._sample_counts.pop(key, None)
         if expired:
             for sampler_id in record["samplers"]:
                 self._samplers.pop(sampler_id, None)
@@ -296,10 +315,22 @@ class TinkerService:
     # --- samplers ----------------------------------------------------------------------
 
     def add_sampler(
-        self, sampler: LocalSamplingClient, base_model: str, path: str | None, owner: str
+        self,
+        sampler: LocalSamplingClient,
+        base_model: str,
+        path: str | None,
+        owner: str,
+        model_id: str | None = None,
     ) -> str:
         """A new sampling session's id for `sampler`, made in session `owner` (the most
-        recent few are kept)."""
+        recent few are kept); `model_id` when a training client made it of its weights.
+
+        A training client's samplers whose last two each got the same number N > 1 of
+        requests (rl_loop: one sampler a step, N prompts each) get a gate: the new one's
+        requests are held until N arrived (at most `GATE_MAX_S`) and go to the worker
+        together, as one batch; requests that the SDK sends one by one reach the server
+        spread over ms (tens beside other work), and a batch started on the first few makes
+        the rest wait for a second one."""
         session_id = f"sampler-{uuid.uuid4().hex[:12]}"
         with self._lock:
             self._samplers[session_id] = (sampler, base_model, path, owner)
@@ -309,6 +340,17 @@ class TinkerService:
                 del members[:-_SAMPLERS_KEPT]
             while len(self._samplers) > _SAMPLERS_KEPT:
                 self._samplers.popitem(last=False)
+            if model_id is not None:
+                earlier = self._model_samplers.setdefault(model_id, [])
+                counts = [self._sample_counts.get(key, 0) for key in earlier]
+                if len(counts) == 2 and counts[0] == counts[1] > 1:
+                    self._gates[session_id] = _Gate(counts[0], float("inf"))
+                    while len(self._gates) > _SAMPLERS_KEPT:
+                        self._gates.popitem(last=False)
+                for key in earlier[:-1]:
+                    self._sample_counts.pop(key, None)
+                earlier[:] = [*earlier[-1:], session_id]
+                self._sample_counts[session_id] = 0
         return session_id
 
     def sampler(self, session_id: str) -> tuple[LocalSamplingClient, str, str | None]:
@@ -325,20 +367,56 @@ class TinkerService:
             raise self._closed_error(*owner)
         raise not_found("sampling_session_id", session_id)
 
-    def sample_once(self, key: tuple[str, int] | None, start: Callable[[], Pending]) -> str:
+    def sample_once(
+        self, key: tuple[str, int] | None, start: Callable[[], Pending], session: str | None = None
+    ) -> str:
         """The request id of sample request `key` (sampling session, seq_id): the one already
-        made for a retry, else `start()`ed now (no key: always started)."""
+        made for a retry, else `start()`ed now, or with the rest of its burst when sampling
+        session `session` has a gate (`add_sampler`; no key: never a retry)."""
+        if key is not None:
+            with self._lock:
+                if key in self._samples:
+                    return self._samples[key]
+        request_id = self.add_future(self._gated(session, start))
         if key is None:
-            return self.add_future(start())
-        with self._lock:
-            if key in self._samples:
-                return self._samples[key]
-        request_id = self.add_future(start())
+            return request_id
         with self._lock:
             request_id = self._samples.setdefault(key, request_id)
             while len(self._samples) > _FUTURES_KEPT:
                 self._samples.popitem(last=False)
         return request_id
+
+    def _gated(self, session: str | None, start: Callable[[], Pending]) -> Pending:
+        """`start()` now, or (a protobuf result) once the session's gate opens: the first
+        request of the burst waits for the rest (at most `GATE_MAX_S`), then starts them all
+        in arrival order; a start that fails is a failed future."""
+        with self._lock:
+            if session in self._sample_counts:
+                self._sample_counts[session] += 1
+            gate = self._gates.get(session) if session is not None else None
+            if gate is None or gate.open:
+                held = None
+            else:
+                target: Future = Future()
+                gate.held.append((start, target))
+                if len(gate.held) > 1:
+                    self._gate_turn.notify_all()
+                    return Pending(target, proto=True)
+                self._gate_turn.wait_for(
+                    lambda: len(gate.held) >= gate.expected or self.stopping.is_set(),
+                    timeout=GATE_MAX_S,
+                )
+                gate.open = True
+                held = list(gate.held)
+                gate.held.clear()
+        if held is None:
+            return start()
+        for start_held, target_held in held:
+            try:
+                relay(start_held().future, target_held)
+            except BaseException as error:  # noqa: BLE001 - the request's own failure
+                target_held.set_exception(error)
+        return Pending(held[0][1], proto=True)
 
     # --- futures -----------------------------------------------------------------------
 
@@ -364,6 +442,19 @@ class TinkerService:
                 break
             concurrent.futures.wait([pending.future], timeout=min(remaining, 0.5))
         return pending, pending.future.done()
+
+
+def relay(source: Future, target: Future) -> None:
+    """Resolve `target` as `source` resolves (its result or its failure)."""
+
+    def copy(finished: Future) -> None:
+        error = finished.exception()
+        if error is not None:
+            target.set_exception(error)
+        else:
+            target.set_result(finished.result())
+
+    source.add_done_callback(copy)
 
 
 def done(value: Any, *, proto: bool = False) -> Pending:

@@ -10,11 +10,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -146,3 +148,39 @@ def test_a_backend_tinker_program_that_exits_without_closing_finishes_its_sessio
         assert models and all(handle.state.tinker.find_model(m) is None for m in models)
         with pytest.raises(ServeError, match="was finished"):
             handle.state.tinker.session(session_id)
+
+
+def test_a_training_clients_steady_sampling_burst_is_started_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import grpo.serve.tinker_service as service_module
+    from grpo.serve.tinker_service import done
+
+    monkeypatch.setattr(service_module, "GATE_MAX_S", 60.0)  # only the count opens the gate
+    tinker_state = TinkerService(registry=None, stopping=threading.Event())  # type: ignore[arg-type]
+    started: list[str] = []
+
+    def start(name: str) -> Callable[[], Any]:
+        return lambda: (started.append(name), done(name.encode(), proto=True))[1]
+
+    for _ in range(2):  # two steps of 3 requests each: the pattern the gate learns
+        sampler = tinker_state.add_sampler(None, "m", None, "owner", "model-1")  # type: ignore[arg-type]
+        for index in range(3):
+            tinker_state.sample_once(None, start(f"early-{index}"), sampler)
+    assert len(started) == 6  # ungated: each started at once
+    gated = tinker_state.add_sampler(None, "m", None, "owner", "model-1")  # type: ignore[arg-type]
+    first: list[str] = []
+    waiter = threading.Thread(
+        target=lambda: first.append(tinker_state.sample_once(None, start("a"), gated))
+    )
+    waiter.start()
+    while not tinker_state._gates[gated].held:  # the first request is held...
+        waiter.join(0.01)
+    assert len(started) == 6  # not started yet
+    ids = [tinker_state.sample_once(None, start(name), gated) for name in ("b", "c")]
+    waiter.join(30)
+    assert started[6:] == ["a", "b", "c"]  # ...until the burst is whole, then in order
+    results = [tinker_state.poll(request_id, 5)[0].future.result() for request_id in first + ids]
+    assert results == [b"a", b"b", b"c"]
+    tinker_state.sample_once(None, start("d"), gated)  # past the burst: at once
+    assert started[-1] == "d"
