@@ -26,7 +26,7 @@ from grpo.core.episodes import Episode, Turn
 from grpo.core.records import Completion
 from grpo.core.usage import USAGE_KINDS, TokenUsage
 from grpo.training import run_files
-from grpo.training.rollouts import Problem, step_problems
+from grpo.training.rollouts.problems import Problem, step_problems
 
 AHEAD_DIR = "ahead"
 _FORMAT = 1
@@ -210,7 +210,7 @@ def _outcome(record: Mapping[str, Any], batch: list[Problem], usage: TokenUsage)
         if len(groups) != len(batch):
             raise ValueError(f"{len(groups)} groups for {len(batch)} problems")
         return groups
-    from grpo.training.episodes import PlayedGroups
+    from grpo.training.rollouts.grading import PlayedGroups
 
     episodes = tuple(
         tuple(

@@ -25,7 +25,7 @@ from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig, check_user_inputs
 from grpo.training.judge import check_judge, resolve_judge
 from grpo.training.prices import prices_for
-from grpo.training.rollouts import (
+from grpo.training.rollouts.problems import (
     Problem,
     build_problems,
     run_problem_options,

@@ -17,7 +17,7 @@ from pytrio.types import AdamParams
 
 from grpo.core.usage import Prices, TokenUsage
 from grpo.training.config import TrainConfig
-from grpo.training.rollouts import Problem
+from grpo.training.rollouts.problems import Problem
 from grpo.training.run_log import RunLogger
 
 
@@ -65,7 +65,7 @@ class RunState:
     sampler_version: int = -1
     jobs: dict[int, Any] = attrs.Factory(dict)
     """Sampling in flight, by step (steps ahead under --max-steps-off-policy): each a
-    `grpo.training.jobs.Job`."""
+    `grpo.training.rollouts.sampling.Job`."""
     rollout_log: list[dict[str, Any]] = attrs.Factory(list)
     """The groups of the step being trained, for rollouts.jsonl (written with its row)."""
     last_metrics: dict[str, float] = attrs.Factory(dict)

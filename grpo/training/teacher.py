@@ -35,7 +35,7 @@ from grpo.core.usage import TokenUsage, planned_teacher_tokens
 from grpo.tasks.prompts import build_prompt_tokens
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig
-from grpo.training.rollouts import Problem
+from grpo.training.rollouts.problems import Problem
 from grpo.training.seeds import pick_batch
 
 Log = Callable[[str], None]

@@ -17,23 +17,22 @@ on completions or on an environment's episodes; then, in the step's own story:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from grpo.core.records import TokenBatch
 from grpo.core.usage import TokenUsage
 from grpo.training.config import TrainConfig
-from grpo.training.sources import RolloutSource
+from grpo.training.rollouts import step as rollouts
 from grpo.training.state import Run, RunState
 from grpo.training.teacher import Teacher, TeacherScoring, distill_batch, in_update
 
 
-def submit_scoring(run: Run, source: RolloutSource, sampled: Any) -> TeacherScoring | None:
+def submit_scoring(run: Run, sampled: rollouts.Sampled) -> TeacherScoring | None:
     """Step 2b: the teacher's scoring of every sampled token, submitted (None: no teacher)."""
     if run.teacher is None:
         return None
-    return source.teacher_scoring(run, sampled)
+    return rollouts.teacher_scoring(run, sampled)
 
 
 def teacher_logprobs(
@@ -59,11 +58,9 @@ def distill_now(
     return batch, None
 
 
-def teacher_test_metrics(
-    run: Run, source: RolloutSource, teacher: Teacher
-) -> tuple[dict[str, float], TokenUsage]:
+def teacher_test_metrics(run: Run, teacher: Teacher) -> tuple[dict[str, float], TokenUsage]:
     """The teacher's own test reward, evaluated as the student's (``distill/teacher_test_*``)."""
-    metrics, usage = source.evaluate(run, teacher.sampler)
+    metrics, usage = rollouts.evaluate_test(run, teacher.sampler)
     return {
         f"distill/teacher_{key.replace('/', '_')}": value for key, value in metrics.items()
     }, usage

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import attrs
 import numpy as np
@@ -37,11 +36,13 @@ from grpo.envs.base import make_group
 from grpo.reward_scores import RewardScores
 from grpo.rewards import RewardFn
 from grpo.tasks.code_grading import last_python_block
-from grpo.training.episodes import EpisodeLimits, play_episode, task_of
-from grpo.training.rollouts import Sampling, grade_rollouts, tokenizer_max_len
+from grpo.training.config import TrainConfig
+from grpo.training.rollouts.episodes import EpisodeLimits, play_episode, task_of
+from grpo.training.rollouts.grading import grade_rollouts
+from grpo.training.rollouts.problems import Problem, Tokenizer, tokenizer_max_len
+from grpo.training.rollouts.sampling import Log, Sampler, Sampling
 from grpo.training.seeds import Purpose, episode_seed, sampling_seed
 
-Log = Callable[[str], None]
 AnswerOf = Callable[[str], "str | None"]
 
 CODE_REWARDS = frozenset({"code_tests", "code_tests_partial"})
@@ -144,10 +145,10 @@ def episode_samples(episodes_P: Sequence[Sequence[Episode]]) -> EvalSamples:
 
 def _sample_completions(
     pool: ThreadPoolExecutor,
-    sampler: Any,
-    problems: Sequence[Any],
-    tokenizer: Any,
-    config: Any,
+    sampler: Sampler,
+    problems: Sequence[Problem],
+    tokenizer: Tokenizer,
+    config: TrainConfig,
     *,
     decoding: Decoding,
     samples: int,
@@ -181,10 +182,10 @@ def _sample_completions(
 
 def _play_episodes(
     pool: ThreadPoolExecutor,
-    sampler: Any,
-    problems: Sequence[Any],
-    tokenizer: Any,
-    config: Any,
+    sampler: Sampler,
+    problems: Sequence[Problem],
+    tokenizer: Tokenizer,
+    config: TrainConfig,
     *,
     decoding: Decoding,
     samples: int,
@@ -236,10 +237,10 @@ def _play_episodes(
 
 
 def evaluate_policy(
-    sampler: Any,
-    problems: Sequence[Any],
-    tokenizer: Any,
-    config: Any,
+    sampler: Sampler,
+    problems: Sequence[Problem],
+    tokenizer: Tokenizer,
+    config: TrainConfig,
     *,
     pool: ThreadPoolExecutor,
     decoding: Decoding,
@@ -250,7 +251,7 @@ def evaluate_policy(
 ) -> Evaluation:
     """`samples` completions (or episodes, with `config.env`) of every problem, graded.
 
-    `problems` are `grpo.training.rollouts.Problem`s; `config` is the run's `TrainConfig` (its
+    `config` is the run's `TrainConfig` (its
     rewards, env, max turns and prompt settings); `seed` seeds every request.
     """
     if samples < 1:
@@ -273,10 +274,10 @@ def evaluate_policy(
 
 
 def evaluation_row(
-    sampler: Any,
-    problems: Sequence[Any],
-    tokenizer: Any,
-    config: Any,
+    sampler: Sampler,
+    problems: Sequence[Problem],
+    tokenizer: Tokenizer,
+    config: TrainConfig,
     *,
     pool: ThreadPoolExecutor,
     decoding: Decoding,
