@@ -35,6 +35,7 @@ from grpo.core.usage import TokenUsage, planned_teacher_tokens
 from grpo.tasks.prompts import build_prompt_tokens
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig
+from grpo.training.rollouts.clients import Sampler, Tokenizer
 from grpo.training.rollouts.problems import Problem
 from grpo.training.seeds import pick_batch
 
@@ -45,11 +46,11 @@ Log = Callable[[str], None]
 class Teacher:
     """The teacher's sampler, what --teacher named, the weights it resolved to, its pool."""
 
-    sampler: Any
+    sampler: Sampler
     source: str
     weights: str | None
     pool: ThreadPoolExecutor = attrs.field(eq=False, repr=False)
-    tokenizer: Any = attrs.field(eq=False, repr=False)
+    tokenizer: Tokenizer = attrs.field(eq=False, repr=False)
     config: TrainConfig = attrs.field(eq=False, repr=False)
 
     def prompt_tokens(self, problem: Problem) -> tuple[int, ...]:

@@ -64,7 +64,10 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
     state.rollout_log = rollouts.records(run, played, groups_P)
     with timed("time/train", timings):
         batch = pack_rollout_groups(trainable_P, drop_degenerate=False)  # 6. align + pack
-        teacher_N = None if scoring is None else teacher_logprobs(state, scoring, batch, metrics)
+        teacher_N = None
+        if scoring is not None:
+            teacher_N, found = teacher_logprobs(state, scoring, batch)
+            metrics.update(found)
         if config.mask_truncated:  # DAPO: truncated completions train no tokens
             batch = mask_sequences(batch, truncated_rollouts(trainable_P))
         if batch.num_train_tokens:
@@ -74,7 +77,8 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
                 state.usage += ref_usage
             reshape = None
             if teacher_N is not None:  # 7b. distill: the teacher's log-probs as the advantages
-                batch, reshape = distill_now(batch, teacher_N, config, metrics)
+                batch, reshape, found = distill_now(batch, teacher_N, config)
+                metrics.update(found)
             metrics.update(batch_metrics(batch))
             metrics.update(update(run, state, batch, staleness, reshape))  # 8.-9. update, metrics
             state.version += 1

@@ -41,9 +41,10 @@ from grpo.envs.base import (
 from grpo.interrupts import request_result
 from grpo.tasks.prompts import build_messages
 from grpo.training.config import TrainConfig
+from grpo.training.rollouts.clients import Sampler, Tokenizer
 from grpo.training.rollouts.grading import PlayedGroups
-from grpo.training.rollouts.problems import Problem, Tokenizer, tokenizer_max_len
-from grpo.training.rollouts.sampling import Log, Sampler
+from grpo.training.rollouts.problems import Problem, tokenizer_max_len
+from grpo.training.rollouts.sampling import Log
 from grpo.training.seeds import Purpose, episode_seed, extra_episode_seed
 from grpo.training.state import Run
 

@@ -37,10 +37,11 @@ from grpo.reward_scores import RewardScores
 from grpo.rewards import RewardFn
 from grpo.tasks.code_grading import last_python_block
 from grpo.training.config import TrainConfig
+from grpo.training.rollouts.clients import Sampler, Tokenizer
 from grpo.training.rollouts.episodes import EpisodeLimits, play_episode, task_of
 from grpo.training.rollouts.grading import grade_rollouts
-from grpo.training.rollouts.problems import Problem, Tokenizer, tokenizer_max_len
-from grpo.training.rollouts.sampling import Log, Sampler, Sampling
+from grpo.training.rollouts.problems import Problem, tokenizer_max_len
+from grpo.training.rollouts.sampling import Log, Sampling
 from grpo.training.seeds import Purpose, episode_seed, sampling_seed
 
 AnswerOf = Callable[[str], "str | None"]

@@ -1,7 +1,8 @@
 """Grading a step's groups: --reward scores, group advantages, dynamic sampling's refill.
 
-`StepRollouts` (completions and their --reward scores) and `PlayedGroups` (episodes, whose
-returns are the environment's) are what a step sampled, round after round under
+A ``Job`` is a step's sampling in flight; its result, graded, is a `StepRollouts`
+(completions and their --reward scores) or a `PlayedGroups` (episodes, whose returns are
+the environment's): what a step sampled, round after round under
 --dynamic-sampling (`refill`); `trainable_groups` keeps the groups that train.
 Suffixes name axes (docs/DESIGN.md): ``_P`` one per problem of a step, ``_C`` one per
 completion.
@@ -10,7 +11,7 @@ completion.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, Self, TypeVar
+from typing import Protocol, Self, TypeAlias, TypeVar
 
 import attrs
 import numpy as np
@@ -44,6 +45,27 @@ class Group(Protocol):
 
     @property
     def is_degenerate(self) -> bool: ...
+
+
+JobResult: TypeAlias = "list[list[Completion]] | PlayedGroups"
+"""What a finished job holds: the completions of every problem, or the played episodes."""
+
+
+class Job(Protocol):
+    """One step's sampling in flight: its problems, the weights' version it samples, its
+    result (completions per problem, or played episodes) and usage."""
+
+    @property
+    def sampler_version(self) -> int: ...
+
+    @property
+    def problems(self) -> Sequence[Problem]: ...
+
+    def result(self) -> JobResult: ...
+
+    def usage(self) -> TokenUsage: ...
+
+    def cancel(self) -> None: ...
 
 
 RoundsT = TypeVar("RoundsT", bound=Rounds)

@@ -8,7 +8,7 @@ Suffixes name axes (docs/DESIGN.md): ``_P`` one per problem of a step.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
@@ -16,17 +16,8 @@ from grpo.core.rewards import extract_gold
 from grpo.tasks.data import columns_of
 from grpo.tasks.prompts import DEFAULT_TEMPLATE, PromptTemplate, build_prompt_tokens
 from grpo.training.config import ConfigError, TrainConfig
+from grpo.training.rollouts.clients import Tokenizer
 from grpo.training.seeds import pick_batch
-
-
-class Tokenizer(Protocol):
-    """What the rollout path asks of a Hugging Face tokenizer."""
-
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
-
-    def decode(self, tokens: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
-
-    def apply_chat_template(self, conversation: list[dict[str, str]], **options: Any) -> str: ...
 
 
 @attrs.frozen

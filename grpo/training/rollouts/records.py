@@ -12,8 +12,9 @@ from typing import Any
 
 from grpo.core.episodes import EpisodeGroup
 from grpo.core.records import ScoredGroup
+from grpo.training.rollouts.clients import Tokenizer
 from grpo.training.rollouts.grading import StepRollouts
-from grpo.training.rollouts.problems import Problem, Tokenizer
+from grpo.training.rollouts.problems import Problem
 from grpo.training.run_log import clip_text
 
 

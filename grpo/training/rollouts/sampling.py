@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 from pytrio.types import ModelInput, SamplingParams
@@ -21,37 +20,12 @@ from grpo.backends.pytrio import call_with_retries
 from grpo.core.records import Completion
 from grpo.core.usage import TokenUsage, sample_usage
 from grpo.interrupts import request_result
-from grpo.training.rollouts.problems import Problem, Tokenizer, step_problems
+from grpo.training.rollouts.clients import SampledSequence, Sampler, Tokenizer
+from grpo.training.rollouts.grading import Job
+from grpo.training.rollouts.problems import Problem, step_problems
 from grpo.training.state import Run, RunState
 
-if TYPE_CHECKING:
-    from grpo.training.rollouts.grading import PlayedGroups
-
 Log = Callable[[str], None]
-
-
-class SampledSequence(Protocol):
-    """One sequence of a sampling response (pytrio's ``SampledSequence``)."""
-
-    tokens: list[int]
-    logprobs: list[float] | None
-    text: str | None
-    stop_reason: str
-
-
-class Sampler(Protocol):
-    """A sampling client: ``sample`` and ``compute_logprobs`` return futures (pytrio's
-    ``SamplingClient``, a test's double)."""
-
-    def sample(
-        self,
-        prompt: ModelInput,
-        num_samples: int,
-        sampling_params: SamplingParams,
-        **options: Any,
-    ) -> Any: ...
-
-    def compute_logprobs(self, prompt: ModelInput) -> Any: ...
 
 
 def completion_from(sequence: SampledSequence, tokenizer: Tokenizer) -> Completion:
@@ -157,19 +131,6 @@ class Sampling:
             log=self.log,
             sampler_version=sampler_version,
         )
-
-
-class Job(Protocol):
-    """One step's sampling in flight."""
-
-    @property
-    def sampler_version(self) -> int: ...
-
-    def result(self) -> list[list[Completion]] | PlayedGroups: ...
-
-    def usage(self) -> TokenUsage: ...
-
-    def cancel(self) -> None: ...
 
 
 def submit_rollouts(

@@ -25,9 +25,11 @@ from grpo.core.records import Completion
 from grpo.core.usage import TokenUsage
 from grpo.interrupts import request_result
 from grpo.training.learner import current_sampler
+from grpo.training.rollouts.clients import Sampler
 from grpo.training.rollouts.episodes import submit_groups
 from grpo.training.rollouts.evaluation import Decoding, evaluation_row
 from grpo.training.rollouts.grading import (
+    Job,
     PlayedGroups,
     StepRollouts,
     grade_rollouts,
@@ -36,7 +38,7 @@ from grpo.training.rollouts.grading import (
 )
 from grpo.training.rollouts.problems import Problem
 from grpo.training.rollouts.records import completion_records, episode_records
-from grpo.training.rollouts.sampling import Job, Sampler, Sampling
+from grpo.training.rollouts.sampling import Sampling
 from grpo.training.seeds import Purpose, extra_batch, extra_sampling_seed, sampling_seed
 from grpo.training.state import Run, RunState
 from grpo.training.teacher import TeacherScoring
@@ -103,8 +105,7 @@ def take(state: RunState, job: Job) -> Sampled:
     if isinstance(result, PlayedGroups):
         return result
     state.usage += job.usage()
-    problems = getattr(job, "problems")  # noqa: B009 - RolloutJob and ReadyJob both keep them
-    return SampledCompletions(tuple(problems), tuple(tuple(group) for group in result))
+    return SampledCompletions(tuple(job.problems), tuple(tuple(group) for group in result))
 
 
 def teacher_scoring(run: Run, sampled: Sampled) -> TeacherScoring:
