@@ -12,7 +12,7 @@ shared-prefix trainer keep their speed. Modules, in the order a step uses them:
 - `sampling`: G completions of a problem in one request (`RolloutJob`), submitted K steps
   ahead (`submit_rollouts`) and taken with their staleness (`take_rollouts`).
 - `episodes`: one episode of an environment turn by turn (`play_episode`), G per task
-  (`submit_groups`, an `EpisodeJob`).
+  (`play_groups`, an `EpisodeJob`).
 - `step`: the GRPO step's questions answered once for both kinds (`submit`, `take`,
   `grade`, `advantage_groups`, `records`, `reference_logprobs`, `teacher_scoring`,
   `evaluate_test`); packing is `grpo.core.episodes.pack_rollout_groups`.

@@ -21,6 +21,8 @@ class Tokenizer(Protocol):
 
     def apply_chat_template(self, conversation: list[dict[str, str]], **options: Any) -> str: ...
 
+    def get_vocab(self) -> dict[str, int]: ...
+
 
 class SampledSequence(Protocol):
     """One sequence of a sampling response (pytrio's ``SampledSequence``)."""

@@ -10,7 +10,7 @@ earlier turns differently (e.g. one that strips earlier reasoning) is refused wi
 --max-turns turns, --max-tokens per turn, and the model's context (a turn that cannot get
 one more token ends the episode, its last turn marked ``context``).
 
-``submit_groups`` plays G episodes per task (`grpo.envs.make_group`) on the run's pool as an
+``play_groups`` plays G episodes per task (`grpo.envs.make_group`) on a pool as an
 `EpisodeJob` (`grpo.training.rollouts.step` submits it for a GRPO step, and
 `grpo.training.rollouts.evaluation` for an evaluation). Every sampler seed is drawn in
 `grpo.training.seeds` from (seed, purpose, step, episode, turn), and of the round in a
@@ -19,8 +19,9 @@ dynamic-sampling round >= 1.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -43,10 +44,8 @@ from grpo.tasks.prompts import build_messages
 from grpo.training.config import TrainConfig
 from grpo.training.rollouts.clients import Sampler, Tokenizer
 from grpo.training.rollouts.grading import PlayedGroups
-from grpo.training.rollouts.problems import Problem, tokenizer_max_len
+from grpo.training.rollouts.problems import Problem
 from grpo.training.rollouts.sampling import Log
-from grpo.training.seeds import Purpose, episode_seed, extra_episode_seed
-from grpo.training.state import Run
 
 
 class TemplateError(EnvError):
@@ -306,59 +305,38 @@ class EpisodeJob:
             future.cancel()
 
 
-def submit_groups(
-    run: Run,
+def play_groups(
+    pool: ThreadPoolExecutor,
     sampler: Sampler,
+    tokenizer: Tokenizer,
+    config: TrainConfig,
     problems: Sequence[Problem],
+    limits: EpisodeLimits,
     *,
     group_size: int,
-    temperature: float,
-    purpose: Purpose,
-    step: int,
-    round_: int = 0,
+    seed_for: Callable[[int, int], int],
+    max_retries: int,
+    log: Log,
     sampler_version: int = 0,
 ) -> EpisodeJob:
-    """``group_size`` episodes per problem submitted to the run's pool (not waited for).
-
-    Turn seeds are `episode_seed` in round 0 and `extra_episode_seed` in a dynamic-sampling
-    round ``round_`` >= 1.
-    """
-    config = run.config
-    limits = EpisodeLimits(
-        max_turns=config.max_turns,
-        max_tokens=config.max_tokens,
-        max_len=run_max_len(run),
-        temperature=temperature,
-        top_p=config.top_p if purpose == Purpose.ENV_TRAIN else 1.0,
-        env_timeout_s=config.env_timeout,
-        env_errors=config.env_errors,
-    )
+    """``group_size`` episodes of every problem's env (``config.env_factory``) submitted to
+    ``pool``, not waited for; turn t of episode e (``e = problem * group_size + member``)
+    samples with seed ``seed_for(e, t)``."""
     futures = []
     for index, problem in enumerate(problems):
         envs = make_group(config.env_factory, task_of(problem, config), group_size)
         for member, env in enumerate(envs):
             episode = index * group_size + member
-
-            def seed_for(turn: int, episode: int = episode) -> int:
-                if round_:
-                    return extra_episode_seed(config.seed, step, round_, episode, turn)
-                return episode_seed(config.seed, purpose, step, episode, turn)
-
             futures.append(
-                run.pool.submit(
+                pool.submit(
                     play_episode,
                     sampler,
                     env,
-                    run.tokenizer,
+                    tokenizer,
                     limits,
-                    seed_for,
-                    max_retries=config.max_retries,
-                    log=run.note,
+                    functools.partial(seed_for, episode),
+                    max_retries=max_retries,
+                    log=log,
                 )
             )
     return EpisodeJob(problems, futures, group_size=group_size, sampler_version=sampler_version)
-
-
-def run_max_len(run: Run) -> int | None:
-    """The model's context length, as the tokenizer states it."""
-    return tokenizer_max_len(run.tokenizer)

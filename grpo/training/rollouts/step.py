@@ -26,7 +26,7 @@ from grpo.core.usage import TokenUsage
 from grpo.interrupts import request_result
 from grpo.training.learner import current_sampler
 from grpo.training.rollouts.clients import Sampler
-from grpo.training.rollouts.episodes import submit_groups
+from grpo.training.rollouts.episodes import EpisodeLimits, play_groups
 from grpo.training.rollouts.evaluation import Decoding, evaluation_row
 from grpo.training.rollouts.grading import (
     Job,
@@ -36,10 +36,17 @@ from grpo.training.rollouts.grading import (
     refill,
     score_groups,
 )
-from grpo.training.rollouts.problems import Problem
+from grpo.training.rollouts.problems import Problem, tokenizer_max_len
 from grpo.training.rollouts.records import completion_records, episode_records
 from grpo.training.rollouts.sampling import Sampling
-from grpo.training.seeds import Purpose, extra_batch, extra_sampling_seed, sampling_seed
+from grpo.training.seeds import (
+    Purpose,
+    episode_seed,
+    extra_batch,
+    extra_episode_seed,
+    extra_sampling_seed,
+    sampling_seed,
+)
 from grpo.training.state import Run, RunState
 from grpo.training.teacher import TeacherScoring
 
@@ -68,15 +75,32 @@ def submit(
     config = run.config
     sampler = current_sampler(run, state)
     if config.env is not None:
-        return submit_groups(
-            run,
-            sampler,
-            problems,
-            group_size=config.group_size,
+        limits = EpisodeLimits(
+            max_turns=config.max_turns,
+            max_tokens=config.max_tokens,
+            max_len=tokenizer_max_len(run.tokenizer),
             temperature=config.temperature,
-            purpose=Purpose.ENV_TRAIN,
-            step=step,
-            round_=round_,
+            top_p=config.top_p,
+            env_timeout_s=config.env_timeout,
+            env_errors=config.env_errors,
+        )
+
+        def seed_for(episode: int, turn: int) -> int:
+            if round_:
+                return extra_episode_seed(config.seed, step, round_, episode, turn)
+            return episode_seed(config.seed, Purpose.ENV_TRAIN, step, episode, turn)
+
+        return play_groups(
+            run.pool,
+            sampler,
+            run.tokenizer,
+            config,
+            problems,
+            limits,
+            group_size=config.group_size,
+            seed_for=seed_for,
+            max_retries=config.max_retries,
+            log=run.note,
             sampler_version=state.version,
         )
 
