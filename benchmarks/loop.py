@@ -60,7 +60,7 @@ from benchmarks.common import (
 from grpo.backends.local.tiny import IM_END, TINY_MODEL_NAME, build_tokenizer
 from grpo.tasks.data import load_problems
 from grpo.training.config import TrainConfig
-from grpo.training.rollouts import Problem, build_problems
+from grpo.training.rollouts.problems import Problem, build_problems
 from grpo.training.run import train
 from grpo.training.run_files import read_metrics
 

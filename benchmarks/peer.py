@@ -44,7 +44,7 @@ from grpo.backends.local.tiny import load_tiny_model
 from grpo.core.rewards import grade
 from grpo.tasks.data import load_run_problems
 from grpo.training.config import TrainConfig
-from grpo.training.rollouts import run_problems, step_problems
+from grpo.training.rollouts.problems import run_problems, step_problems
 from grpo.training.run import train
 from grpo.training.run_files import read_metrics
 

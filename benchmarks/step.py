@@ -30,7 +30,8 @@ import torch
 
 import grpo.training.learner as learner
 import grpo.training.lifecycle as lifecycle
-import grpo.training.sources as sources
+import grpo.training.recipes.grpo as grpo_recipe
+import grpo.training.rollouts.step as rollout_step
 from benchmarks.common import argument_parser, markdown_table, print_header, torch_threads
 from benchmarks.local import matmul_gflops
 from grpo.backends.local import loss_execution
@@ -52,8 +53,8 @@ PHASES: tuple[tuple[str, Any, str], ...] = (
     ("sampler: prefill", sampler_loop, "_prefill"),
     ("sampler: decode", sampler_loop, "_decode"),
     ("sampler: detokenize, responses", sampler_loop, "_sequence"),
-    ("grading (reward)", sources, "grade_rollouts"),
-    ("datums: align + pack", sources, "pack_groups"),
+    ("grading (reward)", rollout_step, "grade_rollouts"),
+    ("datums: align + pack", grpo_recipe, "pack_rollout_groups"),
     ("datums: to PyTRIO datums", learner, "batch_to_datums"),
     ("trainer: request validation", local_training, "prepare_loss_batch"),
     ("trainer: forward (log-probs)", loss_execution, "target_logprobs"),

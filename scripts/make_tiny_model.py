@@ -120,7 +120,7 @@ def tool_examples(tokenizer: object) -> list[tuple[list[int], list[int]]]:
     from grpo.envs import CalculatorEnv, Task
     from grpo.envs.wordproblems import tool_solution
     from grpo.tasks.prompts import build_messages
-    from grpo.training.episodes import bridge_text, render
+    from grpo.training.rollouts.episodes import bridge_text, render
 
     eos = tokenizer.eos_token_id
     end = tokenizer.decode([eos], skip_special_tokens=False)
@@ -184,7 +184,7 @@ def measure_tools(out: Path, problems: int) -> dict:
     from grpo.backends.local import LocalServiceClient
     from grpo.envs import CalculatorEnv, Task
     from grpo.tasks.prompts import build_messages
-    from grpo.training.episodes import EpisodeLimits, play_episode
+    from grpo.training.rollouts.episodes import EpisodeLimits, play_episode
     from grpo.training.seeds import episode_seed
 
     results = {}

@@ -20,6 +20,9 @@ token ever has a target, a log-prob or an advantage. One turn is `align` of
 - `episode_groups`: episodes of each task with their group advantages.
 - `align_episode`, `pack_episode_groups`: episodes -> `AlignedSequence` / `TokenBatch`.
 - `truncated_episodes`, `episode_metrics`: overlong flags and the rollout metrics.
+- `RolloutGroup`: a group of either kind, of which a completion is the one-turn case
+  (`completion_episode`); `pack_rollout_groups`, `truncated_rollouts` and
+  `sampled_sequences` take either, so the shell has one packer and one scoring path.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ import numpy as np
 import numpy.typing as npt
 
 from grpo.core.advantages import group_advantages
-from grpo.core.alignment import PAD_TOKEN_ID, pack
+from grpo.core.alignment import PAD_TOKEN_ID, pack, pack_groups
 from grpo.core.records import (
     AlignedSequence,
+    Completion,
+    ScoredGroup,
     TokenBatch,
     _array_field,
     _require_finite,
@@ -47,12 +52,17 @@ from grpo.core.records import (
 __all__ = [
     "Episode",
     "EpisodeGroup",
+    "RolloutGroup",
     "Turn",
     "align_episode",
+    "completion_episode",
     "episode_groups",
     "episode_metrics",
     "pack_episode_groups",
+    "pack_rollout_groups",
+    "sampled_sequences",
     "truncated_episodes",
+    "truncated_rollouts",
 ]
 
 STOP_REASONS = ("stop", "length", "context", "env_error")
@@ -294,3 +304,85 @@ def episode_metrics(groups: Sequence[EpisodeGroup]) -> dict[str, float]:
         "env/final_reward": float(np.mean([episode.final_reward for episode in episodes])),
         "env/errors": float(np.mean([e.turns[-1].stop_reason == "env_error" for e in episodes])),
     }
+
+
+RolloutGroup = ScoredGroup | EpisodeGroup
+"""The G rollouts of one prompt: completions (`ScoredGroup`, the one-turn case, packed by a
+vectorized fast path) or episodes (`EpisodeGroup`)."""
+
+
+def completion_episode(
+    prompt_tokens: npt.ArrayLike, completion: Completion, reward: float = 0.0
+) -> Episode:
+    """The one-turn episode a completion is: the prompt observed, the completion sampled and
+    rewarded ``reward`` (a stop reason other than "length" is an end of turn, "stop")."""
+    return Episode(
+        turns=(
+            Turn(
+                observation_tokens=prompt_tokens,
+                action_tokens=completion.tokens,
+                action_logprobs=completion.logprobs,
+                reward=reward,
+                action_text=completion.text,
+                stop_reason="length" if completion.is_truncated else "stop",
+            ),
+        )
+    )
+
+
+def _as_episode_groups(groups: Sequence[RolloutGroup]) -> list[EpisodeGroup]:
+    return [
+        group
+        if isinstance(group, EpisodeGroup)
+        else EpisodeGroup(
+            episodes=[
+                completion_episode(group.prompt_tokens, completion, reward)
+                for completion, reward in zip(group.completions, group.rewards, strict=True)
+            ],
+            advantages=group.advantages,
+        )
+        for group in groups
+    ]
+
+
+def pack_rollout_groups(
+    groups: Sequence[RolloutGroup], *, drop_degenerate: bool = True
+) -> TokenBatch:
+    """The one packer: every member of every group aligned and packed, group by group.
+
+    Groups of completions only take `pack_groups`' vectorized path, which equals
+    `pack_episode_groups` of their one-turn episodes; any episode sends the batch through
+    `pack_episode_groups` (completions as their one-turn episodes).
+    """
+    if all(isinstance(group, ScoredGroup) for group in groups):
+        return pack_groups(groups, drop_degenerate=drop_degenerate)  # type: ignore[arg-type]
+    return pack_episode_groups(_as_episode_groups(groups), drop_degenerate=drop_degenerate)
+
+
+def truncated_rollouts(groups: Sequence[RolloutGroup]) -> npt.NDArray[np.bool_]:
+    """One flag per member, in packing order: True when it stopped at a token limit."""
+    return np.array(
+        [
+            member.is_truncated
+            for group in groups
+            for member in (group.completions if isinstance(group, ScoredGroup) else group.episodes)
+        ],
+        dtype=bool,
+    )
+
+
+def sampled_sequences(
+    groups: Sequence[RolloutGroup],
+) -> list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]:
+    """(tokens X, positions of the sampled tokens in X) of every member, in packing order:
+    prompt + completion read at the completion, an episode's stream at its actions."""
+    found = []
+    for group in groups:
+        if isinstance(group, ScoredGroup):
+            for completion in group.completions:
+                tokens = np.concatenate([group.prompt_tokens, completion.tokens])
+                found.append((tokens, np.arange(group.prompt_tokens.size, tokens.size)))
+        else:
+            for episode in group.episodes:
+                found.append((episode.tokens, np.flatnonzero(episode.sampled)))
+    return found

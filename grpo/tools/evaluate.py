@@ -5,7 +5,7 @@ checkpoint), a checkpoint path (sampler weights or a training state), or neither
 model). The task is the run's (or the defaults) with the given overrides, checked like every
 flag: its `--reward` list, or its `--env`, its dataset and columns. Every problem gets
 `samples` completions (episodes) per seed, for seeds `seed`, `seed + 1`, ... (`seeds` of
-them); `grpo.training.evaluation` samples and grades, `grpo.core.evaluation` computes each
+them); `grpo.training.rollouts.evaluation` samples and grades, `grpo.core.evaluation` computes each
 metric, its mean over seeds and its 95% percentile-bootstrap interval over problems
 (docs/FORMULAS.md, "Evaluation metrics").
 
@@ -207,7 +207,7 @@ class EvalReport:
     provenance: dict[str, Any]
     problems: tuple[Any, ...] = attrs.field(repr=False)
     results: tuple[Any, ...] = attrs.field(repr=False)
-    """One `grpo.training.evaluation.Evaluation` per seed."""
+    """One `grpo.training.rollouts.evaluation.Evaluation` per seed."""
     summary: dict[str, Any]
     """name -> `grpo.core.evaluation.MetricSummary` (mean over seeds, interval, per seed)."""
 
@@ -314,8 +314,8 @@ def evaluate_report(
     from grpo.backends.pytrio import make_service_client
     from grpo.core.evaluation import seed_summary
     from grpo.tasks.data import SPLITS, columns_of, load_run_problems
-    from grpo.training.evaluation import Decoding, evaluate_policy
-    from grpo.training.rollouts import run_problems, tokenizer_max_len
+    from grpo.training.rollouts.evaluation import Decoding, evaluate_policy
+    from grpo.training.rollouts.problems import run_problems, tokenizer_max_len
 
     if run_dir is not None and checkpoint is not None:
         raise ConfigError("give --run-dir or --checkpoint, not both")

@@ -26,7 +26,8 @@ from grpo.core.episodes import Episode, Turn
 from grpo.core.records import Completion
 from grpo.core.usage import USAGE_KINDS, TokenUsage
 from grpo.training import run_files
-from grpo.training.rollouts import Problem, step_problems
+from grpo.training.rollouts.grading import Job, JobResult, PlayedGroups
+from grpo.training.rollouts.problems import Problem, step_problems
 
 AHEAD_DIR = "ahead"
 _FORMAT = 1
@@ -38,11 +39,11 @@ class ReadyJob:
 
     problems: tuple[Problem, ...]
     sampler_version: int
-    outcome: Any
+    outcome: JobResult
     """What the job's ``result()`` returned: completions per problem, or `PlayedGroups`."""
     tokens: TokenUsage
 
-    def result(self) -> Any:
+    def result(self) -> JobResult:
         """The finished job's result."""
         return self.outcome
 
@@ -60,7 +61,7 @@ def ahead_path(run_dir: Path, step: int) -> Path:
 
 
 def save_ahead(
-    run_dir: Path, step: int, state_path: str, jobs: dict[int, Any], version: int
+    run_dir: Path, step: int, state_path: str, jobs: dict[int, Job], version: int
 ) -> None:
     """Wait for the jobs in flight and write them for checkpoint ``step`` (atomically).
 
@@ -184,7 +185,7 @@ def _fields(record: Any) -> dict[str, Any]:
     return {field.name: _plain(getattr(record, field.name)) for field in attrs.fields(type(record))}
 
 
-def _outcome_record(outcome: Any) -> dict[str, Any]:
+def _outcome_record(outcome: JobResult) -> dict[str, Any]:
     """A job's result as JSON: ``completions`` (single-turn) or ``episodes`` (--env)."""
     if isinstance(outcome, list):
         return {"completions": [[_fields(c) for c in group] for group in outcome]}
@@ -203,15 +204,13 @@ def _outcome_record(outcome: Any) -> dict[str, Any]:
     }
 
 
-def _outcome(record: Mapping[str, Any], batch: list[Problem], usage: TokenUsage) -> Any:
+def _outcome(record: Mapping[str, Any], batch: list[Problem], usage: TokenUsage) -> JobResult:
     """The job's result back from its record (the validators of each record check it)."""
     if "completions" in record:
         groups = [[Completion(**c) for c in group] for group in record["completions"]]
         if len(groups) != len(batch):
             raise ValueError(f"{len(groups)} groups for {len(batch)} problems")
         return groups
-    from grpo.training.episodes import PlayedGroups
-
     episodes = tuple(
         tuple(
             Episode(

@@ -39,6 +39,7 @@ from grpo.training.custom_loss import as_custom_loss
 from grpo.training.faults import fault_point
 from grpo.training.lifecycle import NonFiniteUpdate
 from grpo.training.plan import runs_extra_forward
+from grpo.training.rollouts.clients import Sampler
 from grpo.training.state import Run, RunState
 from grpo.training.timing import timed
 
@@ -48,7 +49,7 @@ def retry(run: Run, call: Callable[[], Any], what: str) -> Any:
     return call_with_retries(call, what=what, max_retries=run.config.max_retries, on_retry=run.note)
 
 
-def current_sampler(run: Run, state: RunState) -> Any:
+def current_sampler(run: Run, state: RunState) -> Sampler:
     """A sampling client on the current weights, refreshed once per update."""
     if state.sampler_version != state.version:
         state.sampler = retry(

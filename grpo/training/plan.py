@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -23,9 +23,10 @@ from grpo.core.usage import Prices, TokenUsage, cost, planned_episode_tokens, pl
 from grpo.tasks.data import load_problems, run_problem_source
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig, check_user_inputs
-from grpo.training.judge import check_judge, resolve_judge
+from grpo.training.judge import Judge, check_judge, resolve_judge
 from grpo.training.prices import prices_for
-from grpo.training.rollouts import (
+from grpo.training.rollouts.clients import Sampler, Tokenizer
+from grpo.training.rollouts.problems import (
     Problem,
     build_problems,
     run_problem_options,
@@ -33,6 +34,9 @@ from grpo.training.rollouts import (
 )
 from grpo.training.schedule import evaluates_after, evaluates_at_start, saves_after
 from grpo.training.seeds import extra_batch, pick_batch
+
+if TYPE_CHECKING:
+    from grpo.training.teacher import Teacher
 
 
 @attrs.frozen
@@ -42,17 +46,17 @@ class Preflight:
     config: TrainConfig
     steps: int
     service: Any
-    base_sampler: Any
+    base_sampler: Sampler
     """A sampler on the base model (the reference sampler when --kl-coef > 0)."""
-    tokenizer: Any
+    tokenizer: Tokenizer
     max_len: int | None
     train_problems: list[Problem]
     test_problems: list[Problem]
     prices: Prices | None
-    teacher: Any = None
+    teacher: Teacher | None = None
     """`grpo distill`'s teacher, resolved and its tokenizer checked (None otherwise)."""
-    judge: Any = None
-    """The judge of the judge rewards (`grpo.training.judge.Judge`), resolved (else None)."""
+    judge: Judge | None = None
+    """The judge of the judge rewards, resolved (else None)."""
 
 
 class SharedInputs:
@@ -73,7 +77,7 @@ class SharedInputs:
         return self._rows[key]
 
     def problems(
-        self, tokenizer: Any, rows: Any, config: TrainConfig, split: str, max_len: int | None
+        self, tokenizer: Tokenizer, rows: Any, config: TrainConfig, split: str, max_len: int | None
     ) -> list[Problem]:
         """`run_problems(tokenizer, rows, config, split, max_len=max_len)`, built once."""
         options = run_problem_options(config, split, max_len=max_len)

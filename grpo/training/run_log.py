@@ -13,15 +13,11 @@ import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from grpo.training.run_files import STEP_KEY, MetricsWriter, RolloutsWriter, read_metrics
 from grpo.training.trackers.base import RunInfo, Tracker
 from grpo.training.trackers.fanout import TrackerSet, make_tracker
-
-if TYPE_CHECKING:
-    from grpo.core.records import ScoredGroup
-    from grpo.training.rollouts import StepRollouts
 
 # Config values whose key looks like a credential are never written anywhere.
 _SECRET_KEY = re.compile(
@@ -82,40 +78,6 @@ def clip_text(text: str) -> str:
         return text
     half = ROLLOUT_TEXT_LIMIT // 2
     return f"{text[:half]} [... {len(text) - 2 * half} characters ...] {text[-half:]}"
-
-
-def rollout_records(
-    rollouts: StepRollouts, groups_P: Sequence[ScoredGroup], tokenizer: Any, limit: int
-) -> list[dict[str, Any]]:
-    """The first ``limit`` groups as JSON-ready records for rollouts.jsonl (texts clipped)."""
-    records = []
-    for index, (problem, group) in enumerate(zip(rollouts.problems_P, groups_P)):
-        if index >= limit:
-            break
-        components = rollouts.scores.components_P[index]
-        records.append(
-            {
-                "group": index,
-                "row": problem.index,
-                "prompt": clip_text(tokenizer.decode(list(problem.prompt_tokens))),
-                "gold": problem.gold,
-                "degenerate": group.is_degenerate,
-                "completions": [
-                    {
-                        "text": clip_text(completion.text),
-                        "reward": float(group.rewards[member]),
-                        "components": {
-                            name: float(values[member]) for name, values in components.items()
-                        },
-                        "advantage": float(group.advantages[member]),
-                        "tokens": int(completion.tokens.size),
-                        "stop_reason": completion.stop_reason,
-                    }
-                    for member, completion in enumerate(group.completions)
-                ],
-            }
-        )
-    return records
 
 
 def rollout_text(group: Mapping[str, Any]) -> str:

@@ -17,8 +17,12 @@ from pytrio.types import AdamParams
 
 from grpo.core.usage import Prices, TokenUsage
 from grpo.training.config import TrainConfig
-from grpo.training.rollouts import Problem
+from grpo.training.judge import Judge
+from grpo.training.rollouts.clients import Sampler, Tokenizer
+from grpo.training.rollouts.grading import Job
+from grpo.training.rollouts.problems import Problem
 from grpo.training.run_log import RunLogger
+from grpo.training.teacher import Teacher
 
 
 @attrs.frozen
@@ -29,18 +33,18 @@ class Run:
     run_dir: Path
     steps: int
     training_client: Any
-    tokenizer: Any
+    tokenizer: Tokenizer
     train_problems: list[Problem]
     test_problems: list[Problem]
     adam: AdamParams
     pool: ThreadPoolExecutor
-    ref_sampler: Any
+    ref_sampler: Sampler | None
     logger: RunLogger
     note: Callable[[str], None]
     prices: Prices | None = None
-    teacher: Any = None
+    teacher: Teacher | None = None
     """The checked teacher of `grpo distill` (`grpo.training.teacher.Teacher`), else None."""
-    judge: Any = None
+    judge: Judge | None = None
     """The judge of the judge rewards (`grpo.training.judge.Judge`), else None."""
     service_normalization: str = "sum"
     """What the service divides a loss's gradient by (`grpo.core.normalization.service_divisor`):
@@ -61,11 +65,11 @@ class RunState:
     probe_datums: Any = None
     """The last minibatch of an update no checkpoint has checked yet, stripped to targets: no
     checkpoint if its log-probs are not finite (None once checked)."""
-    sampler: Any = None
+    sampler: Sampler | None = None
     sampler_version: int = -1
-    jobs: dict[int, Any] = attrs.Factory(dict)
+    jobs: dict[int, Job] = attrs.Factory(dict)
     """Sampling in flight, by step (steps ahead under --max-steps-off-policy): each a
-    `grpo.training.jobs.Job`."""
+    `grpo.training.rollouts.grading.Job`."""
     rollout_log: list[dict[str, Any]] = attrs.Factory(list)
     """The groups of the step being trained, for rollouts.jsonl (written with its row)."""
     last_metrics: dict[str, float] = attrs.Factory(dict)

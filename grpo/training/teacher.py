@@ -35,7 +35,8 @@ from grpo.core.usage import TokenUsage, planned_teacher_tokens
 from grpo.tasks.prompts import build_prompt_tokens
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig
-from grpo.training.rollouts import Problem
+from grpo.training.rollouts.clients import Sampler, Tokenizer
+from grpo.training.rollouts.problems import Problem
 from grpo.training.seeds import pick_batch
 
 Log = Callable[[str], None]
@@ -45,11 +46,11 @@ Log = Callable[[str], None]
 class Teacher:
     """The teacher's sampler, what --teacher named, the weights it resolved to, its pool."""
 
-    sampler: Any
+    sampler: Sampler
     source: str
     weights: str | None
     pool: ThreadPoolExecutor = attrs.field(eq=False, repr=False)
-    tokenizer: Any = attrs.field(eq=False, repr=False)
+    tokenizer: Tokenizer = attrs.field(eq=False, repr=False)
     config: TrainConfig = attrs.field(eq=False, repr=False)
 
     def prompt_tokens(self, problem: Problem) -> tuple[int, ...]:
@@ -86,7 +87,7 @@ def _is_model_dir(path: Path) -> bool:
 
 def weights_sampler(
     service: Any, base_model: str, path: str, source: str, flag: str = "--teacher"
-) -> Any:
+) -> Sampler:
     """A sampler on sampler weights at ``path``, else on a training state's weights (ConfigError
     naming ``flag`` and ``source`` when it is neither)."""
     return sampler_on_weights(
@@ -103,7 +104,7 @@ def weights_sampler(
 
 def named_sampler(
     service: Any, config: TrainConfig, source: str, flag: str
-) -> tuple[Any, str | None]:
+) -> tuple[Sampler, str | None]:
     """The sampler ``source`` names on the run's backend (a finished run directory, a weights
     path, or a model name) and the weights path it resolved to (None: a base model)."""
     path = Path(source).expanduser()
@@ -128,13 +129,13 @@ def named_sampler(
         ) from None
 
 
-def teacher_sampler(service: Any, config: TrainConfig) -> tuple[Any, str | None]:
+def teacher_sampler(service: Any, config: TrainConfig) -> tuple[Sampler, str | None]:
     """The sampler --teacher names and the weights path it resolved to (None: a base model)."""
     return named_sampler(service, config, str(config.teacher), "--teacher")
 
 
 def check_same_tokenizer(
-    teacher: Any, student: Any, *, teacher_name: str, student_name: str
+    teacher: Tokenizer, student: Tokenizer, *, teacher_name: str, student_name: str
 ) -> None:
     """ConfigError naming both models unless the vocabularies and chat templates are equal."""
     teacher_vocab, student_vocab = teacher.get_vocab(), student.get_vocab()
@@ -159,7 +160,7 @@ def check_same_tokenizer(
         )
 
 
-def resolve_teacher(service: Any, config: TrainConfig, student_tokenizer: Any) -> Teacher:
+def resolve_teacher(service: Any, config: TrainConfig, student_tokenizer: Tokenizer) -> Teacher:
     """The checked teacher of --teacher (tokenizer equal to the student's), before any work."""
     sampler, weights = teacher_sampler(service, config)
     tokenizer = sampler.get_tokenizer()

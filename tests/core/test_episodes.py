@@ -12,11 +12,16 @@ from grpo.core.episodes import (
     EpisodeGroup,
     Turn,
     align_episode,
+    completion_episode,
     episode_groups,
     episode_metrics,
     pack_episode_groups,
+    pack_rollout_groups,
+    sampled_sequences,
     truncated_episodes,
+    truncated_rollouts,
 )
+from tests.strategies import scored_groups
 
 # Sampled tokens get ids >= SAMPLED_BASE, each one distinct, and log-prob -(id - base + 1)/64,
 # so a test can tell every sampled token (and its log-prob) apart from every other token.
@@ -188,3 +193,67 @@ def test_episode_metrics_and_truncation_flags():
     assert metrics["rollout/frac_truncated"] == 0.5
     assert metrics["frac_degenerate"] == 0.0
     assert truncated_episodes(groups).tolist() == [False, True]
+
+
+def _fields(batch):
+    return [
+        batch.input_tokens,
+        batch.target_tokens,
+        batch.sampling_logprobs,
+        batch.advantages,
+        batch.mask,
+        batch.seq_lens,
+    ]
+
+
+def _one_turn_groups(groups):
+    return [
+        EpisodeGroup(
+            episodes=[
+                completion_episode(g.prompt_tokens, c, r)
+                for c, r in zip(g.completions, g.rewards, strict=True)
+            ],
+            advantages=g.advantages,
+        )
+        for g in groups
+    ]
+
+
+@given(groups=st.lists(scored_groups(), max_size=4), drop=st.booleans())
+def test_completions_pack_as_their_one_turn_episodes(groups, drop):
+    fast = pack_rollout_groups(groups, drop_degenerate=drop)
+    as_episodes = pack_episode_groups(_one_turn_groups(groups), drop_degenerate=drop)
+    for left, right in zip(_fields(fast), _fields(as_episodes), strict=True):
+        np.testing.assert_array_equal(left, right)
+    assert (
+        truncated_rollouts(groups).tolist() == truncated_episodes(_one_turn_groups(groups)).tolist()
+    )
+
+
+@given(
+    groups=st.lists(scored_groups(), min_size=1, max_size=3),
+    episodes_G=st.lists(episodes(), min_size=1, max_size=3),
+)
+def test_a_mixed_batch_packs_completions_as_one_turn_episodes(groups, episodes_G):
+    episode_group = EpisodeGroup(episodes=episodes_G, advantages=np.ones(len(episodes_G)))
+    mixed = pack_rollout_groups([*groups, episode_group], drop_degenerate=False)
+    expected = pack_episode_groups(
+        [*_one_turn_groups(groups), episode_group], drop_degenerate=False
+    )
+    for left, right in zip(_fields(mixed), _fields(expected), strict=True):
+        np.testing.assert_array_equal(left, right)
+
+
+@given(groups=st.lists(scored_groups(), min_size=1, max_size=3))
+def test_sampled_sequences_of_completions_read_the_completion_after_its_prompt(groups):
+    found = sampled_sequences(groups)
+    same = sampled_sequences(_one_turn_groups(groups))
+    members = [(g, c) for g in groups for c in g.completions]
+    assert len(found) == len(members) == len(same)
+    for (tokens, positions), (group, completion), (tokens_e, positions_e) in zip(
+        found, members, same, strict=True
+    ):
+        np.testing.assert_array_equal(tokens[positions], completion.tokens)
+        np.testing.assert_array_equal(tokens[: group.prompt_tokens.size], group.prompt_tokens)
+        np.testing.assert_array_equal(tokens, tokens_e)
+        np.testing.assert_array_equal(positions, positions_e)

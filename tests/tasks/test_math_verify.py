@@ -128,7 +128,8 @@ def test_a_math_verify_run_evaluates_with_math_verify_on_latex_golds(tmp_path: P
     from grpo.tasks.data import load_run_problems
     from grpo.training import run_files
     from grpo.training.config import TrainConfig
-    from grpo.training.rollouts import Sampling, build_problems, tokenizer_max_len
+    from grpo.training.rollouts.problems import build_problems, tokenizer_max_len
+    from grpo.training.rollouts.sampling import Sampling
     from grpo.training.seeds import Purpose, sampling_seed
     from tests.runs import quiet_train, tiny_config
 

@@ -83,7 +83,7 @@ def test_a_template_that_renders_nothing_is_rejected():
 
 from grpo.tasks.prompts import DEFAULT_TEMPLATE, PromptTemplate, read_fewshot_file  # noqa: E402
 from grpo.training.config import ConfigError, TrainConfig, check_user_inputs  # noqa: E402
-from grpo.training.rollouts import build_problems  # noqa: E402
+from grpo.training.rollouts.problems import build_problems  # noqa: E402
 
 
 def test_default_config_template_gives_the_articles_tokens(tokenizer):

@@ -22,14 +22,14 @@ from grpo.rewards import load_rewards
 from grpo.tasks.data import columns_of, load_run_problems
 from grpo.tools.evaluate import EvalProgress
 from grpo.training.config import TrainConfig
-from grpo.training.evaluation import (
+from grpo.training.rollouts.evaluation import (
     Decoding,
     boxed_answer,
     code_answer,
     completion_samples,
     evaluation_row,
 )
-from grpo.training.rollouts import build_problems, tokenizer_max_len
+from grpo.training.rollouts.problems import build_problems, tokenizer_max_len
 from grpo.training.run_files import read_metrics
 from tests.runs import quiet_train, tiny_config
 

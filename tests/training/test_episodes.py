@@ -1,4 +1,5 @@
-"""Multi-turn rollouts (grpo.training.episodes): the token stream, its limits, and --env runs."""
+"""Multi-turn rollouts (grpo.training.rollouts.episodes): the token stream, its limits, and
+--env runs."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from grpo.envs.base import EnvError
 from grpo.envs.tools import format_tool_call
 from grpo.envs.wordproblems import TOOL_SYSTEM_PROMPT
 from grpo.training.config import ConfigError
-from grpo.training.episodes import EpisodeLimits, TemplateError, play_episode, render
+from grpo.training.rollouts.episodes import EpisodeLimits, TemplateError, play_episode, render
 from grpo.training.run_files import read_metrics
 from tests.invariance import assert_same_rollouts, assert_same_rows
 from tests.runs import comparable, embedded_service, quiet_train, tiny_config
@@ -211,11 +212,12 @@ def test_env_flags_are_checked_before_any_run(tmp_path: Path):
     assert not (tmp_path / "missing" / "metrics.jsonl").exists()
 
 
-def test_reference_logprobs_of_episodes_are_read_at_the_sampled_positions():
+def test_reference_logprobs_are_read_at_the_sampled_positions_of_episodes_and_completions():
     from types import SimpleNamespace
 
     from grpo.core.episodes import Episode, EpisodeGroup, Turn
-    from grpo.training.episodes import reference_episode_logprobs
+    from grpo.core.records import Completion, ScoredGroup
+    from grpo.training.rollouts.step import reference_logprobs
 
     class Reference:
         def compute_logprobs(self, prompt):
@@ -228,15 +230,19 @@ def test_reference_logprobs_of_episodes_are_read_at_the_sampled_positions():
         Turn(observation_tokens=[5], action_tokens=[6], action_logprobs=[-1]),
     ]
     group = EpisodeGroup(episodes=[Episode(turns=turns)], advantages=[1.0])
+    completion = Completion(tokens=[8, 9], logprobs=[-1, -1], text="", stop_reason="stop")
+    completions = ScoredGroup(
+        prompt_tokens=[1, 2, 3], completions=[completion], rewards=[0.0], advantages=[0.0]
+    )
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1) as pool:
         run = SimpleNamespace(
             ref_sampler=Reference(), pool=pool, config=SimpleNamespace(max_retries=0), note=print
         )
-        values, usage = reference_episode_logprobs(run, [group])
-    assert values.tolist() == [-3.0, -4.0, -6.0]
-    assert usage.prompt_tokens == 6
+        values, usage = reference_logprobs(run, [group, completions])
+    assert values.tolist() == [-3.0, -4.0, -6.0, -8.0, -9.0]
+    assert usage.prompt_tokens == 6 + 5
 
 
 def _episode(reward: float, tokens: int = 2) -> Any:
@@ -253,8 +259,8 @@ def _episode(reward: float, tokens: int = 2) -> Any:
 
 def test_played_groups_count_unequal_returns_and_extend_round_by_round():
     from grpo.core.usage import TokenUsage
-    from grpo.training.episodes import PlayedGroups
-    from grpo.training.rollouts import Problem
+    from grpo.training.rollouts.grading import PlayedGroups
+    from grpo.training.rollouts.problems import Problem
 
     def played(returns_P: list[list[float]], tokens: int) -> PlayedGroups:
         return PlayedGroups(

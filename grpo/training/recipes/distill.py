@@ -17,53 +17,56 @@ on completions or on an environment's episodes; then, in the step's own story:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from grpo.core.records import TokenBatch
 from grpo.core.usage import TokenUsage
 from grpo.training.config import TrainConfig
-from grpo.training.sources import RolloutSource
+from grpo.training.rollouts import step as rollouts
 from grpo.training.state import Run, RunState
 from grpo.training.teacher import Teacher, TeacherScoring, distill_batch, in_update
 
 
-def submit_scoring(run: Run, source: RolloutSource, sampled: Any) -> TeacherScoring | None:
+def submit_scoring(run: Run, sampled: rollouts.Sampled) -> TeacherScoring | None:
     """Step 2b: the teacher's scoring of every sampled token, submitted (None: no teacher)."""
     if run.teacher is None:
         return None
-    return source.teacher_scoring(run, sampled)
+    return rollouts.teacher_scoring(run, sampled)
 
 
 def teacher_logprobs(
-    state: RunState, scoring: TeacherScoring, batch: TokenBatch, metrics: dict[str, float]
-) -> np.ndarray:
-    """Step 6b: q on the batch's sampled positions; its time and usage into the step's row."""
+    state: RunState, scoring: TeacherScoring, batch: TokenBatch
+) -> tuple[np.ndarray, dict[str, float]]:
+    """Step 6b: q on the batch's sampled positions, and the scoring's time and tokens for the
+    step's row (its usage counted into the row's)."""
     teacher_N = scoring.result_N(batch)
-    metrics["time/teacher"] = scoring.seconds()
-    metrics["usage/teacher_prompt_tokens"] = float(scoring.num_tokens())
     state.usage += scoring.usage()
-    return teacher_N
+    return teacher_N, {
+        "time/teacher": scoring.seconds(),
+        "usage/teacher_prompt_tokens": float(scoring.num_tokens()),
+    }
+
+
+Reshape = Callable[[TokenBatch], tuple[TokenBatch, dict[str, float]]]
+"""The update's hook: the corrected batch distilled, and its ``distill/*`` metrics."""
 
 
 def distill_now(
-    batch: TokenBatch, teacher_N: np.ndarray, config: TrainConfig, metrics: dict[str, float]
-) -> tuple[TokenBatch, Callable[[TokenBatch], tuple[TokenBatch, dict[str, float]]] | None]:
-    """Step 7b: the distilled batch now (s = the sampler's), or a hook for the update (s = the
-    trainer's, under --mismatch-correction recompute)."""
+    batch: TokenBatch, teacher_N: np.ndarray, config: TrainConfig
+) -> tuple[TokenBatch, Reshape | None, dict[str, float]]:
+    """Step 7b: the distilled batch now (s = the sampler's) and its ``distill/*`` metrics, or
+    the batch and a hook for the update (s = the trainer's, under --mismatch-correction
+    recompute)."""
     if in_update(config):
-        return batch, lambda corrected: distill_batch(corrected, teacher_N, config)
+        return batch, lambda corrected: distill_batch(corrected, teacher_N, config), {}
     batch, found = distill_batch(batch, teacher_N, config)
-    metrics.update(found)
-    return batch, None
+    return batch, None, found
 
 
-def teacher_test_metrics(
-    run: Run, source: RolloutSource, teacher: Teacher
-) -> tuple[dict[str, float], TokenUsage]:
+def teacher_test_metrics(run: Run, teacher: Teacher) -> tuple[dict[str, float], TokenUsage]:
     """The teacher's own test reward, evaluated as the student's (``distill/teacher_test_*``)."""
-    metrics, usage = source.evaluate(run, teacher.sampler)
+    metrics, usage = rollouts.evaluate_test(run, teacher.sampler)
     return {
         f"distill/teacher_{key.replace('/', '_')}": value for key, value in metrics.items()
     }, usage

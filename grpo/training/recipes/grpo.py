@@ -1,14 +1,14 @@
 """The GRPO recipe, told in the ten steps of docs/DESIGN.md ("One training step").
 
-``train_step`` is steps 1-9 for any rollout source (`grpo.training.sources`: completions,
-or an environment's episodes under --env) and, with a teacher, on-policy distillation
+``train_step`` is steps 1-9 on the one rollout path (`grpo.training.rollouts.step`:
+completions, or an environment's episodes under --env) and, with a teacher, on-policy distillation
 (`grpo.training.recipes.distill` scores the same rollouts); step 10 (evaluate when due,
 log, checkpoint) is the lifecycle's (`grpo.training.lifecycle`), which ``GrpoRecipe``
 plugs into. The maths lives in ``grpo.core``, the update in ``grpo.training.learner``.
 
 With ``max_steps_off_policy = K > 0``, sampling for the next K steps is submitted before
-this step trains (`grpo.training.jobs`), and a rollout is never used more than K updates
-stale; a checkpoint keeps those rollouts beside it (`grpo.training.ahead`).
+this step trains (`grpo.training.rollouts.sampling`), and a rollout is never used more than
+K updates stale; a checkpoint keeps those rollouts beside it (`grpo.training.ahead`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import threading
 from typing import Any
 
 from grpo.core.alignment import mask_sequences
+from grpo.core.episodes import RolloutGroup, pack_rollout_groups, truncated_rollouts
 from grpo.core.metrics import batch_metrics
 from grpo.envs.base import stop_env_calls_on
 from grpo.reward_calls import reward_session
 from grpo.training.ahead import prune_ahead, save_ahead
 from grpo.training.faults import fault_point
-from grpo.training.jobs import submit_rollouts, take_rollouts
 from grpo.training.learner import current_sampler, shape_with_kl, update
 from grpo.training.recipe import Session
 from grpo.training.recipes.distill import (
@@ -32,49 +32,53 @@ from grpo.training.recipes.distill import (
     teacher_logprobs,
     teacher_test_metrics,
 )
-from grpo.training.rollouts import trainable_groups
+from grpo.training.rollouts import step as rollouts
+from grpo.training.rollouts.grading import trainable_groups
+from grpo.training.rollouts.sampling import submit_rollouts, take_rollouts
 from grpo.training.run_log import console_line
 from grpo.training.schedule import evaluates_after, evaluates_at_start, saves_after
-from grpo.training.sources import RolloutSource, source_of
 from grpo.training.state import Run, RunState
 from grpo.training.timing import timed
 
 
-def train_step(run: Run, state: RunState, step: int, source: RolloutSource) -> dict[str, float]:
+def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
     """Steps 1-9 of one training step; returns its metrics, not yet logged."""
     config = run.config
     timings: dict[str, float] = {}
     with timed("time/sample", timings):
         submit_rollouts(  # 1. pick the problems; 2. sample them (async, K steps ahead)
-            run, state, step, lambda problems, ahead: source.submit(run, state, problems, ahead)
+            run, state, step, lambda problems, ahead: rollouts.submit(run, state, problems, ahead)
         )
         job, staleness = take_rollouts(run, state, step)
-        sampled = source.take(state, job)  # 2. ... a group of G completions (episodes) each
+        sampled = rollouts.take(state, job)  # 2. ... a group of G completions (episodes) each
         fault_point("sampled")
-    scoring = submit_scoring(run, source, sampled)  # 2b. distill: the teacher scores them
-    played = source.grade(run, state, step, sampled)  # 3. grade (--reward, or env returns)
-    groups_P, metrics = source.groups(run, played)  # 4. advantages; 5. rollout metrics
+    scoring = submit_scoring(run, sampled)  # 2b. distill: the teacher scores them
+    played = rollouts.grade(run, state, step, sampled)  # 3. grade (--reward, or env returns)
+    groups_P, metrics = rollouts.advantage_groups(run, played)  # 4. advantages; 5. rollout metrics
     metrics["off_policy_steps"] = float(staleness)
     limit = config.batch_size if config.dynamic_sampling else None
     # 5. ... then drop the degenerate groups (under distillation the teacher scores all)
     trainable_P = trainable_groups(groups_P, limit) if scoring is None else list(groups_P)
     if config.dynamic_sampling:
         metrics.update(sampling_metrics(played, trainable_P))
-    state.rollout_log = source.records(run, played, groups_P)
+    state.rollout_log = rollouts.records(run, played, groups_P)
     with timed("time/train", timings):
-        batch = source.pack(trainable_P)  # 6. align + pack a TokenBatch
-        # 6b. distill: the teacher's log-probs placed on the packed batch
-        teacher_N = None if scoring is None else teacher_logprobs(state, scoring, batch, metrics)
+        batch = pack_rollout_groups(trainable_P, drop_degenerate=False)  # 6. align + pack
+        teacher_N = None
+        if scoring is not None:
+            teacher_N, found = teacher_logprobs(state, scoring, batch)
+            metrics.update(found)
         if config.mask_truncated:  # DAPO: truncated completions train no tokens
-            batch = mask_sequences(batch, source.truncated(trainable_P))
+            batch = mask_sequences(batch, truncated_rollouts(trainable_P))
         if batch.num_train_tokens:
             if run.ref_sampler is not None:  # 7. KL shaping against the base model
-                ref_logprobs_N, ref_usage = source.reference(run, trainable_P)
+                ref_logprobs_N, ref_usage = rollouts.reference_logprobs(run, trainable_P)
                 batch, metrics["kl"] = shape_with_kl(batch, ref_logprobs_N, config)
                 state.usage += ref_usage
             reshape = None
             if teacher_N is not None:  # 7b. distill: the teacher's log-probs as the advantages
-                batch, reshape = distill_now(batch, teacher_N, config, metrics)
+                batch, reshape, found = distill_now(batch, teacher_N, config)
+                metrics.update(found)
             metrics.update(batch_metrics(batch))
             metrics.update(update(run, state, batch, staleness, reshape))  # 8.-9. update, metrics
             state.version += 1
@@ -83,7 +87,7 @@ def train_step(run: Run, state: RunState, step: int, source: RolloutSource) -> d
     return {**metrics, **timings}
 
 
-def sampling_metrics(played: Any, trainable_P: list[Any]) -> dict[str, float]:
+def sampling_metrics(played: rollouts.Graded, trainable_P: list[RolloutGroup]) -> dict[str, float]:
     """Dynamic sampling's cost and result: rounds, extra sampled tokens, groups that train."""
     return {
         "sampling/rounds": float(played.rounds),
@@ -101,7 +105,6 @@ class GrpoRecipe:
 
     def __init__(self, run: Run) -> None:
         self.run = run
-        self.source = source_of(run.config)
         self.session = Session(
             run_dir=run.run_dir,
             run_name=str(run.config.run_name or run.run_dir.name),
@@ -115,7 +118,7 @@ class GrpoRecipe:
 
     def step(self, state: RunState, step: int) -> dict[str, float]:
         """Steps 1-9 (`train_step`), and the judge's tokens and counts (`judge/*`)."""
-        metrics = train_step(self.run, state, step, self.source)
+        metrics = train_step(self.run, state, step)
         if self.run.judge is not None:
             usage, counts = self.run.judge.take_metrics()
             state.usage += usage
@@ -131,7 +134,7 @@ class GrpoRecipe:
     def evaluate(self, state: RunState) -> dict[str, float]:
         """The test split graded as the run trains, on the current weights."""
         fault_point("eval")
-        metrics, usage = self.source.evaluate(self.run, current_sampler(self.run, state))
+        metrics, usage = rollouts.evaluate_test(self.run, current_sampler(self.run, state))
         state.usage += usage
         if self.run.judge is not None:  # the test completions' judge calls: test/judge_*
             usage, counts = self.run.judge.take_metrics("test/judge_")
@@ -143,7 +146,7 @@ class GrpoRecipe:
         """The evaluation before training and, distilling, the teacher's own (once)."""
         metrics = self.evaluate(state)
         if self.run.teacher is not None:
-            found, usage = teacher_test_metrics(self.run, self.source, self.run.teacher)
+            found, usage = teacher_test_metrics(self.run, self.run.teacher)
             metrics.update(found)
             state.usage += usage
         return metrics

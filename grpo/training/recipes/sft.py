@@ -62,7 +62,7 @@ from grpo.training.lifecycle import (
 )
 from grpo.training.prices import prices_for
 from grpo.training.recipe import Session
-from grpo.training.rollouts import tokenizer_max_len
+from grpo.training.rollouts.problems import tokenizer_max_len
 from grpo.training.run_log import RunLogger, scrub_secrets
 from grpo.training.sft_config import SftConfig, resolve_sft_run, sft_to_dict
 from grpo.training.state import RunState

@@ -10,30 +10,25 @@ earlier turns differently (e.g. one that strips earlier reasoning) is refused wi
 --max-turns turns, --max-tokens per turn, and the model's context (a turn that cannot get
 one more token ends the episode, its last turn marked ``context``).
 
-``submit_groups`` plays G episodes per task (`grpo.envs.make_group`) on the run's pool as an
-`EpisodeJob`; the GRPO recipe trains them through `grpo.training.sources.Episodes`.
-Every sampler seed is drawn in
+``play_groups`` plays G episodes per task (`grpo.envs.make_group`) on a pool as an
+`EpisodeJob` (`grpo.training.rollouts.step` submits it for a GRPO step, and
+`grpo.training.rollouts.evaluation` for an evaluation). Every sampler seed is drawn in
 `grpo.training.seeds` from (seed, purpose, step, episode, turn), and of the round in a
 dynamic-sampling round >= 1.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import attrs
-import numpy as np
 from pytrio.types import ModelInput, SamplingParams
 
 from grpo.backends.pytrio import call_with_retries
-from grpo.core.advantages import degenerate_groups
-from grpo.core.episodes import (
-    Episode,
-    EpisodeGroup,
-    Turn,
-)
+from grpo.core.episodes import Episode, Turn
 from grpo.core.usage import TokenUsage, sample_usage
 from grpo.envs.base import (
     Env,
@@ -46,11 +41,11 @@ from grpo.envs.base import (
 )
 from grpo.interrupts import request_result
 from grpo.tasks.prompts import build_messages
-from grpo.training.rollouts import Problem, tokenizer_max_len
-from grpo.training.run_log import clip_text
-from grpo.training.seeds import Purpose, episode_seed, extra_episode_seed
-
-Log = Callable[[str], None]
+from grpo.training.config import TrainConfig
+from grpo.training.rollouts.clients import Sampler, Tokenizer
+from grpo.training.rollouts.grading import PlayedGroups
+from grpo.training.rollouts.problems import Problem
+from grpo.training.rollouts.sampling import Log
 
 
 class TemplateError(EnvError):
@@ -72,7 +67,9 @@ class EpisodeLimits:
 
 
 def render(
-    tokenizer: Any, messages: Sequence[dict[str, str]], tools: list[dict[str, Any]] | None = None
+    tokenizer: Tokenizer,
+    messages: Sequence[dict[str, str]],
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """chat_template(messages, tools=tools, add_generation_prompt=True, enable_thinking=False),
     as text (``tools``: the env's function signatures, `grpo.envs.base.env_tools`)."""
@@ -85,16 +82,16 @@ def render(
     )
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
+def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def bridge_text(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     shown: str,
     action: str,
     end: str,
-    messages: list[Any],
+    messages: list[dict[str, str]],
     tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, str]:
     """(bridge, rendering): the text the template adds after ``shown + action (+ end)`` when
@@ -126,9 +123,9 @@ def bridge_text(
 
 
 def play_episode(
-    sampler: Any,
+    sampler: Sampler,
     env: Env,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     limits: EpisodeLimits,
     seed_for: Callable[[int], int],
     *,
@@ -154,9 +151,9 @@ def play_episode(
 
 
 def _play(
-    sampler: Any,
+    sampler: Sampler,
     env: Env,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     limits: EpisodeLimits,
     seed_for: Callable[[int], int],
     *,
@@ -251,7 +248,7 @@ def _play(
     return Episode(turns=turns), usage, seen
 
 
-def task_of(problem: Problem, config: Any) -> Task:
+def task_of(problem: Problem, config: TrainConfig) -> Task:
     """The env's view of a problem: question, gold, row and the run's prompt messages."""
     messages = build_messages(
         problem.question, fewshot=config.use_fewshot, template=config.prompt_template
@@ -265,45 +262,10 @@ def task_of(problem: Problem, config: Any) -> Task:
     )
 
 
-@attrs.frozen
-class PlayedGroups:
-    """Episodes of a batch of tasks, with what each turn observed and the sampler usage.
-
-    Under --dynamic-sampling it holds every round, in order (``rounds``; ``extra_tokens`` are
-    the action tokens the extra rounds sampled), as `grpo.training.rollouts.StepRollouts` does.
-    """
-
-    problems_P: tuple[Problem, ...]
-    episodes_P: tuple[tuple[Episode, ...], ...]
-    seen_P: tuple[tuple[tuple[str, ...], ...], ...]
-    usage: TokenUsage
-    rounds: int = 1
-    extra_tokens: int = 0
-
-    def extended(self, more: PlayedGroups) -> PlayedGroups:
-        """These groups followed by one more round's (its usage added)."""
-        sampled = sum(episode.num_sampled for group in more.episodes_P for episode in group)
-        return PlayedGroups(
-            problems_P=self.problems_P + more.problems_P,
-            episodes_P=self.episodes_P + more.episodes_P,
-            seen_P=self.seen_P + more.seen_P,
-            usage=self.usage + more.usage,
-            rounds=self.rounds + 1,
-            extra_tokens=self.extra_tokens + int(sampled),
-        )
-
-    def num_nondegenerate(self) -> int:
-        """Groups whose returns are not all equal (the ones that train)."""
-        returns_P = [[episode.reward for episode in group] for group in self.episodes_P]
-        sizes_P = [len(returns) for returns in returns_P]
-        flat = [value for returns in returns_P for value in returns]
-        return int(np.sum(~degenerate_groups(flat, sizes_P)))
-
-
 class EpisodeJob:
     """One batch of tasks' episodes in flight on the run's pool; ``result()`` waits for all.
 
-    The episode counterpart of `grpo.training.rollouts.RolloutJob` (``sampler_version``,
+    The episode counterpart of `grpo.training.rollouts.sampling.RolloutJob` (``sampler_version``,
     ``result``, ``cancel``), so a step can be sampled ahead (--max-steps-off-policy).
     """
 
@@ -343,134 +305,38 @@ class EpisodeJob:
             future.cancel()
 
 
-def submit_groups(
-    run: Any,
-    sampler: Any,
+def play_groups(
+    pool: ThreadPoolExecutor,
+    sampler: Sampler,
+    tokenizer: Tokenizer,
+    config: TrainConfig,
     problems: Sequence[Problem],
+    limits: EpisodeLimits,
     *,
     group_size: int,
-    temperature: float,
-    purpose: Purpose,
-    step: int,
-    round_: int = 0,
+    seed_for: Callable[[int, int], int],
+    max_retries: int,
+    log: Log,
     sampler_version: int = 0,
 ) -> EpisodeJob:
-    """``group_size`` episodes per problem submitted to the run's pool (not waited for).
-
-    Turn seeds are `episode_seed` in round 0 and `extra_episode_seed` in a dynamic-sampling
-    round ``round_`` >= 1.
-    """
-    config = run.config
-    limits = EpisodeLimits(
-        max_turns=config.max_turns,
-        max_tokens=config.max_tokens,
-        max_len=run_max_len(run),
-        temperature=temperature,
-        top_p=config.top_p if purpose == Purpose.ENV_TRAIN else 1.0,
-        env_timeout_s=config.env_timeout,
-        env_errors=config.env_errors,
-    )
+    """``group_size`` episodes of every problem's env (``config.env_factory``) submitted to
+    ``pool``, not waited for; turn t of episode e (``e = problem * group_size + member``)
+    samples with seed ``seed_for(e, t)``."""
     futures = []
     for index, problem in enumerate(problems):
         envs = make_group(config.env_factory, task_of(problem, config), group_size)
         for member, env in enumerate(envs):
             episode = index * group_size + member
-
-            def seed_for(turn: int, episode: int = episode) -> int:
-                if round_:
-                    return extra_episode_seed(config.seed, step, round_, episode, turn)
-                return episode_seed(config.seed, purpose, step, episode, turn)
-
             futures.append(
-                run.pool.submit(
+                pool.submit(
                     play_episode,
                     sampler,
                     env,
-                    run.tokenizer,
+                    tokenizer,
                     limits,
-                    seed_for,
-                    max_retries=config.max_retries,
-                    log=run.note,
+                    functools.partial(seed_for, episode),
+                    max_retries=max_retries,
+                    log=log,
                 )
             )
     return EpisodeJob(problems, futures, group_size=group_size, sampler_version=sampler_version)
-
-
-def run_max_len(run: Any) -> int | None:
-    """The model's context length, as the tokenizer states it."""
-    return tokenizer_max_len(run.tokenizer)
-
-
-def reference_episode_logprobs(
-    run: Any, groups: Sequence[EpisodeGroup]
-) -> tuple[np.ndarray, TokenUsage]:
-    """Base-model log-probs of every sampled token, in packing order: one compute_logprobs of
-    each episode's whole stream, read at its sampled positions."""
-
-    def one(episode: Episode) -> np.ndarray:
-        tokens = episode.tokens.tolist()
-        values = call_with_retries(
-            lambda: request_result(run.ref_sampler.compute_logprobs(ModelInput.from_ints(tokens))),
-            what="reference compute_logprobs",
-            max_retries=run.config.max_retries,
-            on_retry=run.note,
-        )
-        sampled = episode.sampled
-        return np.array([values[j] for j in np.flatnonzero(sampled)], dtype=np.float64)
-
-    episodes = [episode for group in groups for episode in group.episodes]
-    futures = [run.pool.submit(one, episode) for episode in episodes]
-    usage = TokenUsage(prompt_tokens=sum(episode.tokens.size for episode in episodes))
-    return np.concatenate([future.result() for future in futures]), usage
-
-
-def episode_records(
-    problems: Sequence[Problem],
-    groups_P: Sequence[EpisodeGroup],
-    seen_P: Sequence[Sequence[Sequence[str]]],
-    tokenizer: Any,
-    limit: int,
-) -> list[dict[str, Any]]:
-    """The first ``limit`` groups for rollouts.jsonl: each episode's transcript after the
-    prompt as ``text`` (actions and tool responses, as `grpo show` prints it) and its turns."""
-    records = []
-    for index, (problem, group, seen_G) in enumerate(zip(problems, groups_P, seen_P)):
-        if index >= limit:
-            break
-        completions = []
-        for member, (episode, seen) in enumerate(zip(group.episodes, seen_G, strict=True)):
-            turns = [
-                {
-                    "action": clip_text(turn.action_text),
-                    "observation": clip_text(seen[t + 1]) if t + 1 < len(seen) else "",
-                    "reward": turn.reward,
-                    "tokens": int(turn.action_tokens.size),
-                    "stop_reason": turn.stop_reason,
-                    "tool_calls": turn.tool_calls,
-                    "tool_errors": turn.tool_errors,
-                }
-                for t, turn in enumerate(episode.turns)
-            ]
-            transcript = "".join(turn["action"] + turn["observation"] for turn in turns)
-            completions.append(
-                {
-                    "text": clip_text(transcript),
-                    "reward": episode.reward,
-                    "components": {},
-                    "advantage": float(group.advantages[member]),
-                    "tokens": episode.num_sampled,
-                    "stop_reason": episode.turns[-1].stop_reason,
-                    "turns": turns,
-                }
-            )
-        records.append(
-            {
-                "group": index,
-                "row": problem.index,
-                "prompt": clip_text(seen_G[0][0]),
-                "gold": problem.gold,
-                "degenerate": group.is_degenerate,
-                "completions": completions,
-            }
-        )
-    return records

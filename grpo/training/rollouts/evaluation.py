@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import attrs
 import numpy as np
@@ -33,15 +32,17 @@ from grpo.core.evaluation import EvalSamples, evaluation_metrics
 from grpo.core.records import Completion
 from grpo.core.rewards import extract_boxed, normalize_answer
 from grpo.core.usage import TokenUsage
-from grpo.envs.base import make_group
 from grpo.reward_scores import RewardScores
 from grpo.rewards import RewardFn
 from grpo.tasks.code_grading import last_python_block
-from grpo.training.episodes import EpisodeLimits, play_episode, task_of
-from grpo.training.rollouts import Sampling, grade_rollouts, tokenizer_max_len
+from grpo.training.config import TrainConfig
+from grpo.training.rollouts.clients import Sampler, Tokenizer
+from grpo.training.rollouts.episodes import EpisodeLimits, play_groups
+from grpo.training.rollouts.grading import Job, PlayedGroups, grade_rollouts
+from grpo.training.rollouts.problems import Problem, tokenizer_max_len
+from grpo.training.rollouts.sampling import Log, Sampling
 from grpo.training.seeds import Purpose, episode_seed, sampling_seed
 
-Log = Callable[[str], None]
 AnswerOf = Callable[[str], "str | None"]
 
 CODE_REWARDS = frozenset({"code_tests", "code_tests_partial"})
@@ -142,19 +143,44 @@ def episode_samples(episodes_P: Sequence[Sequence[Episode]]) -> EvalSamples:
     )
 
 
-def _sample_completions(
+def _submit(
     pool: ThreadPoolExecutor,
-    sampler: Any,
-    problems: Sequence[Any],
-    tokenizer: Any,
-    config: Any,
+    sampler: Sampler,
+    problems: Sequence[Problem],
+    tokenizer: Tokenizer,
+    config: TrainConfig,
     *,
     decoding: Decoding,
     samples: int,
     seed: int,
     max_retries: int,
     log: Log,
-) -> Evaluation:
+) -> Job:
+    """``samples`` completions of every problem in one request each, or under --env
+    ``samples`` episodes of every problem's env; seeds of the evaluation streams."""
+    if config.env is not None:
+        limits = EpisodeLimits(
+            max_turns=config.max_turns,
+            max_tokens=decoding.max_tokens,
+            max_len=tokenizer_max_len(tokenizer),
+            temperature=decoding.temperature,
+            top_p=decoding.top_p,
+            env_timeout_s=config.env_timeout,
+            env_errors=config.env_errors,
+        )
+        return play_groups(
+            pool,
+            sampler,
+            tokenizer,
+            config,
+            problems,
+            limits,
+            group_size=samples,
+            seed_for=lambda episode, turn: episode_seed(seed, Purpose.ENV_EVAL, 0, episode, turn),
+            max_retries=max_retries,
+            log=log,
+        )
+
     def params(index: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=decoding.max_tokens,
@@ -163,83 +189,45 @@ def _sample_completions(
             seed=sampling_seed(seed, 0, index, purpose=Purpose.EVAL),
         )
 
-    job = Sampling(pool, tokenizer, max_retries, log).submit(
+    return Sampling(pool, tokenizer, max_retries, log).submit(
         sampler, problems, params, num_samples=samples
     )
-    completions_P = job.result()
-    scores = grade_rollouts(problems, completions_P, config, decoding.max_tokens).scores
+
+
+def _graded(
+    job: Job, problems: Sequence[Problem], config: TrainConfig, decoding: Decoding
+) -> Evaluation:
+    """The finished job's samples graded: completions by --reward (each component's mean and
+    ``reward_errors`` beside), episodes by their returns (``tool_use`` beside)."""
+    result = job.result()
+    if isinstance(result, PlayedGroups):
+        calls = [
+            sum(turn.tool_calls for turn in episode.turns)
+            for group in result.episodes_P
+            for episode in group
+        ]
+        return Evaluation(
+            samples=episode_samples(result.episodes_P),
+            usage=result.usage,
+            extra={"tool_use": float(np.mean([count > 0 for count in calls]))},
+        )
+    scores = grade_rollouts(problems, result, config, decoding.max_tokens).scores
     extra = {
         ("reward_errors" if key == "reward/errors" else key.removeprefix("reward/")): value
         for key, value in scores.metrics().items()
     }
     return Evaluation(
-        samples=completion_samples(completions_P, scores, config.reward_fns),
+        samples=completion_samples(result, scores, config.reward_fns),
         usage=job.usage(),
         extra=extra,
     )
 
 
-def _play_episodes(
-    pool: ThreadPoolExecutor,
-    sampler: Any,
-    problems: Sequence[Any],
-    tokenizer: Any,
-    config: Any,
-    *,
-    decoding: Decoding,
-    samples: int,
-    seed: int,
-    max_retries: int,
-    log: Log,
-) -> Evaluation:
-    limits = EpisodeLimits(
-        max_turns=config.max_turns,
-        max_tokens=decoding.max_tokens,
-        max_len=tokenizer_max_len(tokenizer),
-        temperature=decoding.temperature,
-        top_p=decoding.top_p,
-        env_timeout_s=config.env_timeout,
-        env_errors=config.env_errors,
-    )
-    futures = []
-    for index, problem in enumerate(problems):
-        envs = make_group(config.env_factory, task_of(problem, config), samples)
-        for member, env in enumerate(envs):
-            episode = index * samples + member
-
-            def seed_for(turn: int, episode: int = episode) -> int:
-                return episode_seed(seed, Purpose.ENV_EVAL, 0, episode, turn)
-
-            futures.append(
-                pool.submit(
-                    play_episode,
-                    sampler,
-                    env,
-                    tokenizer,
-                    limits,
-                    seed_for,
-                    max_retries=max_retries,
-                    log=log,
-                )
-            )
-    played = [future.result() for future in futures]
-    episodes_P = [
-        [episode for episode, _usage, _seen in played[i : i + samples]]
-        for i in range(0, len(played), samples)
-    ]
-    calls = [sum(turn.tool_calls for turn in episode.turns) for episode, _u, _s in played]
-    return Evaluation(
-        samples=episode_samples(episodes_P),
-        usage=sum((usage for _episode, usage, _seen in played), TokenUsage()),
-        extra={"tool_use": float(np.mean([count > 0 for count in calls]))},
-    )
-
-
 def evaluate_policy(
-    sampler: Any,
-    problems: Sequence[Any],
-    tokenizer: Any,
-    config: Any,
+    sampler: Sampler,
+    problems: Sequence[Problem],
+    tokenizer: Tokenizer,
+    config: TrainConfig,
     *,
     pool: ThreadPoolExecutor,
     decoding: Decoding,
@@ -250,15 +238,14 @@ def evaluate_policy(
 ) -> Evaluation:
     """`samples` completions (or episodes, with `config.env`) of every problem, graded.
 
-    `problems` are `grpo.training.rollouts.Problem`s; `config` is the run's `TrainConfig` (its
+    `config` is the run's `TrainConfig` (its
     rewards, env, max turns and prompt settings); `seed` seeds every request.
     """
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     if not problems:
         raise ValueError("an evaluation needs at least one problem")
-    play = _play_episodes if config.env is not None else _sample_completions
-    return play(
+    job = _submit(
         pool,
         sampler,
         problems,
@@ -270,13 +257,14 @@ def evaluate_policy(
         max_retries=max_retries,
         log=log,
     )
+    return _graded(job, problems, config, decoding)
 
 
 def evaluation_row(
-    sampler: Any,
-    problems: Sequence[Any],
-    tokenizer: Any,
-    config: Any,
+    sampler: Sampler,
+    problems: Sequence[Problem],
+    tokenizer: Tokenizer,
+    config: TrainConfig,
     *,
     pool: ThreadPoolExecutor,
     decoding: Decoding,

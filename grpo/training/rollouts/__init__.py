@@ -1,0 +1,22 @@
+"""The one rollout path of a GRPO step, for a single completion and a multi-turn episode alike.
+
+A single-turn problem is an episode of one turn (`grpo.core.episodes.completion_episode`);
+its group's first turn is one sampling request of G completions, so batching and the
+shared-prefix trainer keep their speed. Modules, in the order a step uses them:
+
+- `problems`: the problems a run samples (`Problem`), built from dataset rows, and a step's.
+- `clients`: what the path asks of a tokenizer and a sampler (`Tokenizer`, `Sampler`).
+- `grading`: a job in flight (`Job`) and what it sampled, graded: completions scored by
+  --reward (`StepRollouts`) or played episodes (`PlayedGroups`); group advantages, dynamic
+  sampling's refill, the trainable groups.
+- `sampling`: G completions of a problem in one request (`RolloutJob`), submitted K steps
+  ahead (`submit_rollouts`) and taken with their staleness (`take_rollouts`).
+- `episodes`: one episode of an environment turn by turn (`play_episode`), G per task
+  (`play_groups`, an `EpisodeJob`).
+- `step`: the GRPO step's questions answered once for both kinds (`submit`, `take`,
+  `grade`, `advantage_groups`, `records`, `reference_logprobs`, `teacher_scoring`,
+  `evaluate_test`); packing is `grpo.core.episodes.pack_rollout_groups`.
+- `records`: rollouts.jsonl's records of a step's first groups.
+- `evaluation`: n samples (episodes) of every test problem graded, for `grpo eval` and
+  the in-training evaluation.
+"""
