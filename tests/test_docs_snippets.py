@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN_LANGUAGES = {"python", "bash", "console"}
 MARKERS = {"illustrative", "check", "file", "copy-of", "serve", "slow", "diagram"}
+OUTPUT_MARKERS = {"illustrative", "check", "diagram"}  # what a ```text block must carry
 DOCS_PORT = "8765"
 TIMEOUT_S = 600
 
@@ -242,7 +243,7 @@ def test_every_block_has_a_language_a_known_marker_and_outputs_are_marked() -> N
                 problems.append(f"{block.where}: no language (```text for an output)")
             if block.marker and block.marker not in MARKERS:
                 problems.append(f"{block.where}: unknown marker {block.marker!r}")
-            if block.language == "text" and block.marker not in {"illustrative", "check", "diagram"}:
+            if block.language == "text" and block.marker not in OUTPUT_MARKERS:
                 problems.append(f"{block.where}: an output must be checked or illustrative")
             if block.marker in {"file", "copy-of", "serve"} and not block.argument:
                 problems.append(f"{block.where}: marker {block.marker!r} needs its argument")
@@ -267,7 +268,8 @@ def test_the_marker_parser_and_the_small_commands() -> None:
     )
     assert small("grpo train --dry-run --steps 20") == "grpo train --dry-run --steps 20"
     assert small("grpo plot runs/q --out q.png") == "grpo plot runs/q --out q.png"
-    assert small_script("grpo eval \\\n  --samples 8") == "grpo eval --samples 8 --limit 5 --seeds 1"
+    joined = small_script("grpo eval \\\n  --samples 8")
+    assert joined == "grpo eval --samples 8 --limit 5 --seeds 1"
     assert MARKER.search("<!-- docs-test: file prices.toml -->").groups() == ("file", "prices.toml")
     assert MARKER.search("<!-- docs-test: illustrative (needs a login) -->").groups() == (
         "illustrative",
