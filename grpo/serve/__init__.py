@@ -1,7 +1,7 @@
 """``grpo serve``: the PyTRIO service on localhost, backed by the embedded local backend.
 
 pytrio 0.2.9's own, unchanged client (and so any PyTRIO program) runs against it offline
-(clients 0.2.0, 0.2.1, 0.2.3 and 0.2.8 too: README, "pytrio client versions"):
+(clients 0.2.0, 0.2.1, 0.2.3 and 0.2.8 too: docs/serve.md, "pytrio client versions"):
 start ``grpo serve``, then run the program with ``PYTRIO_BASE_URL`` and ``PYTRIO_API_KEY``
 set as it prints. The wire protocol is the part of PyTRIO's that the SDK's
 ``ServiceClient``, ``TrainingClient``, ``SamplingClient`` and ``RestClient`` use:

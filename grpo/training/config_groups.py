@@ -75,7 +75,8 @@ class RunSettings:
     log_to: tuple[str, ...] = flag(
         ("swanlab",),
         "experiment tracker (repeatable): swanlab (in --swanlab-mode), wandb, tensorboard, "
-        "trackio, or none; metrics.jsonl is always written (README, Experiment tracking)",
+        "trackio, or none; metrics.jsonl is always written "
+        "(docs/training.md, 'Experiment tracking')",
         TRACKER_LIST,
         metavar="TRACKER",
     )
@@ -147,7 +148,9 @@ class PriceSettings:
     """Prices per million tokens (none built in: a cost is shown only for prices given)."""
 
     price_file: str | None = flag(
-        None, "TOML file of prices per million tokens, per model (see README, Cost)", NOT_EMPTY
+        None,
+        "TOML file of prices per million tokens, per model (docs/training.md, 'Cost')",
+        NOT_EMPTY,
     )
     price_prompt: float | None = flag(
         None,

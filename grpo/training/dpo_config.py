@@ -41,7 +41,7 @@ class DpoDataSettings:
     data: str | None = flag(
         None,
         "preference pairs: a .jsonl/.parquet/.csv file of 'prompt', 'chosen' and 'rejected' "
-        "rows (README, Preference training)",
+        "rows (docs/sft-dpo-distill.md, 'Preference training')",
         NOT_EMPTY,
     )
 

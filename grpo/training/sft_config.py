@@ -55,7 +55,7 @@ class SftDataSettings:
     data: str | None = flag(
         None,
         "training rows: a .jsonl/.parquet/.csv file of 'messages', 'prompt'+'completion' or "
-        "'text' rows (README, Supervised fine-tuning)",
+        "'text' rows (docs/sft-dpo-distill.md, 'Supervised fine-tuning')",
         NOT_EMPTY,
     )
 
