@@ -122,6 +122,9 @@ class Worker:
             else:
                 assert batch is not None
                 _run_batch(batch)
+            # Drop the references now: a freed client's trainer must not wait in these
+            # locals for the next job to be collected.
+            job = batch = None
 
     def _take_batch(self, first: _Sample) -> list[_Sample]:
         """Wait for stragglers (under the lock), then remove every queued request with the key."""
