@@ -1,4 +1,5 @@
-"""The `grpo` command: train | sft | dpo | distill | eval | compare | sweep | plot | show | ...
+"""The `grpo` command: a recipe's (train, ..., one each in `grpo.training.recipes.RECIPES`) |
+eval | compare | sweep | plot | show | ...
 
 `grpo train` flags come from `grpo.training.config.TrainConfig` through `grpo.training.flags`,
 so `--help` shows every flag with its default and TOML files (`--config`) use the same
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import importlib
 import os
 import shutil
 import sys
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from grpo.training.config import (
     check_user_inputs,
     resolve_run,
 )
-from grpo.training.fields import Field
+from grpo.training.recipes import RECIPES, RecipeSpec, recipe_of_command
 
 DEBUG_ENV = "GRPO_DEBUG"
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
@@ -62,116 +64,70 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_train(args: argparse.Namespace) -> int:
-    """`grpo train`: one GRPO run; exit 0 when finished, 130 on a signal, 1 on failure."""
+def run_task_recipe(recipe: RecipeSpec, args: argparse.Namespace) -> int:
+    """`grpo train` (or `grpo distill`, ...: train with its --recipe): one run of a recipe on
+    `TrainConfig`; exit 0 when finished, 130 on a signal, 1 on failure."""
     from grpo.training.inputs import read_paths, refuse_run_dir_over_inputs
-    from grpo.training.run import RunStopped, train
+    from grpo.training.run import RunStopped
 
+    if recipe.pins_recipe:
+        args.recipe = recipe.name
     config, resume = flags.config_from_args(args)
     refuse_run_dir_over_inputs(resolve_run(config), read_paths("--config", args.config_file))
     check_user_inputs(config)  # before anything, as a dry run makes its service client first
     if args.dry_run:
-        from grpo.training.run import dry_run
-
-        for line in dry_run(resolve_run(config), resume=resume):
+        for line in recipe.dry_runner()(resolve_run(config), resume=resume):
             print(line)
         return 0
     try:
-        train(resolve_run(config), resume=resume)
+        recipe.runner()(resolve_run(config), resume=resume)
     except RunStopped as stopped:
         print(f"[grpo] {stopped}", file=sys.stderr)
         return stopped.exit_code
     return 0
 
 
-def _add_data_recipe_arguments(
-    parser: argparse.ArgumentParser, fields: Mapping[str, Field], what: str, reads: str
-) -> None:
+def add_rows_recipe_arguments(recipe: RecipeSpec, parser: argparse.ArgumentParser) -> None:
     """A data recipe's flags (its own and those shared with `grpo train`), --resume and
-    --dry-run (which ``reads`` before printing the plan)."""
-    run = flags.add_train_arguments(parser, fields=fields)["run"]
-    run.add_argument("--resume", default=None, metavar="RUN_DIR", help=f"continue {what}")
+    --dry-run (which reads its data before printing the plan)."""
+    run = flags.add_train_arguments(parser, fields=recipe.field_map())["run"]
+    run.add_argument(
+        "--resume", default=None, metavar="RUN_DIR", help=f"continue {recipe.resume_help}"
+    )
     run.add_argument(
         "--dry-run",
         action="store_true",
-        help=f"{reads}, print the plan (tokens, steps, cost) and exit; nothing is written",
+        help=f"{recipe.dry_run_reads}, print the plan (tokens, steps, cost) and exit; nothing "
+        "is written",
     )
 
 
-def _run_data_recipe(
-    args: argparse.Namespace,
-    fields: Mapping[str, Field],
-    config_of: Callable[[dict[str, Any]], Any],
-    dry_run: Callable[..., list[str]],
-    run: Callable[..., Any],
-) -> int:
-    """A data recipe's command (SFT, DPO): flags over the resumed run's config.json, then the
-    dry run or the run; exit 0 when finished, 130 on a signal, 1 on failure."""
+def run_rows_recipe(recipe: RecipeSpec, args: argparse.Namespace) -> int:
+    """A data recipe's command (`grpo sft`, ...): flags over the resumed run's
+    config.json, then the dry run or the run; exit 0 when finished, 130 on a signal, 1 on
+    failure."""
     from grpo.training.run import RunStopped
+    from grpo.training.sft_config import recipe_config_from_dict
 
+    fields = recipe.field_map()
     values = flags.explicit_flags(args, fields=fields)
     if args.resume is not None:
         saved = run_files.read_config(Path(args.resume))
         saved.pop("recipe", None)
         values = {**saved, **values, "run_dir": str(args.resume)}
-    config = config_of(values)
+    config = recipe_config_from_dict(
+        recipe.config_class(), recipe.command, values, where=f"grpo {recipe.command}"
+    )
     if args.dry_run:
-        for line in dry_run(config, resume=args.resume is not None):
+        for line in recipe.dry_runner()(config, resume=args.resume is not None):
             print(line)
         return 0
     try:
-        run(config, resume=args.resume is not None)
+        recipe.runner()(config, resume=args.resume is not None)
     except RunStopped as stopped:
         print(f"[grpo] {stopped}", file=sys.stderr)
         return stopped.exit_code
     return 0
-
-
-def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every SftConfig flag (its own and those shared with `grpo train`), --resume, --dry-run."""
-    from grpo.training.sft_config import SFT_FIELDS
-
-    _add_data_recipe_arguments(
-        parser, SFT_FIELDS, "an SFT run directory", "read and check the data"
-    )
-
-
-def run_sft(args: argparse.Namespace) -> int:
-    """`grpo sft`: supervised fine-tuning; exit 0 when finished, 130 on a signal, 1 on failure."""
-    from grpo.training.recipes.sft import dry_run_sft, sft
-    from grpo.training.sft_config import SFT_FIELDS, SftConfig, recipe_config_from_dict
-
-    def config_of(values: dict[str, Any]) -> SftConfig:
-        return recipe_config_from_dict(SftConfig, "sft", values, where="grpo sft")
-
-    return _run_data_recipe(args, SFT_FIELDS, config_of, dry_run_sft, sft)
-
-
-def add_dpo_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every DpoConfig flag (its own and those shared with `grpo train`), --resume, --dry-run."""
-    from grpo.training.dpo_config import DPO_FIELDS
-
-    _add_data_recipe_arguments(
-        parser, DPO_FIELDS, "a DPO run directory", "read and check the pairs and the reference"
-    )
-
-
-def run_dpo(args: argparse.Namespace) -> int:
-    """`grpo dpo`: preference optimization; exit 0 when finished, 130 on a signal, 1 on failure."""
-    from grpo.training.dpo_config import DPO_FIELDS, DpoConfig
-    from grpo.training.recipes.dpo import dpo, dry_run_dpo
-    from grpo.training.sft_config import recipe_config_from_dict
-
-    def config_of(values: dict[str, Any]) -> DpoConfig:
-        return recipe_config_from_dict(DpoConfig, "dpo", values, where="grpo dpo")
-
-    return _run_data_recipe(args, DPO_FIELDS, config_of, dry_run_dpo, dpo)
-
-
-def run_distill(args: argparse.Namespace) -> int:
-    """`grpo distill`: `grpo train` with --recipe distill (a teacher's log-probs as the reward)."""
-    args.recipe = "distill"
-    return run_train(args)
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -364,34 +320,10 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
-# Each subcommand: (name, help, its arguments, its handler), the last two as
+# Each tool's subcommand: (name, help, its arguments, its handler), the last two as
 # "module:function" resolved only for the command being run, so `grpo --help` imports
-# neither torch nor transformers.
-COMMANDS: tuple[tuple[str, str, str, str], ...] = (
-    (
-        "train",
-        "one GRPO run (default: offline on the built-in model)",
-        "grpo.cli:add_train_arguments",
-        "grpo.cli:run_train",
-    ),
-    (
-        "sft",
-        "supervised fine-tuning on completion / assistant tokens (then grpo train --init-from)",
-        "grpo.cli:add_sft_arguments",
-        "grpo.cli:run_sft",
-    ),
-    (
-        "dpo",
-        "preference optimization (DPO, IPO, hinge) on prompt/chosen/rejected pairs",
-        "grpo.cli:add_dpo_arguments",
-        "grpo.cli:run_dpo",
-    ),
-    (
-        "distill",
-        "on-policy distillation: `grpo train` with --teacher's log-probs as the reward",
-        "grpo.cli:add_train_arguments",
-        "grpo.cli:run_distill",
-    ),
+# neither torch nor transformers. The recipes' commands come first, from RECIPES.
+TOOL_COMMANDS: tuple[tuple[str, str, str, str], ...] = (
     (
         "eval",
         "avg@n, pass@k, cons@n, format and truncation rates of weights, with intervals",
@@ -461,6 +393,46 @@ def _resolve(target: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+Command = tuple[
+    str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]
+]
+
+
+def _recipe_command(recipe: RecipeSpec) -> Command:
+    """A recipe's subcommand: (name, help, its arguments, its handler)."""
+    if recipe.trains_on_rows:
+        return (
+            recipe.command,
+            recipe.summary,
+            functools.partial(add_rows_recipe_arguments, recipe),
+            functools.partial(run_rows_recipe, recipe),
+        )
+    return (
+        recipe.command,
+        recipe.summary,
+        add_train_arguments,
+        functools.partial(run_task_recipe, recipe),
+    )
+
+
+def _lazy(target: str) -> Callable[..., Any]:
+    """A function that imports the function named by "module:function" when first called."""
+
+    def call(*args: Any) -> Any:
+        return _resolve(target)(*args)
+
+    return call
+
+
+def commands() -> list[Command]:
+    """Every subcommand in `grpo --help`'s order, the recipes' (from RECIPES) first; a tool's
+    module is imported only when its arguments or handler are called."""
+    tools = [
+        (name, summary, _lazy(add), _lazy(handler)) for name, summary, add, handler in TOOL_COMMANDS
+    ]
+    return [*map(_recipe_command, RECIPES.values()), *tools]
+
+
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The `grpo` parser; only the subcommand named in ``argv`` gets its arguments (all if None)."""
     chosen = None if argv is None else next((arg for arg in argv if not arg.startswith("-")), None)
@@ -475,11 +447,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         description="Run and study GRPO on LLMs (PyTRIO or the embedded local backend).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text, add_arguments, handler in COMMANDS:
+    for name, help_text, add_arguments, handler in commands():
         command = sub.add_parser(name, help=help_text, description=help_text, parents=[common])
         if argv is None or name == chosen:
-            _resolve(add_arguments)(command)
-            command.set_defaults(handler=_resolve(handler))
+            add_arguments(command)
+            command.set_defaults(handler=handler)
     return parser
 
 
@@ -520,29 +492,19 @@ def describe_error(error: BaseException) -> tuple[str, int]:
     return f"{type(error).__name__}: {error}", EXIT_FAILED
 
 
-RECIPE_PURPOSE = {
-    "sft": "SFT trains --epochs passes over the rows of --data with a cross-entropy loss",
-    "dpo": "DPO trains on the preference pairs of --data with the DPO loss",
-}
+def recipe_flag_refusal(arguments: Sequence[str]) -> str | None:
+    """Why a data recipe's command (`grpo sft`, ...) refuses a `grpo train` flag
+    it has no use for (None: no such flag, or not such a command).
 
-
-def sft_refusal(arguments: Sequence[str]) -> str | None:
-    """Why `grpo sft` or `grpo dpo` refuses a `grpo train` flag it has no use for (None: no
-    such flag).
-
-    Both train on --data's rows and sample nothing, so the sampling, reward, loss and teacher
-    flags of `grpo train` would do nothing.
+    A data recipe trains on --data's rows and samples nothing, so the sampling, reward, loss
+    and teacher flags of `grpo train` would do nothing.
     """
-    if not arguments or arguments[0] not in RECIPE_PURPOSE:
+    recipe = recipe_of_command(arguments[0]) if arguments else None
+    if recipe is None or not recipe.trains_on_rows:
         return None
     from grpo.training.config import FIELDS as TRAIN_FIELDS
 
-    command = arguments[0]
-    if command == "sft":
-        from grpo.training.sft_config import SFT_FIELDS as own
-    else:
-        from grpo.training.dpo_config import DPO_FIELDS as own
-
+    command, own = recipe.command, recipe.field_map()
     for argument in arguments[1:]:
         name = argument.split("=", 1)[0]
         if not name.startswith("--"):
@@ -551,7 +513,7 @@ def sft_refusal(arguments: Sequence[str]) -> str | None:
         if field in TRAIN_FIELDS and field not in own:
             return (
                 f"{name} is a `grpo train` flag that `grpo {command}` has no use for "
-                f"({RECIPE_PURPOSE[command]} and samples nothing; see `grpo {command} "
+                f"({recipe.purpose} and samples nothing; see `grpo {command} "
                 f"--help`); drop {name}, or use it in a `grpo train --init-from` run after "
                 f"the {command.upper()}"
             )
@@ -561,7 +523,7 @@ def sft_refusal(arguments: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `grpo` console script: bad input exits 2 with one line naming it."""
     arguments = list(sys.argv[1:] if argv is None else argv)
-    refused = sft_refusal(arguments)
+    refused = recipe_flag_refusal(arguments)
     if refused is not None:
         print(f"grpo {arguments[0]}: error: {refused}", file=sys.stderr)
         return 2

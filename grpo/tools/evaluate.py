@@ -44,6 +44,7 @@ from grpo.training.config import (
     check_value,
     config_from_dict,
 )
+from grpo.training.recipes import recipe_of_config
 
 RECORD_FORMAT = "grpo-eval/1"
 BOOTSTRAP_SEED = 0
@@ -120,14 +121,14 @@ def eval_config(
 ) -> TrainConfig:
     """The run's saved config (or the defaults) with `overrides` (None values ignored), checked.
 
-    An SFT or DPO run trained on data rows, not on a task: its backend and base model, with
-    `grpo train`'s default task (the built-in arithmetic problems) unless overridden.
+    A run of a recipe trained on data rows, not on a task (SFT, ...): its backend and base
+    model, with `grpo train`'s default task (the built-in arithmetic problems) unless overridden.
 
     Its --reward modules, --env factory and --fewshot-file are loaded too
     (`check_user_inputs`), so a missing one fails here, before any model is loaded.
     """
     values: dict[str, object] = run_files.read_config(Path(run_dir)) if run_dir else {}
-    if values.get("recipe") in ("sft", "dpo"):  # trained on rows, not on a task: the default task
+    if recipe_of_config(values).trains_on_rows:  # not trained on a task: the default task
         values = {key: values[key] for key in ("backend", "base_model") if key in values}
     values.update({name: value for name, value in overrides.items() if value is not None})
     where = f"--run-dir {run_dir}" if run_dir else None

@@ -362,8 +362,8 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
 
 
 def default_run_name(config: TrainConfig) -> str:
-    """`<loss>-seed<k>-<local time>` (a distillation: `distill-seed<k>-<local time>`, as
-    `sft-...` and `dpo-...`): unique per launch, readable in a listing."""
+    """`<loss>-seed<k>-<local time>` (a distillation: `distill-seed<k>-<local time>`, as a
+    data recipe's `sft-...`): unique per launch, readable in a listing."""
     what = "distill" if config.recipe == "distill" else config.loss_fn
     return f"{what}-seed{config.seed}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 

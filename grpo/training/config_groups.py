@@ -1,7 +1,7 @@
 """The groups of flags every recipe shares, each defined once: model, run, service, update,
 checkpoints and prices.
 
-A recipe's configuration (`TrainConfig` for grpo and distill, `SftConfig`, `DpoConfig`) is
+A recipe's configuration (`TrainConfig` for grpo and distill, `SftConfig`, ...) is
 composed of these groups and of its own (`grpo.training.train_groups` for grpo and distill),
 so a shared flag's name, type, default, help and checks live here once. Each group is an
 attrs record of its own (`grouped` gives each field its strict type check and its `--help`

@@ -58,7 +58,7 @@ HELP_GROUPS = (
     "service",
     "prices",
 )
-"""The argument groups of `grpo train --help` (and sft, dpo, distill), in their order."""
+"""The argument groups of `grpo train --help` (and every recipe's command), in their order."""
 
 
 # --- allowed values ----------------------------------------------------------------------

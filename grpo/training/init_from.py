@@ -1,5 +1,5 @@
-"""`grpo train --init-from RUN_DIR`: start from a finished SFT, DPO or GRPO run's final
-weights.
+"""`grpo train --init-from RUN_DIR`: start from a finished run's final weights, of any
+recipe in `grpo.training.recipes.RECIPES` (SFT, GRPO, ...).
 
 The source run must have finished (summary.json) on the same backend, base model and LoRA
 rank; its final training state (checkpoint.json, saved at the end of every run) gives the
@@ -15,6 +15,7 @@ from typing import Any
 from grpo.backends.pytrio import error_reason
 from grpo.training import run_files
 from grpo.training.config import ConfigError, TrainConfig
+from grpo.training.recipes import recipe_of_config
 
 
 def init_state_path(config: TrainConfig) -> str:
@@ -28,8 +29,7 @@ def init_state_path(config: TrainConfig) -> str:
     if run_files.run_status(source) != run_files.FINISHED:
         raise ConfigError(
             f"{where}: the run has not finished (no {run_files.SUMMARY_FILE}); finish it with "
-            f"`grpo {saved.get('recipe') if saved.get('recipe') in ('sft', 'dpo') else 'train'} "
-            f"--resume {source}`, "
+            f"`grpo {recipe_of_config(saved).resume_command} --resume {source}`, "
             "or start from another run"
         )
     for key in ("backend", "base_model", "lora_rank"):

@@ -1,6 +1,6 @@
 """What a command reads from disk, and the one rule for its outputs: never over an input.
 
-Every command that writes (`grpo train`/`sft`/`dpo`/`distill` their `--run-dir`, `grpo eval`
+Every command that writes (each recipe's `grpo train`/`sft`/... their `--run-dir`, `grpo eval`
 `--out`, `grpo export`, `plot`, `show`, `checkpoints download`, `compare`/`sweep` their
 `--out`, scripts/make_preference_pairs.py) calls `refuse_overlap` before any work: an output
 that is, lies inside or holds a path the command reads is refused, `--force` or not. The
@@ -35,7 +35,7 @@ READ_FIELDS = (
     "ref",
     "price_file",
 )
-"""The config fields (of `grpo train`, `sft`, `dpo`) that name something a run reads."""
+"""The config fields (of every recipe's config) that name something a run reads."""
 
 
 @attrs.frozen
@@ -100,7 +100,7 @@ def _field(config: Any, name: str) -> Any:
 
 
 def config_read_paths(config: Any, owner: str = "") -> list[ReadPath]:
-    """Every local path a run's config reads (a `grpo train`/`sft`/`dpo` config, the mapping
+    """Every local path a run's config reads (any recipe's config, the mapping
     of a run's config.json, or parsed flags); `owner` prefixes each flag ("the run R's ")."""
     return [
         read

@@ -495,7 +495,7 @@ def stop_on_signals() -> Iterator[threading.Event]:
 
 def adam_params(config: Any, learning_rate: float) -> AdamParams:
     """PyTRIO's AdamParams at ``learning_rate`` with a run config's --beta1, --beta2, --eps,
-    --weight-decay and --grad-clip-norm (`grpo train`, `sft` and `dpo` share these flags)."""
+    --weight-decay and --grad-clip-norm (every recipe shares these flags)."""
     return AdamParams(
         learning_rate=learning_rate,
         beta1=config.beta1,
@@ -515,7 +515,7 @@ def run_divisor(
     """What the service divides a loss's gradient by (`service_divisor`: the local backend's
     own, the flag, the probe's verdict, or the documented default), noted on a service; a
     flag the probe contradicts is noted too (the flag wins). Every recipe's: `grpo train`
-    passes its probe, `sft` and `dpo` none."""
+    passes its probe, the data recipes (`sft`, ...) none."""
     probed = None if probe is None else probe.get("convention")
     reported = getattr(service, "service_normalization", None)
     divisor = service_divisor(

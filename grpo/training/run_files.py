@@ -14,8 +14,8 @@ time and holds:
   the run directory is stored relative to it, so a moved run directory still resumes);
 - ``ahead/step-N.json``: under --max-steps-off-policy, the rollouts already sampled for
   the steps after checkpoint N, saved with it (`grpo.training.ahead`);
-- ``reference_logprobs.json``: `grpo dpo`'s reference log-probs, under a checksum of its
-  contents (`grpo.training.reference_cache`);
+- ``reference_logprobs.json``: a recipe's cached reference log-probs, under a checksum of
+  its contents (`grpo.training.reference_cache`);
 - ``service_probe.json``: with --backend pytrio, what the loss-normalization probe measured
   at the start of the latest launch (its verdict, evidence, or why it failed);
 - ``summary.json``: written when the run finished (its sampler path is read back inside

@@ -140,7 +140,7 @@ class RunLogger:
         start_step: int = 0,
         note: Callable[[str], None] | None = None,
     ) -> RunLogger:
-        """The logger of a run whose config (``TrainConfig``, ``SftConfig``, ``DpoConfig``) is
+        """The logger of a run whose config (any recipe's: ``TrainConfig``, ``SftConfig``, ...) is
         ``config``, whose config.json is ``record``, continuing after ``start_step``."""
         tags = [str(record.get("recipe") or "grpo"), f"backend:{config.backend}"]
         if isinstance(record.get("loss_fn"), str):

@@ -40,7 +40,7 @@ from grpo.training.fields import (
 
 @attrs.frozen(slots=False, field_transformer=grouped("update"))
 class ScheduleSettings:
-    """The learning-rate schedule of the data recipes (SFT, DPO)."""
+    """The learning-rate schedule of the data recipes (SFT, ...)."""
 
     lr_schedule: str = flag(
         "linear", "learning-rate decay after the warm-up (docs/FORMULAS.md)", OneOf(LR_SCHEDULES)
@@ -121,7 +121,7 @@ RecipeConfig = TypeVar("RecipeConfig")
 def recipe_config_from_dict(
     config_class: type[RecipeConfig], command: str, values: Mapping[str, object], *, where: str
 ) -> RecipeConfig:
-    """A recipe's config (SftConfig, DpoConfig) from flag values; ConfigError naming an
+    """A recipe's config (SftConfig, ...) from flag values; ConfigError naming an
     unknown key, `grpo <command> --help` and `where`."""
     unknown = sorted(set(values) - set(attrs.fields_dict(config_class)))
     if unknown:
@@ -149,7 +149,7 @@ Run = TypeVar("Run", bound=RunSettings)
 
 
 def resolve_recipe_run(config: Run, prefix: str) -> Run:
-    """A recipe config (SFT, DPO) with its run name (--run-name, else the run directory's
+    """A data recipe's config (SFT, ...) with its run name (--run-name, else the run directory's
     name, else <prefix>-seed<k>-<time>) and run directory (default runs/<run name>)."""
     directory_name = Path(config.run_dir).name if config.run_dir else ""
     if directory_name in (".", ".."):

@@ -35,12 +35,15 @@ from grpo.training.fields import (
     grouped,
     parse_loss_config,
 )
+from grpo.training.recipes import RECIPES as RECIPE_SPECS
+from grpo.training.recipes import TASK
 
 if TYPE_CHECKING:
     from grpo.core.loss_spec import LossSpec
     from grpo.core.mismatch import MismatchCorrection
 
-RECIPES = ("grpo", "distill")
+RECIPES = tuple(name for name, spec in RECIPE_SPECS.items() if spec.kind == TASK)
+"""The values of --recipe: the registered recipes that train on `TrainConfig` (grpo, distill)."""
 SAMPLER_DTYPES = ("float32", "bfloat16")
 
 

@@ -109,7 +109,7 @@ def batch_datums(examples: list[SftExample]) -> list[Datum]:
 
 
 def recipe_service(config: Any, run_dir: Path) -> Any:
-    """The service client of a recipe run (SFT, DPO) from its shared flags."""
+    """The service client of a data recipe's run (SFT, ...) from its shared flags."""
     return make_service_client(
         config.backend,
         local_root=str(run_dir / run_files.BACKEND_DIR),
@@ -312,7 +312,7 @@ def open_recipe_session(
     echo: Callable[[str], None],
     init_state: str | None = None,
 ) -> tuple[Session, int]:
-    """A data recipe's (SFT, DPO) training client, from the checkpoint (with the fallback to
+    """A data recipe's (SFT, ...) training client, from the checkpoint (with the fallback to
     the newest intact one), else the ``init_state`` weights, else a fresh LoRA; the run
     opened with ``saved_config`` (secrets scrubbed); its Session and first step."""
 
@@ -337,7 +337,7 @@ def open_recipe_session(
 
 
 class DataRecipe:
-    """What the data recipes (SFT, DPO) share as the lifecycle drives them: planned batches
+    """What the data recipes (SFT, ...) share as the lifecycle drives them: planned batches
     of a data file, the learning rate warmed up and decayed by --lr-schedule, the held-out
     evaluation before training, every --eval-every steps and at the end, a checkpoint every
     --save-every steps with nothing beside the weights, no reward workers, nothing in flight.
@@ -376,8 +376,8 @@ class DataRecipe:
         return saves(self.config, done, self.plan.steps) and done < self.plan.steps
 
     def save_beside(self, state: RunState, state_path: str) -> None:
-        """Nothing goes with a checkpoint but the weights (DPO's reference log-probs are
-        cached once, before the first step)."""
+        """Nothing goes with a checkpoint but the weights (a recipe's reference log-probs
+        are cached once, before the first step)."""
 
     def saved(self, state: RunState) -> None:
         """Nothing to prune."""
