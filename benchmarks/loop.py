@@ -2,8 +2,8 @@
 
 `python -m benchmarks.loop [--quick] [--backend canned|local]`
 
-The service client handed to `grpo.training.run.train` is wrapped so that every backend call
-takes a fixed added latency, as a remote service's network and GPU would: 300 ms a
+The service client handed to `grpo.training.recipes.grpo.run.train` is wrapped so that every backend
+call takes a fixed added latency, as a remote service's network and GPU would: 300 ms a
 `sample`, 800 ms a `forward_backward`, 100 ms an `optim_step`, 50 ms a
 `save_weights_and_get_sampling_client` or checkpoint save (--quick: a tenth of each).
 With `--backend canned` (the default) the wrapped service does no compute at all: its
@@ -59,10 +59,10 @@ from benchmarks.common import (
 )
 from grpo.backends.local.tiny import IM_END, TINY_MODEL_NAME, build_tokenizer
 from grpo.tasks.data import load_problems
-from grpo.training.config import TrainConfig
+from grpo.training.recipes.grpo.run import train
 from grpo.training.rollouts.problems import Problem, build_problems
-from grpo.training.run import train
-from grpo.training.run_files import read_metrics
+from grpo.training.run.run_files import read_metrics
+from grpo.training.settings.config import TrainConfig
 
 FULL_LATENCY_S = {
     "sample": 0.300,

@@ -43,10 +43,10 @@ from grpo.backends.local.model import ATTENTION_MODULES, LORA_ALPHA, MLP_MODULES
 from grpo.backends.local.tiny import load_tiny_model
 from grpo.core.rewards import grade
 from grpo.tasks.data import load_run_problems
-from grpo.training.config import TrainConfig
+from grpo.training.recipes.grpo.run import train
 from grpo.training.rollouts.problems import run_problems, step_problems
-from grpo.training.run import train
-from grpo.training.run_files import read_metrics
+from grpo.training.run.run_files import read_metrics
+from grpo.training.settings.config import TrainConfig
 
 PROMPTS, GROUP, MINIBATCHES = 8, 8, 2
 

@@ -12,7 +12,7 @@ round trips, msgpack/JSON, pytrio's validation and event polling); each timing i
 best of several calls after a warm-up.
 
 Then the default training run (`grpo train` defaults, `--steps` steps, default 20) both
-ways: wall time of `grpo.training.run.train` in process vs through the server, whose
+ways: wall time of `grpo.training.recipes.grpo.run.train` in process vs through the server, whose
 `--concurrency` (32 sampling requests in flight) is applied with `configure_concurrency`;
 the two alternate `--run-repeats` times (default 2) and the best of each is compared.
 Target (issue 13): under 15% slower end to end. The full benchmark runs the server as a
@@ -50,9 +50,9 @@ from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.backends.pytrio import make_service_client
 from grpo.serve.client import configured_pytrio
 from grpo.serve.server import serve_in_thread
-from grpo.training.config import TrainConfig
-from grpo.training.custom_loss import as_custom_loss
-from grpo.training.run import train
+from grpo.training.recipes.grpo.run import train
+from grpo.training.run.custom_loss import as_custom_loss
+from grpo.training.settings.config import TrainConfig
 
 API_KEY = "benchmark"
 DATUMS, POSITIONS, TRAINED = 8, 48, 16
@@ -137,7 +137,7 @@ def server(
 
 
 def run_wall_time(config: TrainConfig, service: Any) -> float:
-    """Seconds of `grpo.training.run.train(config)` on `service`."""
+    """Seconds of `grpo.training.recipes.grpo.run.train(config)` on `service`."""
     started = time.perf_counter()
     train(config, service_client=service, echo=lambda _line: None, progress=False)
     return time.perf_counter() - started

@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-import grpo.training.learner as learner
-import grpo.training.lifecycle as lifecycle
-import grpo.training.recipes.grpo as grpo_recipe
+import grpo.training.recipes.grpo.recipe as grpo_recipe
 import grpo.training.rollouts.step as rollout_step
+import grpo.training.run.learner as learner
+import grpo.training.run.lifecycle as lifecycle
 from benchmarks.common import argument_parser, markdown_table, print_header, torch_threads
 from benchmarks.local import matmul_gflops
 from grpo.backends.local import loss_execution
@@ -41,9 +41,9 @@ from grpo.backends.local.sampler import loop as sampler_loop
 from grpo.backends.local.shared_prefix import attention_weight, group_by_prefix
 from grpo.backends.local.tiny import load_tiny_model
 from grpo.core.loss_spec import LossSpec
-from grpo.training.config import TrainConfig
-from grpo.training.run import train
-from grpo.training.run_files import read_metrics
+from grpo.training.recipes.grpo.run import train
+from grpo.training.run.run_files import read_metrics
+from grpo.training.settings.config import TrainConfig
 
 LORA_RANK = 32  # the default run's
 

@@ -22,19 +22,19 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it (imported on first access).
 _PUBLIC = {
-    "ConfigError": "grpo.training.config",
-    "RunResult": "grpo.training.run",
-    "RunStopped": "grpo.training.run",
-    "TrainConfig": "grpo.training.config",
+    "ConfigError": "grpo.training.settings.config",
+    "RunResult": "grpo.training.recipes.grpo.run",
+    "RunStopped": "grpo.training.recipes.grpo.run",
+    "TrainConfig": "grpo.training.settings.config",
     "evaluate": "grpo.tools.evaluate",
-    "train": "grpo.training.run",
+    "train": "grpo.training.recipes.grpo.run",
 }
 __all__ = ["ConfigError", "RunResult", "RunStopped", "TrainConfig", "evaluate", "train"]
 
 if TYPE_CHECKING:
     from grpo.tools.evaluate import evaluate
-    from grpo.training.config import ConfigError, TrainConfig
-    from grpo.training.run import RunResult, RunStopped, train
+    from grpo.training.recipes.grpo.run import RunResult, RunStopped, train
+    from grpo.training.settings.config import ConfigError, TrainConfig
 
 
 def __getattr__(name: str) -> Any:

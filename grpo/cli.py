@@ -1,10 +1,10 @@
 """The `grpo` command: a recipe's (train, ..., one each in `grpo.training.recipes.RECIPES`) |
 eval | compare | sweep | plot | show | ...
 
-`grpo train` flags come from `grpo.training.config.TrainConfig` through `grpo.training.flags`,
-so `--help` shows every flag with its default and TOML files (`--config`) use the same
-names. Precedence: defaults < `--config` file < flags on the command line (and, with
-`--resume`, the run's saved config takes the place of the defaults).
+`grpo train` flags come from `grpo.training.settings.config.TrainConfig` through
+`grpo.training.settings.flags`, so `--help` shows every flag with its default and TOML files
+(`--config`) use the same names. Precedence: defaults < `--config` file < flags on the command line
+(and, with `--resume`, the run's saved config takes the place of the defaults).
 
 Every error ends in one line naming the input and the fix: exit 2 for bad input (flags,
 files, names), 1 for a failure of the run or the machine, 130 for Ctrl-C. `--debug` (or
@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from grpo.backends.pytrio import BackendUnavailableError, error_reason, is_pytrio_error
-from grpo.training import flags, run_files
-from grpo.training.config import (
+from grpo.training.recipes import RECIPES, RecipeSpec, recipe_of_command
+from grpo.training.run import run_files
+from grpo.training.settings import flags
+from grpo.training.settings.config import (
     BACKENDS,
     check_user_inputs,
     resolve_run,
 )
-from grpo.training.recipes import RECIPES, RecipeSpec, recipe_of_command
 
 DEBUG_ENV = "GRPO_DEBUG"
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
@@ -67,8 +68,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def run_task_recipe(recipe: RecipeSpec, args: argparse.Namespace) -> int:
     """`grpo train` (or `grpo distill`, ...: train with its --recipe): one run of a recipe on
     `TrainConfig`; exit 0 when finished, 130 on a signal, 1 on failure."""
-    from grpo.training.inputs import read_paths, refuse_run_dir_over_inputs
-    from grpo.training.run import RunStopped
+    from grpo.training.recipes.grpo.run import RunStopped
+    from grpo.training.run.inputs import read_paths, refuse_run_dir_over_inputs
 
     if recipe.pins_recipe:
         args.recipe = recipe.name
@@ -106,8 +107,8 @@ def run_rows_recipe(recipe: RecipeSpec, args: argparse.Namespace) -> int:
     """A data recipe's command (`grpo sft`, ...): flags over the resumed run's
     config.json, then the dry run or the run; exit 0 when finished, 130 on a signal, 1 on
     failure."""
-    from grpo.training.run import RunStopped
-    from grpo.training.sft_config import recipe_config_from_dict
+    from grpo.training.recipes.grpo.run import RunStopped
+    from grpo.training.recipes.sft.config import recipe_config_from_dict
 
     fields = recipe.field_map()
     values = flags.explicit_flags(args, fields=fields)
@@ -239,7 +240,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 def eval_reads(args: argparse.Namespace) -> list[Any]:
     """What `grpo eval` reads on this machine: --run-dir (its weights, and the files its
     config names), --checkpoint, and the data, reward, env and model files of the flags."""
-    from grpo.training.inputs import config_read_paths, read_paths
+    from grpo.training.run.inputs import config_read_paths, read_paths
 
     reads = [*read_paths("--run-dir", args.run_dir), *read_paths("--checkpoint", args.checkpoint)]
     if args.run_dir and (Path(args.run_dir) / run_files.CONFIG_FILE).is_file():
@@ -502,7 +503,7 @@ def recipe_flag_refusal(arguments: Sequence[str]) -> str | None:
     recipe = recipe_of_command(arguments[0]) if arguments else None
     if recipe is None or not recipe.trains_on_rows:
         return None
-    from grpo.training.config import FIELDS as TRAIN_FIELDS
+    from grpo.training.settings.config import FIELDS as TRAIN_FIELDS
 
     command, own = recipe.command, recipe.field_map()
     for argument in arguments[1:]:

@@ -1,6 +1,6 @@
 """Loading user code named on the command line: `MODULE:NAME` or `path/to/file.py:NAME`.
 
-`--reward` (`grpo/rewards.py`) and `--env` (`grpo/envs/base.py`) both name a callable this
+`--reward` (`grpo/rewards/__init__.py`) and `--env` (`grpo/envs/base.py`) both name a callable this
 way; each parses its own flag (a reward adds `=WEIGHT`) and loads the callable here. Every
 error is a ValueError that names the flag, the spec as given and the fix.
 """

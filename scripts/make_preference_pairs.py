@@ -25,13 +25,13 @@ from grpo.backends.local import LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_DIR
 from grpo.tasks.data import load_run_problems
 from grpo.tasks.prompts import build_messages
-from grpo.training.config import TrainConfig
-from grpo.training.inputs import read_paths, refuse_overlap
 from grpo.training.rollouts.evaluation import correctness
 from grpo.training.rollouts.grading import grade_rollouts
 from grpo.training.rollouts.problems import run_problems, tokenizer_max_len
 from grpo.training.rollouts.sampling import Sampling
-from grpo.training.seeds import Purpose, sampling_seed
+from grpo.training.run.inputs import read_paths, refuse_overlap
+from grpo.training.run.seeds import Purpose, sampling_seed
+from grpo.training.settings.config import TrainConfig
 
 
 def make_pairs(problems: int, samples: int, seed: int) -> tuple[list[dict], int]:

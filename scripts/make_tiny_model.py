@@ -185,7 +185,7 @@ def measure_tools(out: Path, problems: int) -> dict:
     from grpo.envs import CalculatorEnv, Task
     from grpo.tasks.prompts import build_messages
     from grpo.training.rollouts.episodes import EpisodeLimits, play_episode
-    from grpo.training.seeds import episode_seed
+    from grpo.training.run.seeds import episode_seed
 
     results = {}
     test = load_problems("wordproblems", "test", limit=problems)

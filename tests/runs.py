@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grpo.training.config import TrainConfig
-from grpo.training.run import RunResult, train
+from grpo.training.recipes.grpo.run import RunResult, train
+from grpo.training.settings.config import TrainConfig
 
 TINY = dict(
     steps=2,

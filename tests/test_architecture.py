@@ -26,7 +26,8 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "grpo"
 
 
 def _module_name(path: Path, root: Path = PACKAGE_ROOT) -> str:
-    """``grpo/training/run.py`` -> ``grpo.training.run``; an ``__init__`` -> its package."""
+    """``grpo/training/recipes/grpo/run.py`` -> ``grpo.training.recipes.grpo.run``; an ``__init__``
+    -> its package."""
     parts = path.relative_to(root.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -45,7 +46,7 @@ def imported_modules(
     """(line, module) for every import statement anywhere in ``source``.
 
     ``from X import name`` counts as importing ``X.name`` when that is a grpo module (so
-    ``from grpo.training import run`` imports ``grpo.training.run``), else as importing
+    ``from grpo.training import run`` imports ``grpo.training.recipes.grpo.run``), else as importing
     ``X``. Relative imports are resolved against ``module``.
     """
     package = module if is_package else module.rpartition(".")[0]
@@ -195,22 +196,24 @@ def test_the_import_scanner_sees_imports_in_functions_relative_and_from_package(
     source = textwrap.dedent(
         """
         import numpy
-        from grpo.training import run
+        from grpo.training.recipes.grpo import run
         from . import records
         from ..backends.datums import batch_to_datums
 
         def later():
-            from grpo.training.custom_loss import datum_mask
+            from grpo.training.run.custom_loss import datum_mask
         """
     )
     assert sorted(name for _, name in imported_modules(source, "grpo.core.losses")) == [
         "grpo.backends.datums",
         "grpo.core.records",
-        "grpo.training.custom_loss",
-        "grpo.training.run",
+        "grpo.training.recipes.grpo.run",
+        "grpo.training.run.custom_loss",
         "numpy",
     ]
-    assert not core_may_import("grpo.training.custom_loss") and not core_may_import("pytrio.types")
+    assert not core_may_import("grpo.training.run.custom_loss") and not core_may_import(
+        "pytrio.types"
+    )
     assert core_may_import("grpo.core.records") and core_may_import("torch")
     assert not backend_may_import("grpo.tasks.prompts") and backend_may_import(
         "grpo.backends.datums"

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from grpo.cli import build_parser, main
-from grpo.training.config import TrainConfig
-from grpo.training.flags import config_from_args
-from grpo.training.run_files import read_metrics
+from grpo.training.run.run_files import read_metrics
+from grpo.training.settings.config import TrainConfig
+from grpo.training.settings.flags import config_from_args
 
 TINY_FLAGS = [
     "--batch-size",
@@ -230,7 +230,7 @@ def _no_service(*_args: object, **_kwargs: object) -> None:
 def test_a_missing_reward_or_fewshot_file_exits_2_before_any_service_call(
     flags: list[str], message: str, dry_run: list[str], tmp_path: Path, capsys, monkeypatch
 ) -> None:
-    monkeypatch.setattr("grpo.training.run.make_service_client", _no_service)
+    monkeypatch.setattr("grpo.training.recipes.grpo.run.make_service_client", _no_service)
     fails_cleanly(["train", *flags, *dry_run, "--run-dir", str(tmp_path / "run")], capsys, message)
 
 
@@ -359,14 +359,14 @@ def test_a_full_disk_names_the_path_and_the_free_space(
 ) -> None:
     import errno
 
-    import grpo.training.run
+    import grpo.training.recipes.grpo.run
 
     target = tmp_path / "run" / "config.json"
 
     def full_disk(*_args: object, **_kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(target))
 
-    monkeypatch.setattr(grpo.training.run, "train", full_disk)
+    monkeypatch.setattr(grpo.training.recipes.grpo.run, "train", full_disk)
     assert main(["train", "--run-dir", str(tmp_path / "run")]) == 1
     err = capsys.readouterr().err
     assert f"no space left on the device writing {target}" in err and "MiB free there" in err

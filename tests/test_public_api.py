@@ -26,7 +26,7 @@ def test_import_grpo_and_its_public_names_load_no_torch():
 
 def test_every_public_name_resolves_and_an_unknown_one_is_an_attribute_error():
     from grpo.tools.evaluate import evaluate
-    from grpo.training.config import TrainConfig
+    from grpo.training.settings.config import TrainConfig
 
     assert grpo.TrainConfig is TrainConfig and grpo.evaluate is evaluate
     for name in grpo.__all__:

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.training.config import TrainConfig
-from grpo.training.run_files import read_metrics
+from grpo.training.run.run_files import read_metrics
+from grpo.training.settings.config import TrainConfig
 from tests.runs import quiet_train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,8 +81,8 @@ def test_the_dpo_example_learns_as_the_guide_says(tmp_path: Path) -> None:
     """The built-in DPO example: on the hardware the figures were measured on, every cell of
     the table; elsewhere the claims, not the digits: the policy starts at the reference, and
     the held-out margin, accuracy and rewards move as stated."""
-    from grpo.training.dpo_config import DpoConfig
-    from grpo.training.recipes.dpo import dpo
+    from grpo.training.recipes.dpo.config import DpoConfig
+    from grpo.training.recipes.dpo.recipe import dpo
 
     table = readme_dpo_table()
     data = ROOT / "examples" / "dpo_arithmetic.jsonl"

@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpo.core.rewards import RewardInput
-from grpo.reward_scores import score_completions
 from grpo.rewards import RewardError, load_rewards, parse_reward_spec
-from grpo.training.config import ConfigError, TrainConfig, check_user_inputs
+from grpo.rewards.scores import score_completions
+from grpo.training.settings.config import ConfigError, TrainConfig, check_user_inputs
 
 
 def reward_file(tmp_path: Path, body: str, name: str = "my_rewards.py") -> Path:
@@ -225,7 +225,7 @@ def test_rewards_weights_and_prices_that_would_overflow_are_refused_where_they_e
     tmp_path: Path,
 ) -> None:
     from grpo.rewards import RewardFn, checked_values
-    from grpo.training.config import ConfigError, TrainConfig
+    from grpo.training.settings.config import ConfigError, TrainConfig
 
     reward = RewardFn(spec="m:r", name="r", weight=1.0, fn=lambda c, r: 0.0, takes_sample=False)
     assert "beyond the bound of ±1e+12" in str(checked_values(reward, 1e308))

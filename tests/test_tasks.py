@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from grpo.cli import main
-from grpo.training import run_files
-from grpo.training.config import TrainConfig
-from grpo.training.run import RunStopped
-from grpo.training.run_files import read_metrics, read_rollouts
+from grpo.training.recipes.grpo.run import RunStopped
+from grpo.training.run import run_files
+from grpo.training.run.run_files import read_metrics, read_rollouts
+from grpo.training.settings.config import TrainConfig
 from tests.invariance import assert_same_rollouts, assert_same_rows
 from tests.runs import comparable, embedded_service, quiet_train, tiny_config
 
@@ -309,7 +309,7 @@ def test_resume_truncates_rollouts_like_metrics(tmp_path: Path) -> None:
 
 
 def test_extra_rounds_draw_their_own_problems_and_seeds() -> None:
-    from grpo.training.seeds import extra_batch, extra_sampling_seed, sampling_seed
+    from grpo.training.run.seeds import extra_batch, extra_sampling_seed, sampling_seed
 
     seeds = {
         (round_, index): extra_sampling_seed(3, 5, round_, index)
@@ -329,7 +329,7 @@ def test_extra_rounds_draw_their_own_problems_and_seeds() -> None:
 def test_swanlab_receives_the_logged_groups_as_text(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from grpo.training.run_log import RunLogger
+    from grpo.training.run.run_log import RunLogger
 
     class FakeSwanlab:
         """The swanlab module surface RunLogger uses: init, Text, log, finish."""

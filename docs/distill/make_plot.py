@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from grpo.core.evaluation import t_interval  # noqa: E402
-from grpo.training.run_files import merge_rows_by_step, read_config, read_metrics  # noqa: E402
+from grpo.training.run.run_files import merge_rows_by_step, read_config, read_metrics  # noqa: E402
 
 X_AXES = (
     ("step", "training step"),

@@ -1,4 +1,4 @@
-"""Durable writes: the one fsync helper of the run directory (`grpo.training.run_files`) and the
+"""Durable writes: the one fsync helper of the run directory (`grpo.training.run.run_files`) and the
 local backend's checkpoints (`grpo.backends.local.checkpoint`).
 
 It lives among the backends because a backend may import only `grpo.core` and

@@ -1,7 +1,7 @@
 """The one check of chat messages: a list of ``{"role", "content"}`` with a known role.
 
-Environments (`grpo/envs/base.py`), SFT data (`grpo/tasks/sft_data.py`) and few-shot files
-(`grpo/tasks/prompts.py`) all check their messages here; each keeps its own exception type
+Environments (`grpo/envs/base.py`), SFT data (`grpo/training/recipes/sft/data.py`) and few-shot
+files (`grpo/tasks/prompts.py`) all check their messages here; each keeps its own exception type
 and its own extra rules (SFT needs an assistant turn, a few-shot file a non-empty list).
 """
 

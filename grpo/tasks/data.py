@@ -49,7 +49,7 @@ from typing import Any
 import datasets
 
 from grpo.core.rewards import GoldRuleTimeout, extract_gold
-from grpo.tasks.sft_data import text_problem
+from grpo.tasks.text_files import text_problem
 
 SPLITS = ("train", "test")
 ARITHMETIC_SPLIT_SIZES = {"train": 2000, "test": 300}

@@ -36,15 +36,15 @@ import attrs
 from grpo.backends.pytrio import sampler_on_weights
 from grpo.core.evaluation import BOOTSTRAP_RESAMPLES
 from grpo.interrupts import dropping_pool
-from grpo.training import run_files
-from grpo.training.config import (
+from grpo.training.recipes import recipe_of_config
+from grpo.training.run import run_files
+from grpo.training.settings.config import (
     ConfigError,
     TrainConfig,
     check_user_inputs,
     check_value,
     config_from_dict,
 )
-from grpo.training.recipes import recipe_of_config
 
 RECORD_FORMAT = "grpo-eval/1"
 BOOTSTRAP_SEED = 0
@@ -352,7 +352,8 @@ def evaluate_report(
             "max_tokens": max_tokens,
         },
     )
-    # --reward with --env is refused by the config itself (grpo.training.config.check_combinations).
+    # --reward with --env is refused by the config itself
+    # (grpo.training.settings.config.check_combinations).
     model_path = run_files.eval_weights_path(Path(run_dir)) if run_dir else checkpoint
     weights = weights_of(run_dir, checkpoint, config.base_model)
     local_root = str(Path(run_dir) / run_files.BACKEND_DIR) if run_dir else None

@@ -45,9 +45,9 @@ from grpo.tools.paths import (
     check_out,
     local_path,
 )
-from grpo.training import run_files
-from grpo.training.config import ConfigError
-from grpo.training.inputs import read_paths, refuse_overlap
+from grpo.training.run import run_files
+from grpo.training.run.inputs import read_paths, refuse_overlap
+from grpo.training.settings.config import ConfigError
 
 
 def _adapter_directory(root: Path, what: str) -> Path:

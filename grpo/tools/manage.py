@@ -24,9 +24,9 @@ from typing import Any
 import attrs
 
 from grpo.tools import paths
-from grpo.training import run_files
-from grpo.training.config import BACKENDS, ConfigError
-from grpo.training.inputs import read_paths
+from grpo.training.run import run_files
+from grpo.training.run.inputs import read_paths
+from grpo.training.settings.config import BACKENDS, ConfigError
 
 PAGE = 100
 

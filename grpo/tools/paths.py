@@ -4,8 +4,8 @@ A tool writes only what it owns. `check_out` runs before any output is written a
 in one line naming the flag and the fix:
 
 - a path that is, lies inside or holds what the command reads (`reads`: its run directories,
-  checkpoints, data files, found by `grpo.training.inputs.read_paths`), even with `--force`
-  (`grpo.training.inputs.refuse_overlap`, the rule every command's outputs share);
+  checkpoints, data files, found by `grpo.training.run.inputs.read_paths`), even with `--force`
+  (`grpo.training.run.inputs.refuse_overlap`, the rule every command's outputs share);
 - a path that exists, or that lies inside a run directory (`grpo train`'s) or a checkpoint
   directory (a PEFT adapter or a local-backend checkpoint), unless `--force`.
 
@@ -20,9 +20,9 @@ import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
-from grpo.training import run_files
-from grpo.training.config import ConfigError
-from grpo.training.inputs import ReadPath, refuse_overlap
+from grpo.training.run import run_files
+from grpo.training.run.inputs import ReadPath, refuse_overlap
+from grpo.training.settings.config import ConfigError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

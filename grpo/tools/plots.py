@@ -29,9 +29,9 @@ import numpy as np
 
 from grpo.core.evaluation import t_interval
 from grpo.tools import paths
-from grpo.training import run_files
-from grpo.training.inputs import read_paths
-from grpo.training.run_files import STEP_KEY
+from grpo.training.run import run_files
+from grpo.training.run.inputs import read_paths
+from grpo.training.run.run_files import STEP_KEY
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo.tools import paths
-from grpo.training import run_files
-from grpo.training.inputs import read_paths
+from grpo.training.run import run_files
+from grpo.training.run.inputs import read_paths
 
 _PROMPT_TAIL = 400
 """Characters of a prompt the terminal shows (its end: the question; --full for all)."""

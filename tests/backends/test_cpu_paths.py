@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.training.run_files import read_metrics
+from grpo.training.run.run_files import read_metrics
 from tests.invariance import assert_same_rows
 from tests.runs import comparable, quiet_train, tiny_config
 

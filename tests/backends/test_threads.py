@@ -12,8 +12,8 @@ from grpo.backends.local import LocalServiceClient
 from grpo.backends.local import threads as thread_policy
 from grpo.backends.local.threads import MANY_PARAMETERS, ThreadPlan, choose_threads
 from grpo.backends.local.tiny import TINY_MODEL_NAME
-from grpo.training.config import TrainConfig
-from grpo.training.fields import ConfigError
+from grpo.training.settings.config import TrainConfig
+from grpo.training.settings.fields import ConfigError
 
 TINY_PARAMETERS = 1_000_000
 

@@ -205,7 +205,7 @@ def make(task):
 def test_env_errors_zero_ends_a_timed_out_episode_with_reward_0_and_counts_it(
     tmp_path: Path,
 ) -> None:
-    from grpo.training.run_files import read_metrics
+    from grpo.training.run.run_files import read_metrics
     from tests.runs import quiet_train, tiny_config
 
     (tmp_path / "flaky.py").write_text(FLAKY_ENV)
@@ -225,7 +225,7 @@ def test_env_errors_zero_ends_a_timed_out_episode_with_reward_0_and_counts_it(
     for row in rows:  # some tasks of each step hung: their episodes ended, scored 0, counted
         assert 0 < row["env/errors"] < 1, row
         assert row["rollout/frac_truncated"] < 1
-    from grpo.training.run import RunStopped
+    from grpo.training.recipes.grpo.run import RunStopped
 
     with pytest.raises(RunStopped, match="EnvTimeout"):  # the default stops the run instead
         quiet_train(attrs.evolve(config, run_dir=str(tmp_path / "stop"), env_errors="stop"))

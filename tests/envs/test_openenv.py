@@ -28,9 +28,9 @@ from grpo.envs.openenv import (  # noqa: E402
     parse_env_args,
     text_action,
 )
-from grpo.training import run_files  # noqa: E402
-from grpo.training.config import ConfigError, config_from_dict, to_dict  # noqa: E402
-from grpo.training.flags import config_from_args, load_toml, train_argv  # noqa: E402
+from grpo.training.run import run_files  # noqa: E402
+from grpo.training.settings.config import ConfigError, config_from_dict, to_dict  # noqa: E402
+from grpo.training.settings.flags import config_from_args, load_toml, train_argv  # noqa: E402
 from tests.envs.openenv_echo import SessionCounts, counted_echo_app, echo_app  # noqa: E402
 from tests.envs.openenv_sums import (  # noqa: E402
     SumsAction,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grpo.training import run_files
+from grpo.training.run import run_files
 from tests.invariance import assert_same_rows
 from tests.runs import comparable
 from tests.serve.test_serve import without_forward_usage

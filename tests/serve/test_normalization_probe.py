@@ -27,9 +27,9 @@ from grpo.core.normalization import NORMALIZATIONS, BatchTotals
 from grpo.core.normalization_probe import expected_scale_ratios
 from grpo.serve.client import configured_pytrio
 from grpo.serve.server import serve_in_thread
-from grpo.training.config import TrainConfig
-from grpo.training.run import dry_run, train
-from grpo.training.run_files import PROBE_FILE, read_metrics, read_summary
+from grpo.training.recipes.grpo.run import dry_run, train
+from grpo.training.run.run_files import PROBE_FILE, read_metrics, read_summary
+from grpo.training.settings.config import TrainConfig
 from tests.invariance import assert_same_rows
 from tests.runs import TINY, comparable
 

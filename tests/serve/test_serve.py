@@ -23,9 +23,9 @@ from grpo.backends import pytrio as pytrio_backend
 from grpo.backends.local import LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_NAME, TINY_TOOLS_MODEL_NAME
 from grpo.serve.faults import Fault, FaultPlan, parse_fault
-from grpo.training.config import TrainConfig
-from grpo.training.run import train
-from grpo.training.run_files import read_metrics
+from grpo.training.recipes.grpo.run import train
+from grpo.training.run.run_files import read_metrics
+from grpo.training.settings.config import TrainConfig
 from tests.invariance import assert_same_rows
 from tests.runs import TINY
 

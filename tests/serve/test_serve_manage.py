@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from grpo.cli import main
-from grpo.training.config import TrainConfig
+from grpo.training.settings.config import TrainConfig
 from tests import runs as tiny_runs
 
 TINY = {**tiny_runs.TINY, "save_every": 1, "learning_rate": 5e-3, "backend": "pytrio"}

@@ -22,8 +22,8 @@ from grpo.core.normalization import DEFAULT_SERVICE_NORMALIZATION, NORMALIZATION
 from grpo.serve.client import configured_pytrio
 from grpo.serve.server import serve_in_thread
 from grpo.tools.evaluate import sampling_client
-from grpo.training.config import ConfigError, TrainConfig
-from grpo.training.learner import loss_submission
+from grpo.training.run.learner import loss_submission
+from grpo.training.settings.config import ConfigError, TrainConfig
 
 MODEL = TINY_MODEL_NAME
 KEY = "fidelity-key"

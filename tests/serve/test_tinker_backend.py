@@ -20,10 +20,10 @@ from grpo.backends.tinker_sdk import make_tinker_service_client  # noqa: E402
 from grpo.core.loss_spec import LossSpec  # noqa: E402
 from grpo.core.normalization import service_divisor  # noqa: E402
 from grpo.serve.server import ServeHandle, serve_in_thread  # noqa: E402
-from grpo.training.config import TrainConfig  # noqa: E402
-from grpo.training.learner import loss_submission  # noqa: E402
-from grpo.training.run import train  # noqa: E402
-from grpo.training.run_files import read_checkpoint, read_metrics  # noqa: E402
+from grpo.training.recipes.grpo.run import train  # noqa: E402
+from grpo.training.run.learner import loss_submission  # noqa: E402
+from grpo.training.run.run_files import read_checkpoint, read_metrics  # noqa: E402
+from grpo.training.settings.config import TrainConfig  # noqa: E402
 from tests.invariance import assert_same_rows  # noqa: E402
 from tests.runs import TINY, embedded_service  # noqa: E402
 from tests.serve.conftest import SERVE_API_KEY  # noqa: E402

@@ -378,7 +378,7 @@ def test_a_hub_name_offline_fails_at_once_saying_how_to_use_a_local_file(monkeyp
 
 def test_run_config_passes_hub_config_split_and_columns(monkeypatch):
     from grpo.tasks.data import load_run_problems
-    from grpo.training.config import TrainConfig
+    from grpo.training.settings.config import TrainConfig
 
     calls = []
 
@@ -406,7 +406,7 @@ def test_run_config_passes_hub_config_split_and_columns(monkeypatch):
 
 def test_builtin_datasets_ignore_the_column_flags():
     from grpo.tasks.data import columns_of
-    from grpo.training.config import TrainConfig
+    from grpo.training.settings.config import TrainConfig
 
     config = TrainConfig(prompt_column="problem", answer_column="solution", gold_rule="whole")
     assert columns_of(config) == ("question", "answer", "####")

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 
 from grpo.core.rewards import RewardInput
-from grpo.reward_scores import score_completions
 from grpo.rewards import load_rewards, math_verify
-from grpo.tasks.math_grading import (
+from grpo.rewards.math_grading import (
     GradingTimeout,
     math_gold,
     run_pooled,
     verify_answer,
     verify_pooled,
 )
+from grpo.rewards.scores import score_completions
 
 # (gold, answer, equivalent): each answer as a model would box it.
 PAIRS = [
@@ -126,11 +126,11 @@ def test_a_math_verify_run_evaluates_with_math_verify_on_latex_golds(tmp_path: P
     from grpo.backends.local import LocalServiceClient
     from grpo.core.rewards import grade
     from grpo.tasks.data import load_run_problems
-    from grpo.training import run_files
-    from grpo.training.config import TrainConfig
     from grpo.training.rollouts.problems import build_problems, tokenizer_max_len
     from grpo.training.rollouts.sampling import Sampling
-    from grpo.training.seeds import Purpose, sampling_seed
+    from grpo.training.run import run_files
+    from grpo.training.run.seeds import Purpose, sampling_seed
+    from grpo.training.settings.config import TrainConfig
     from tests.runs import quiet_train, tiny_config
 
     data = tmp_path / "latex"
@@ -200,7 +200,7 @@ def test_a_math_verify_run_evaluates_with_math_verify_on_latex_golds(tmp_path: P
 def test_calls_queued_behind_slow_ones_are_timed_from_their_start_not_their_submission() -> None:
     # Three times as many threads as pool workers, each call half the timeout: timed from
     # submission, the third wave waited a whole timeout and scored 0 (GradingTimeout).
-    from grpo.tasks.math_grading import POOL_WORKERS
+    from grpo.rewards.math_grading import POOL_WORKERS
 
     run_pooled(time.sleep, 0, timeout_s=30)  # the pool warm, so no call waits on a start
     with ThreadPoolExecutor(max_workers=3 * POOL_WORKERS) as threads:

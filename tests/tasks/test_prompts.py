@@ -82,8 +82,8 @@ def test_a_template_that_renders_nothing_is_rejected():
 # --- templates and columns ------------------------------------------------------------------
 
 from grpo.tasks.prompts import DEFAULT_TEMPLATE, PromptTemplate, read_fewshot_file  # noqa: E402
-from grpo.training.config import ConfigError, TrainConfig, check_user_inputs  # noqa: E402
 from grpo.training.rollouts.problems import build_problems  # noqa: E402
+from grpo.training.settings.config import ConfigError, TrainConfig, check_user_inputs  # noqa: E402
 
 
 def test_default_config_template_gives_the_articles_tokens(tokenizer):

@@ -1,4 +1,4 @@
-"""grpo.tasks.sandbox and the code rewards: right code passes; hostile code fails safely.
+"""grpo.sandbox and the code rewards: right code passes; hostile code fails safely.
 
 Every hostile program below runs with a short wall-clock timeout and 16 processes at most;
 each test asserts it ended within its bound and that the next run still works.
@@ -16,16 +16,17 @@ import pytest
 
 from grpo.cli import main
 from grpo.core.rewards import RewardInput
-from grpo.reward_scores import score_completions
 from grpo.rewards import code_tests, code_tests_partial, load_rewards
-from grpo.tasks.code_grading import CODE_TASKS, last_python_block, row_tests
-from grpo.tasks.sandbox import (
+from grpo.rewards.code_grading import last_python_block, row_tests
+from grpo.rewards.scores import score_completions
+from grpo.sandbox import (
     SandboxLimits,
     isolation,
     process_limit_enforced,
     run_python,
     run_tests,
 )
+from grpo.tasks import CODE_TASKS
 
 LIMITS = SandboxLimits(timeout_s=3.0, cpu_s=2, processes=16, output_bytes=4096)
 BOUND_S = 8.0

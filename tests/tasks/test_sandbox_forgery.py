@@ -18,14 +18,14 @@ import pytest
 
 from grpo.core import code_checks
 from grpo.rewards import code_tests
-from grpo.tasks.code_grading import CODE_TASKS
-from grpo.tasks.sandbox import (
+from grpo.sandbox import (
     SandboxLimits,
     file_system_isolated,
     process_limit_enforced,
     run_python,
     run_tests,
 )
+from grpo.tasks import CODE_TASKS
 
 LIMITS = SandboxLimits(timeout_s=4.0, cpu_s=3, processes=16, output_bytes=1 << 16)
 DOUBLE = "def double(x):\n    return 2 * x\n"

@@ -13,7 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo.tasks.sft_data import SftDataError, chat_example, encode_row, load_examples, read_rows
+from grpo.training.recipes.sft.data import (
+    SftDataError,
+    chat_example,
+    encode_row,
+    load_examples,
+    read_rows,
+)
 
 
 @lru_cache(maxsize=1)
@@ -68,7 +74,7 @@ def test_the_generation_marks_render_nothing_and_mask_what_extension_masks(
     each prefix gives (grpo.core.sft.extension_mask)."""
     import copy
 
-    from grpo.tasks.sft_data import has_generation_marks
+    from grpo.training.recipes.sft.data import has_generation_marks
 
     marked = tokenizer()
     unmarked = copy.deepcopy(marked)

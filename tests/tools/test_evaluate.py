@@ -17,11 +17,10 @@ from grpo.backends.local import LocalServiceClient
 from grpo.cli import main
 from grpo.core.records import Completion
 from grpo.core.rewards import RewardInput
-from grpo.reward_scores import score_completions
 from grpo.rewards import load_rewards
+from grpo.rewards.scores import score_completions
 from grpo.tasks.data import columns_of, load_run_problems
 from grpo.tools.evaluate import EvalProgress
-from grpo.training.config import TrainConfig
 from grpo.training.rollouts.evaluation import (
     Decoding,
     boxed_answer,
@@ -30,7 +29,8 @@ from grpo.training.rollouts.evaluation import (
     evaluation_row,
 )
 from grpo.training.rollouts.problems import build_problems, tokenizer_max_len
-from grpo.training.run_files import read_metrics
+from grpo.training.run.run_files import read_metrics
+from grpo.training.settings.config import TrainConfig
 from tests.runs import quiet_train, tiny_config
 
 TOLERANCE = 1e-9
@@ -151,7 +151,7 @@ def test_one_seed_reproduces_the_runs_own_evaluation(run_dir: Path) -> None:
     config = TrainConfig(**{**json.loads((run_dir / "config.json").read_text())})
     logged = read_metrics(run_dir)[-1]
     service = LocalServiceClient(root=str(run_dir / "backend"), seed=0)
-    from grpo.training import run_files
+    from grpo.training.run import run_files
 
     sampler = service.create_sampling_client(
         base_model=config.base_model, model_path=run_files.eval_weights_path(run_dir)

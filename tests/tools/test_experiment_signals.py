@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.training.run_files import UNFINISHED, read_checkpoint, read_metrics, run_status
+from grpo.training.run.run_files import UNFINISHED, read_checkpoint, read_metrics, run_status
 from tests.runs import TINY
 
 

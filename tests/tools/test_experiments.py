@@ -31,7 +31,7 @@ from grpo.tools.experiments.stats import (
     steps_per_second,
 )
 from grpo.tools.experiments.sweep import add_sweep_arguments, load_sweep, run_sweep
-from grpo.training.flags import explicit_flags, train_argv
+from grpo.training.settings.flags import explicit_flags, train_argv
 
 # Writes a plausible run directory quickly. Reward of step s for a run:
 # BASE[loss] + 0.01·seed + 0.02·s + 1000·learning_rate; ratios spread by FAKE_RATIO_SPREAD.
@@ -712,7 +712,7 @@ def test_run_sweep_reports_a_missing_or_bad_file_without_running(
 @pytest.mark.slow
 def test_compare_end_to_end_with_the_real_trainer(tmp_path: Path) -> None:
     import grpo.cli  # noqa: F401 - an ImportError here fails the test: it runs the real trainer
-    import grpo.training.run  # noqa: F401
+    import grpo.training.recipes.grpo.run  # noqa: F401
 
     out = tmp_path / "cmp"
     parser = argparse.ArgumentParser()

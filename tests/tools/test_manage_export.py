@@ -15,8 +15,8 @@ from grpo.backends.local import LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_NAME, TINY_TOOLS_MODEL_NAME
 from grpo.cli import main
 from grpo.tools.export import export
-from grpo.training.config import TrainConfig
-from grpo.training.run_files import read_summary
+from grpo.training.run.run_files import read_summary
+from grpo.training.settings.config import TrainConfig
 from tests import runs as tiny_runs
 
 TINY = {**tiny_runs.TINY, "save_every": 1, "learning_rate": 5e-3}

@@ -1,6 +1,6 @@
 """No command writes over what it reads: an output that is, lies inside or holds an input
 (a run directory, a checkpoint, a data or TOML file) is refused, `--force` or not, before any
-work (`grpo.training.inputs.refuse_overlap`, docs/RELIABILITY.md "The user tools").
+work (`grpo.training.run.inputs.refuse_overlap`, docs/RELIABILITY.md "The user tools").
 
 Runs and checkpoints are built from files (`_run`), so no case trains or loads a model: each
 refusal comes before any of that, which is what these tests check.
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from grpo.cli import main
-from grpo.training.fields import ConfigError
-from grpo.training.inputs import ReadPath, read_paths, refuse_overlap
+from grpo.training.run.inputs import ReadPath, read_paths, refuse_overlap
+from grpo.training.settings.fields import ConfigError
 from tests.tools.test_tool_safety import RUN_ID, _fails, _run
 
 ROOT = Path(__file__).resolve().parents[2]

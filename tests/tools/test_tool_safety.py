@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 from grpo.cli import main
 from grpo.tasks import data
 from grpo.tools.paths import terminal_safe
-from grpo.training import run_files
+from grpo.training.run import run_files
 
 RUN_ID = "run-0"
 HOSTILE = "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\r\u202eevil <script>alert(1)</script> 你好 é"

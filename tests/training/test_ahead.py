@@ -13,10 +13,10 @@ import pytest
 from grpo.core.episodes import Episode, Turn
 from grpo.core.records import Completion
 from grpo.core.usage import TokenUsage
-from grpo.training.ahead import ReadyJob, ahead_path, load_ahead, prune_ahead, save_ahead
 from grpo.training.rollouts.grading import PlayedGroups
 from grpo.training.rollouts.problems import Problem
-from grpo.training.seeds import pick_batch
+from grpo.training.run.ahead import ReadyJob, ahead_path, load_ahead, prune_ahead, save_ahead
+from grpo.training.run.seeds import pick_batch
 
 PROBLEMS = [Problem(f"q{i}", str(i), (1, 2, 3 + i), index=i) for i in range(10)]
 BATCH, SEED, K = 3, 5, 2

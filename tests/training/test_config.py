@@ -12,8 +12,9 @@ import pytest
 from grpo.backends.names import TINY_MODEL_NAME
 from grpo.core.advantages import ADVANTAGES
 from grpo.core.losses import KL_ESTIMATORS, LOSSES, REDUCTIONS
-from grpo.training import fields
-from grpo.training.config import (
+from grpo.training.run.plan import preflight
+from grpo.training.settings import fields
+from grpo.training.settings.config import (
     FIELDS,
     ConfigError,
     TrainConfig,
@@ -24,7 +25,6 @@ from grpo.training.config import (
     resolve_run,
     to_dict,
 )
-from grpo.training.plan import preflight
 
 
 @pytest.mark.parametrize(
@@ -280,7 +280,7 @@ def test_the_preflight_checks_the_user_inputs_before_any_service_call(
 
 
 def test_each_concern_is_a_nested_record_with_its_own_checks() -> None:
-    from grpo.training.train_groups import EnvSettings, TeacherSettings
+    from grpo.training.settings.train_groups import EnvSettings, TeacherSettings
 
     config = TrainConfig(kl_coef=0.25, judge_max_tokens=64, price_prompt=1.5)
     assert (config.kl.kl_coef, config.judge.judge_max_tokens) == (0.25, 64)
@@ -294,9 +294,9 @@ def test_each_concern_is_a_nested_record_with_its_own_checks() -> None:
 
 
 def test_a_flag_every_recipe_has_is_defined_once() -> None:
-    from grpo.training.config_groups import SHARED_GROUPS
-    from grpo.training.dpo_config import DPO_FIELDS
-    from grpo.training.sft_config import SFT_FIELDS
+    from grpo.training.recipes.dpo.config import DPO_FIELDS
+    from grpo.training.recipes.sft.config import SFT_FIELDS
+    from grpo.training.settings.config_groups import SHARED_GROUPS
 
     shared = {name for group in SHARED_GROUPS for name in attrs.fields_dict(group)}
     assert shared <= set(FIELDS) & set(SFT_FIELDS) & set(DPO_FIELDS)

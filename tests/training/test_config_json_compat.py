@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from grpo.cli import build_parser
-from grpo.training import flags, run_files
-from grpo.training.config import config_from_dict, resolve_run, to_dict
-from grpo.training.dpo_config import DpoConfig, dpo_to_dict
-from grpo.training.run import RunStopped, train
-from grpo.training.sft_config import SftConfig, recipe_config_from_dict, sft_to_dict
+from grpo.training.recipes.dpo.config import DpoConfig, dpo_to_dict
+from grpo.training.recipes.grpo.run import RunStopped, train
+from grpo.training.recipes.sft.config import SftConfig, recipe_config_from_dict, sft_to_dict
+from grpo.training.run import run_files
+from grpo.training.settings import flags
+from grpo.training.settings.config import config_from_dict, resolve_run, to_dict
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

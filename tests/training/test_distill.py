@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from grpo.backends.local.tiny import TINY_MODEL_NAME
-from grpo.training.config import ConfigError, TrainConfig, resolve_run
-from grpo.training.dpo_config import DpoConfig, resolve_dpo_run
-from grpo.training.run import dry_run
-from grpo.training.run_files import read_metrics
-from grpo.training.sft_config import SftConfig, resolve_sft_run
-from grpo.training.teacher import check_same_tokenizer
+from grpo.training.recipes.distill.teacher import check_same_tokenizer
+from grpo.training.recipes.dpo.config import DpoConfig, resolve_dpo_run
+from grpo.training.recipes.grpo.run import dry_run
+from grpo.training.recipes.sft.config import SftConfig, resolve_sft_run
+from grpo.training.run.run_files import read_metrics
+from grpo.training.settings.config import ConfigError, TrainConfig, resolve_run
 from tests.invariance import assert_same_rows
 from tests.runs import comparable, quiet_train, tiny_config
 

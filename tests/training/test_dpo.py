@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from grpo.cli import main
-from grpo.training import run_files
-from grpo.training.config import ConfigError, TrainConfig
-from grpo.training.dpo_config import DpoConfig
-from grpo.training.recipes.dpo import dpo, dry_run_dpo, planned_usage, preflight_dpo
-from grpo.training.reference_cache import CACHE_FILE
-from grpo.training.run import RunStopped
+from grpo.training.recipes.dpo.config import DpoConfig
+from grpo.training.recipes.dpo.recipe import dpo, dry_run_dpo, planned_usage, preflight_dpo
+from grpo.training.recipes.dpo.reference_cache import CACHE_FILE
+from grpo.training.recipes.grpo.run import RunStopped
+from grpo.training.run import run_files
+from grpo.training.settings.config import ConfigError, TrainConfig
 from tests.invariance import assert_same_rows
 from tests.runs import comparable
 from tests.training.test_sft import _SigintAfter
@@ -199,7 +199,7 @@ def test_dry_run_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 def test_init_from_and_eval_take_the_dpo_weights(tmp_path: Path) -> None:
     from grpo.tools.evaluate import evaluate
-    from grpo.training.run import train
+    from grpo.training.recipes.grpo.run import train
 
     data = _data(tmp_path)
     source = tmp_path / "source"

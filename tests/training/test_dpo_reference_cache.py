@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from grpo.cli import main
-from grpo.training import run_files
-from grpo.training.recipes.dpo import dpo
-from grpo.training.reference_cache import CACHE_FILE, FORMAT, read_cache
-from grpo.training.run import RunStopped
+from grpo.training.recipes.dpo.recipe import dpo
+from grpo.training.recipes.dpo.reference_cache import CACHE_FILE, FORMAT, read_cache
+from grpo.training.recipes.grpo.run import RunStopped
+from grpo.training.run import run_files
 from tests.invariance import LOGPROB_ATOL, assert_same_rows
 from tests.runs import comparable
 from tests.training.test_dpo import _config, _CountingService, _local, _quiet, _write

@@ -15,9 +15,9 @@ from grpo.envs import StepResult, Task, calculator_wordproblems
 from grpo.envs.base import EnvError
 from grpo.envs.tools import format_tool_call
 from grpo.envs.wordproblems import TOOL_SYSTEM_PROMPT
-from grpo.training.config import ConfigError
 from grpo.training.rollouts.episodes import EpisodeLimits, TemplateError, play_episode, render
-from grpo.training.run_files import read_metrics
+from grpo.training.run.run_files import read_metrics
+from grpo.training.settings.config import ConfigError
 from tests.invariance import assert_same_rollouts, assert_same_rows
 from tests.runs import comparable, embedded_service, quiet_train, tiny_config
 
@@ -332,8 +332,8 @@ def test_dynamic_sampling_on_episodes_drops_equal_return_groups_and_samples_more
     import numpy as np
 
     from grpo.tasks.data import load_run_problems
-    from grpo.training.run_files import read_rollouts
-    from grpo.training.seeds import extra_batch, pick_batch
+    from grpo.training.run.run_files import read_rollouts
+    from grpo.training.run.seeds import extra_batch, pick_batch
     from tests.test_tasks import _check_dynamic_invariants
 
     config = _dynamic_env(tmp_path, "parity")
@@ -422,8 +422,8 @@ def test_dry_run_of_an_env_run_bounds_sampled_tokens_by_turns_times_tokens(tmp_p
     import json
 
     from grpo.backends.local import LocalServiceClient
-    from grpo.training.plan import plan_usage, preflight
-    from grpo.training.run import dry_run
+    from grpo.training.recipes.grpo.run import dry_run
+    from grpo.training.run.plan import plan_usage, preflight
 
     (tmp_path / "echo.py").write_text(ECHO_ENV)
     env = f"{tmp_path / 'echo.py'}:make"
@@ -468,8 +468,8 @@ def make(task):
 def test_dynamic_sampling_on_episodes_resumes_exactly(tmp_path: Path, max_off_policy: int):
     import json
 
-    from grpo.training.run import RunStopped
-    from grpo.training.run_files import read_rollouts
+    from grpo.training.recipes.grpo.run import RunStopped
+    from grpo.training.run.run_files import read_rollouts
     from tests.training.test_loop import _StopAfterOptimSteps
 
     # With K > 0 the episodes played ahead of the checkpoint are saved with it and reused.

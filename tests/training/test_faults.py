@@ -2,7 +2,7 @@
 steps 0..n exactly once with the same numbers as the uninterrupted run (docs/RELIABILITY.md).
 
 Each trial runs `grpo train` in a subprocess with GRPO_FAULT_POINT=<point>:<n>:<signal>
-(grpo.training.faults.fault_point): the run signals itself at the n-th pass of that point: after
+(grpo.training.run.faults.fault_point): the run signals itself at the n-th pass of that point: after
 sampling, after an optimizer step, entering an evaluation, before a row is logged, or in
 the middle of a checkpoint save (state saved, checkpoint.json not yet written). SIGINT2 is
 a double Ctrl-C. Two more trials SIGKILL at seeded random times.
@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from grpo.training import run_files
-from grpo.training.faults import FAULT_ENV
+from grpo.training.run import run_files
+from grpo.training.run.faults import FAULT_ENV
 from tests.invariance import assert_same_rows
 
 FLAGS = [

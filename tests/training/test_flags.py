@@ -1,4 +1,5 @@
-"""grpo.training.flags: a TrainConfig written as `grpo train` arguments parses back the same."""
+"""grpo.training.settings.flags: a TrainConfig written as `grpo train` arguments parses back the
+same."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from grpo.core.advantages import ADVANTAGES
 from grpo.core.losses import KL_ESTIMATORS, LOSSES, REDUCTIONS
 from grpo.core.mismatch import MISMATCH_CORRECTIONS
 from grpo.core.normalization import NORMALIZATIONS
-from grpo.training.config import (
+from grpo.training.settings.config import (
     BACKENDS,
     FIELDS,
     SAMPLER_DTYPES,
@@ -23,7 +24,7 @@ from grpo.training.config import (
     TrainConfig,
     to_dict,
 )
-from grpo.training.flags import checked_overrides, config_from_args, load_toml, train_argv
+from grpo.training.settings.flags import checked_overrides, config_from_args, load_toml, train_argv
 
 TEXT = st.text(
     st.characters(min_codepoint=32, blacklist_categories=("Cs",)), min_size=1, max_size=12
@@ -246,7 +247,7 @@ def test_checked_overrides_name_the_source() -> None:
 
 
 def test_help_lists_each_registry_with_exactly_its_names() -> None:
-    from grpo.training.fields import REGISTRIES
+    from grpo.training.settings.fields import REGISTRIES
 
     for registry in REGISTRIES:
         assert list(registry.shown) == registry.names(), registry

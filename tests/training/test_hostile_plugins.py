@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from grpo.core.rewards import RewardInput
-from grpo.reward_calls import uses_processes
-from grpo.reward_scores import score_completions
 from grpo.rewards import RewardError, load_rewards
-from grpo.training.run import RunStopped
-from grpo.training.run_files import read_checkpoint, read_metrics
+from grpo.rewards.calls import uses_processes
+from grpo.rewards.scores import score_completions
+from grpo.training.recipes.grpo.run import RunStopped
+from grpo.training.run.run_files import read_checkpoint, read_metrics
 from tests.invariance import assert_same_rows
 from tests.runs import TINY, comparable, quiet_train, tiny_config
 

@@ -23,20 +23,20 @@ from grpo.cli import main
 from grpo.core.judging import JudgeGroup, split_prompt
 from grpo.core.rewards import RewardInput
 from grpo.core.usage import TokenUsage
-from grpo.reward_calls import RewardCaller
-from grpo.reward_scores import score_completions
 from grpo.rewards import RewardError, load_rewards
-from grpo.training import run_files
-from grpo.training.config import ConfigError, TrainConfig
-from grpo.training.faults import FAULT_ENV
-from grpo.training.judge import (
+from grpo.rewards.calls import RewardCaller
+from grpo.rewards.judges import (
     CACHE_FILE,
     EndpointJudge,
     Judge,
     JudgeReply,
     check_judge,
 )
-from grpo.training.run import dry_run, train
+from grpo.rewards.scores import score_completions
+from grpo.training.recipes.grpo.run import dry_run, train
+from grpo.training.run import run_files
+from grpo.training.run.faults import FAULT_ENV
+from grpo.training.settings.config import ConfigError, TrainConfig
 from tests.runs import quiet_train, tiny_config
 
 PROMPT_TOKENS, COMPLETION_TOKENS, SCORE = 11, 3, 7
@@ -405,7 +405,7 @@ def test_a_judge_on_the_backend_reads_role_markers_in_its_prompt_as_text() -> No
     from transformers import AutoTokenizer
 
     from grpo.backends.local.tiny import TINY_MODEL_DIR
-    from grpo.training.judge import SamplerJudge
+    from grpo.rewards.judges import SamplerJudge
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR, local_files_only=True)
     sent: list[list[int]] = []

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from grpo.core import losses
-from grpo.training import run_files
-from grpo.training.config import TrainConfig
-from grpo.training.run import ConfigError, RunStopped, train
-from grpo.training.run_files import read_metrics
-from grpo.training.seeds import pick_batch
+from grpo.training.recipes.grpo.run import ConfigError, RunStopped, train
+from grpo.training.run import run_files
+from grpo.training.run.run_files import read_metrics
+from grpo.training.run.seeds import pick_batch
+from grpo.training.settings.config import TrainConfig
 from tests.invariance import assert_same_rows
 from tests.runs import comparable, embedded_service, quiet_train, tiny_config
 
@@ -335,7 +335,7 @@ def test_pick_batch_is_a_pure_function_covering_each_pass() -> None:
 
 
 def test_config_is_saved_without_secrets(tmp_path: Path) -> None:
-    from grpo.training.run_log import scrub_secrets
+    from grpo.training.run.run_log import scrub_secrets
 
     assert scrub_secrets(
         {"api_key": "sk-123", "PYTRIO_API_KEY": "x", "auth_token": "t", "steps": 3, "max_tokens": 8}

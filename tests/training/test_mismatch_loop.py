@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from grpo.training.config import ConfigError, TrainConfig
-from grpo.training.run import sampler_weights_name, sampling_mismatch_note
-from grpo.training.run_files import read_metrics
+from grpo.training.recipes.grpo.run import sampler_weights_name, sampling_mismatch_note
+from grpo.training.run.run_files import read_metrics
+from grpo.training.settings.config import ConfigError, TrainConfig
 from tests import runs as tiny_runs
 
 TINY = {**tiny_runs.TINY, "max_tokens": 16}
@@ -112,7 +112,7 @@ def test_masked_tokens_keep_their_place_in_the_datums_mask(
     """A masked token (w = 0, so A = 0) still counts in a mean's denominator at the backend."""
     import numpy as np
 
-    import grpo.training.learner
+    import grpo.training.run.learner
     from grpo.backends.datums import batch_to_datums, read_datums
     from grpo.core.alignment import align, pack
 
@@ -127,7 +127,7 @@ def test_masked_tokens_keep_their_place_in_the_datums_mask(
         calls.append(with_mask)
         return batch_to_datums(batch, with_mask=with_mask)
 
-    monkeypatch.setattr(grpo.training.learner, "batch_to_datums", recording)
+    monkeypatch.setattr(grpo.training.run.learner, "batch_to_datums", recording)
     assert _rows(tmp_path, "mean", mismatch_correction="token_mask", reduction="token_mean")
     trained_with_mean = list(calls)
     assert _rows(tmp_path, "sum", mismatch_correction="token_mask")

@@ -20,8 +20,8 @@ from grpo.backends.local import LocalServiceClient
 from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.cli import main
 from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION
-from grpo.training.config import ConfigError, TrainConfig
-from grpo.training.run_files import read_metrics
+from grpo.training.run.run_files import read_metrics
+from grpo.training.settings.config import ConfigError, TrainConfig
 from tests.invariance import assert_same_rows
 from tests.runs import comparable, quiet_train, tiny_config
 from tests.training.test_episodes import ENV_FILE

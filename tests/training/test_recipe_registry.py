@@ -12,9 +12,9 @@ import pytest
 from grpo.cli import build_parser, main
 from grpo.tools.evaluate import eval_config
 from grpo.training import recipes
-from grpo.training.config import ConfigError, TrainConfig
-from grpo.training.init_from import init_state_path
 from grpo.training.recipes import RECIPES, ROWS, RecipeSpec, recipe_of_command, recipe_of_config
+from grpo.training.run.init_from import init_state_path
+from grpo.training.settings.config import ConfigError, TrainConfig
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

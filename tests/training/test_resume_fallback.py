@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from grpo.cli import describe_error
-from grpo.training.config import ConfigError
-from grpo.training.run import RunStopped, train
-from grpo.training.run_files import eval_weights_path, read_checkpoint, read_metrics
+from grpo.training.recipes.grpo.run import RunStopped, train
+from grpo.training.run.run_files import eval_weights_path, read_checkpoint, read_metrics
+from grpo.training.settings.config import ConfigError
 from tests.invariance import assert_same_rows
 from tests.runs import comparable, quiet_train, tiny_config
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.training import run_files as rd
+from grpo.training.run import run_files as rd
 
 
 def test_write_json_atomic_leaves_no_temp_file_and_round_trips(tmp_path: Path) -> None:

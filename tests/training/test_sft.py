@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from pytrio.types import ModelInput
 
-from grpo.training import run_files
-from grpo.training.config import ConfigError, TrainConfig
-from grpo.training.init_from import init_state_path, init_training_client
-from grpo.training.lifecycle import finished_result
-from grpo.training.recipes.sft import check_run_dir, dry_run_sft, example_datum, sft
-from grpo.training.run import RunStopped
-from grpo.training.sft_config import SftConfig
+from grpo.training.recipes.grpo.run import RunStopped
+from grpo.training.recipes.sft.config import SftConfig
+from grpo.training.recipes.sft.recipe import check_run_dir, dry_run_sft, example_datum, sft
+from grpo.training.run import run_files
+from grpo.training.run.init_from import init_state_path, init_training_client
+from grpo.training.run.lifecycle import finished_result
+from grpo.training.settings.config import ConfigError, TrainConfig
 from tests.invariance import assert_same_rows
 from tests.runs import comparable, embedded_service
 
@@ -108,7 +108,7 @@ def test_sft_lowers_the_loss_and_resume_equals_an_uninterrupted_run(tmp_path: Pa
 
 
 def test_eval_loss_is_over_the_held_out_rows_only(tmp_path: Path) -> None:
-    from grpo.training.recipes.sft import SftRecipe
+    from grpo.training.recipes.sft.recipe import SftRecipe
 
     config = _config(tmp_path, "eval", epochs=1)
     calls: list[int] = []
@@ -169,7 +169,7 @@ def test_init_from_starts_from_the_sft_weights(tmp_path: Path) -> None:
     np.testing.assert_allclose(trained, sft_lp, atol=1e-5)
     assert np.abs(trained - base_lp).max() > 1e-3  # SFT moved the weights
 
-    from grpo.training.run import train
+    from grpo.training.recipes.grpo.run import train
 
     result = train(config, echo=lambda _line: None, progress=False)
     assert result.sampler_path and run_files.read_summary(result.run_dir)["finished"]

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from grpo.training import run_files
-from grpo.training.faults import FAULT_ENV
+from grpo.training.run import run_files
+from grpo.training.run.faults import FAULT_ENV
 from grpo.training.trackers.fanout import chartable
 from tests.runs import quiet_train, tiny_config
 
@@ -319,7 +319,7 @@ def test_a_failing_or_hanging_tracker_is_one_line_and_never_blocks(
 def test_a_tracker_that_is_not_installed_is_one_line_and_the_run_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from grpo.training.run import train
+    from grpo.training.recipes.grpo.run import train
 
     needs("tensorboard")
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
@@ -357,9 +357,9 @@ def test_log_to_round_trips_through_the_command_line_toml_and_config_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from grpo.cli import build_parser, main
-    from grpo.training.config import ConfigError, TrainConfig, config_from_dict, to_dict
-    from grpo.training.flags import config_from_args, load_toml, train_argv
-    from grpo.training.sft_config import SftConfig
+    from grpo.training.recipes.sft.config import SftConfig
+    from grpo.training.settings.config import ConfigError, TrainConfig, config_from_dict, to_dict
+    from grpo.training.settings.flags import config_from_args, load_toml, train_argv
 
     argv = train_argv({"log_to": ("wandb", "tensorboard")})
     assert argv == ["--log-to", "wandb", "--log-to", "tensorboard"]
@@ -393,7 +393,7 @@ def test_compare_gives_each_run_its_own_tracker_run_grouped_by_the_experiment(
 ) -> None:
     from grpo.tools.experiments.compare import compare_specs
     from grpo.tools.experiments.runner import planned_configs
-    from grpo.training.config import resolve_run
+    from grpo.training.settings.config import resolve_run
 
     specs = compare_specs(["ppo", "cispo"], [0, 1], {"log_to": ("tensorboard",)}, tmp_path / "exp")
     configs = planned_configs(specs)
@@ -406,7 +406,7 @@ def test_compare_gives_each_run_its_own_tracker_run_grouped_by_the_experiment(
     # grpo sweep: log_to in the file's [base]; each launched run carries the flags.
     from grpo.tools.experiments.runner import launch_command
     from grpo.tools.experiments.sweep import load_sweep, sweep_specs
-    from grpo.training.run_files import NEW
+    from grpo.training.run.run_files import NEW
 
     toml = tmp_path / "sweep.toml"
     toml.write_text(

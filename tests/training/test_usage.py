@@ -21,11 +21,11 @@ from grpo.core.usage import (
     usage_from_row,
     usage_metrics,
 )
-from grpo.training.config import ConfigError, TrainConfig
-from grpo.training.plan import plan_usage, preflight
-from grpo.training.prices import prices_for
-from grpo.training.run import dry_run
-from grpo.training.run_files import read_metrics
+from grpo.training.recipes.grpo.run import dry_run
+from grpo.training.run.plan import plan_usage, preflight
+from grpo.training.run.run_files import read_metrics
+from grpo.training.settings.config import ConfigError, TrainConfig
+from grpo.training.settings.prices import prices_for
 from tests import runs as tiny_runs
 
 TINY = {

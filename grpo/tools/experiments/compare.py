@@ -44,8 +44,8 @@ from grpo.tools.experiments.stats import (
     summarize_by_label,
 )
 from grpo.tools.experiments.sweep import ExperimentPlan, check_distinct, grid_configs, sweep_specs
-from grpo.training.flags import add_train_arguments, explicit_flags, load_toml, train_argv
-from grpo.training.inputs import ReadPath, read_paths
+from grpo.training.run.inputs import ReadPath, read_paths
+from grpo.training.settings.flags import add_train_arguments, explicit_flags, load_toml, train_argv
 
 COMPARISON_FILE = "comparison.json"
 FIGURE_FILE = "reward.png"

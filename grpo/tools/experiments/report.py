@@ -32,15 +32,15 @@ from grpo.tools.experiments.stats import (
     run_stats,
 )
 from grpo.tools.plots import band_figure, metric_keys, save_figure
-from grpo.training import run_files
-from grpo.training.inputs import ReadPath
+from grpo.training.run import run_files
+from grpo.training.run.inputs import ReadPath
 
 LARGE_PLAN = 200
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from grpo.training.config import TrainConfig
+    from grpo.training.settings.config import TrainConfig
 
 DEFAULT_LAST_STEPS = 5
 REPORT_FILE = "report.md"
@@ -236,7 +236,7 @@ def dry_run_specs(
     run's check counted, one line per tenth of the plan.
     """
     from grpo.backends.pytrio import make_service_client
-    from grpo.training.plan import plan_experiment
+    from grpo.training.run.plan import plan_experiment
 
     warn_if_large(specs, what="a dry run", warn=progress)
     services: dict[str, Any] = {}

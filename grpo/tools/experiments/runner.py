@@ -29,11 +29,16 @@ from typing import IO, Any
 
 import attrs
 
-from grpo.training import run_files
-from grpo.training.config import ConfigError, TrainConfig, check_user_inputs, config_from_dict
-from grpo.training.flags import checked_overrides, train_argv
-from grpo.training.inputs import ReadPath, config_read_paths, refuse_overlap
-from grpo.training.run_files import FINISHED, NEW, UNFINISHED
+from grpo.training.run import run_files
+from grpo.training.run.inputs import ReadPath, config_read_paths, refuse_overlap
+from grpo.training.run.run_files import FINISHED, NEW, UNFINISHED
+from grpo.training.settings.config import (
+    ConfigError,
+    TrainConfig,
+    check_user_inputs,
+    config_from_dict,
+)
+from grpo.training.settings.flags import checked_overrides, train_argv
 
 TRAIN_COMMAND: tuple[str, ...] = (sys.executable, "-m", "grpo", "train")
 DEFAULT_JOBS = 2

@@ -16,7 +16,7 @@ import attrs
 
 from grpo.core.evaluation import Interval, intervals_overlap, t_interval
 from grpo.tools.plots import metric_keys, metric_series, read_run_metrics
-from grpo.training import run_files
+from grpo.training.run import run_files
 
 # A run was on-policy when no token's ratio left 1 ± RATIO_TOLERANCE; the clip-based losses
 # reduce to importance sampling when at most CLIP_TOLERANCE of the tokens were ever clipped.

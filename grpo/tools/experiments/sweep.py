@@ -49,9 +49,9 @@ from grpo.tools.experiments.stats import (
     summarize_by_label,
 )
 from grpo.tools.plots import metric_keys
-from grpo.training.config import FIELD_NAMES
-from grpo.training.flags import read_toml, train_argv
-from grpo.training.inputs import read_paths
+from grpo.training.run.inputs import read_paths
+from grpo.training.settings.config import FIELD_NAMES
+from grpo.training.settings.flags import read_toml, train_argv
 
 SWEEP_FILE = "sweep.json"
 FIGURE_FILE = "curves.png"

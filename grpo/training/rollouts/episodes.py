@@ -13,7 +13,7 @@ one more token ends the episode, its last turn marked ``context``).
 ``play_groups`` plays G episodes per task (`grpo.envs.make_group`) on a pool as an
 `EpisodeJob` (`grpo.training.rollouts.step` submits it for a GRPO step, and
 `grpo.training.rollouts.evaluation` for an evaluation). Every sampler seed is drawn in
-`grpo.training.seeds` from (seed, purpose, step, episode, turn), and of the round in a
+`grpo.training.run.seeds` from (seed, purpose, step, episode, turn), and of the round in a
 dynamic-sampling round >= 1.
 """
 
@@ -41,11 +41,11 @@ from grpo.envs.base import (
 )
 from grpo.interrupts import request_result
 from grpo.tasks.prompts import build_messages
-from grpo.training.config import TrainConfig
 from grpo.training.rollouts.clients import Sampler, Tokenizer
 from grpo.training.rollouts.grading import PlayedGroups
 from grpo.training.rollouts.problems import Problem
 from grpo.training.rollouts.sampling import Log
+from grpo.training.settings.config import TrainConfig
 
 
 class TemplateError(EnvError):

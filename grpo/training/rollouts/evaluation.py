@@ -14,7 +14,7 @@ Entry points: `evaluate_policy` samples and grades one seed (a sampler, the prob
 tokenizer, the run's `TrainConfig`); `evaluation_row` is it with the metrics as logged
 (``test/avg@n`` ...) and the token usage, the shape in-training evaluation logs;
 `completion_samples` / `episode_samples` build the record from samples already drawn.
-Request seeds are drawn in `grpo.training.seeds` (the evaluation streams), so the same seed
+Request seeds are drawn in `grpo.training.run.seeds` (the evaluation streams), so the same seed
 samples the same completions in `grpo eval` and in the run's own evaluation.
 """
 
@@ -32,16 +32,16 @@ from grpo.core.evaluation import EvalSamples, evaluation_metrics
 from grpo.core.records import Completion
 from grpo.core.rewards import extract_boxed, normalize_answer
 from grpo.core.usage import TokenUsage
-from grpo.reward_scores import RewardScores
 from grpo.rewards import RewardFn
-from grpo.tasks.code_grading import last_python_block
-from grpo.training.config import TrainConfig
+from grpo.rewards.code_grading import last_python_block
+from grpo.rewards.scores import RewardScores
 from grpo.training.rollouts.clients import Sampler, Tokenizer
 from grpo.training.rollouts.episodes import EpisodeLimits, play_groups
 from grpo.training.rollouts.grading import Job, PlayedGroups, grade_rollouts
 from grpo.training.rollouts.problems import Problem, tokenizer_max_len
 from grpo.training.rollouts.sampling import Log, Sampling
-from grpo.training.seeds import Purpose, episode_seed, sampling_seed
+from grpo.training.run.seeds import Purpose, episode_seed, sampling_seed
+from grpo.training.settings.config import TrainConfig
 
 AnswerOf = Callable[[str], "str | None"]
 

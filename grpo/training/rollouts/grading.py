@@ -21,11 +21,11 @@ from grpo.core.episodes import Episode
 from grpo.core.records import Completion, ScoredGroup
 from grpo.core.rewards import RewardInput
 from grpo.core.usage import TokenUsage
-from grpo.reward_calls import active_caller
-from grpo.reward_scores import RewardScores, score_completions
 from grpo.rewards import RewardFn
-from grpo.training.config import TrainConfig
+from grpo.rewards.calls import active_caller
+from grpo.rewards.scores import RewardScores, score_completions
 from grpo.training.rollouts.problems import Problem
+from grpo.training.settings.config import TrainConfig
 
 
 class Rounds(Protocol):
@@ -83,8 +83,8 @@ def reward_groups(
     workers: int,
     timeout: float = 0.0,
 ) -> RewardScores:
-    """Every --reward of every completion (see `grpo.reward_scores.score_completions`), called by
-    the run's reward caller when one is active (`grpo.reward_calls.reward_session`)."""
+    """Every --reward of every completion (see `grpo.rewards.scores.score_completions`), called by
+    the run's reward caller when one is active (`grpo.rewards.calls.reward_session`)."""
     items = [
         (
             completion.text,

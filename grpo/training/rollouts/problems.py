@@ -1,6 +1,6 @@
 """The problems a run samples: prompt tokens, gold answer and dataset row of each.
 
-Every random choice is a pure function drawn in `grpo.training.seeds` (which problems a
+Every random choice is a pure function drawn in `grpo.training.run.seeds` (which problems a
 step takes), so a run resumed from a checkpoint samples exactly what it would have.
 Suffixes name axes (docs/DESIGN.md): ``_P`` one per problem of a step.
 """
@@ -15,9 +15,9 @@ import attrs
 from grpo.core.rewards import extract_gold
 from grpo.tasks.data import columns_of
 from grpo.tasks.prompts import DEFAULT_TEMPLATE, PromptTemplate, build_prompt_tokens
-from grpo.training.config import ConfigError, TrainConfig
 from grpo.training.rollouts.clients import Tokenizer
-from grpo.training.seeds import pick_batch
+from grpo.training.run.seeds import pick_batch
+from grpo.training.settings.config import ConfigError, TrainConfig
 
 
 @attrs.frozen

@@ -15,7 +15,7 @@ from grpo.core.records import ScoredGroup
 from grpo.training.rollouts.clients import Tokenizer
 from grpo.training.rollouts.grading import StepRollouts
 from grpo.training.rollouts.problems import Problem
-from grpo.training.run_log import clip_text
+from grpo.training.run.run_log import clip_text
 
 
 def completion_records(

@@ -3,7 +3,7 @@
 A ``Job`` is a step's sampling on the run's pool: ``sampler_version`` (the updates its weights
 had), ``result()`` (waits), ``usage()`` (the tokens it sent and sampled) and ``cancel()``.
 `RolloutJob` (G completions of each problem, one request of ``num_samples=G`` each),
-`grpo.training.rollouts.episodes.EpisodeJob` and a resumed `grpo.training.ahead.ReadyJob`
+`grpo.training.rollouts.episodes.EpisodeJob` and a resumed `grpo.training.run.ahead.ReadyJob`
 are all one. ``submit_rollouts`` keeps the next K steps in flight (--max-steps-off-policy K);
 ``take_rollouts`` hands a step its job with its staleness.
 """
@@ -23,7 +23,7 @@ from grpo.interrupts import request_result
 from grpo.training.rollouts.clients import SampledSequence, Sampler, Tokenizer
 from grpo.training.rollouts.grading import Job
 from grpo.training.rollouts.problems import Problem, step_problems
-from grpo.training.state import Run, RunState
+from grpo.training.run.state import Run, RunState
 
 Log = Callable[[str], None]
 

@@ -1,6 +1,6 @@
 """A GRPO step's rollouts, one path for completions (single-turn) and episodes (--env).
 
-The GRPO recipe's step (`grpo.training.recipes.grpo`) asks, in order: ``submit`` a step's
+The GRPO recipe's step (`grpo.training.recipes.grpo.recipe`) asks, in order: ``submit`` a step's
 sampling (a group's first turn is one request of G samples), ``take`` the finished job,
 ``teacher_scoring`` (distillation), ``grade`` (refilling under --dynamic-sampling),
 ``advantage_groups``, ``records`` for rollouts.jsonl, the packed batch
@@ -24,7 +24,7 @@ from grpo.core.metrics import rollout_metrics
 from grpo.core.records import Completion
 from grpo.core.usage import TokenUsage
 from grpo.interrupts import request_result
-from grpo.training.learner import current_sampler
+from grpo.training.recipes.distill.teacher import TeacherScoring
 from grpo.training.rollouts.clients import Sampler
 from grpo.training.rollouts.episodes import EpisodeLimits, play_groups
 from grpo.training.rollouts.evaluation import Decoding, evaluation_row
@@ -39,7 +39,8 @@ from grpo.training.rollouts.grading import (
 from grpo.training.rollouts.problems import Problem, tokenizer_max_len
 from grpo.training.rollouts.records import completion_records, episode_records
 from grpo.training.rollouts.sampling import Sampling
-from grpo.training.seeds import (
+from grpo.training.run.learner import current_sampler
+from grpo.training.run.seeds import (
     Purpose,
     episode_seed,
     extra_batch,
@@ -47,8 +48,7 @@ from grpo.training.seeds import (
     extra_sampling_seed,
     sampling_seed,
 )
-from grpo.training.state import Run, RunState
-from grpo.training.teacher import TeacherScoring
+from grpo.training.run.state import Run, RunState
 
 Graded = StepRollouts | PlayedGroups
 """A step's groups graded: completions with their --reward scores, or played episodes."""

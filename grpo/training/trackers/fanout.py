@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from grpo.training.run_files import STEP_KEY, write_json_atomic
+from grpo.training.run.run_files import STEP_KEY, write_json_atomic
 from grpo.training.trackers.base import TRACKER_NAMES, TRACKERS_DIR, RunInfo, Tracker
 
 QUEUE_STEPS = 1000

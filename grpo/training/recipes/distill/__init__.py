@@ -1,0 +1,1 @@
+"""Grpo distill: on-policy distillation and its teacher."""

@@ -1,0 +1,1 @@
+"""Grpo dpo: its config, preference rows, reference cache, recipe."""

@@ -1,0 +1,1 @@
+"""Grpo train: the GRPO recipe's step and its run."""

@@ -1,0 +1,1 @@
+"""Grpo sft: its config, its rows and its recipe."""

@@ -1,0 +1,162 @@
+"""The typed configuration of `grpo sft`: its own groups of flags, and the groups it shares.
+
+SFT has a record of its own rather than fields on `TrainConfig`: its flags (--data,
+--batch-tokens, --lr-schedule ...) mean nothing to a GRPO run and must not appear in
+`grpo train --help`, nor in the sweeps and TOML files that build a TrainConfig. The flags
+every recipe has (model, backend, optimizer, seed, checkpoints, logging, prices) come from
+the shared groups of `grpo.training.settings.config_groups`, each defined once.
+
+No `from __future__ import annotations` here: the field transformer reads each field's type.
+"""
+
+from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+
+from grpo.core.sft import LR_SCHEDULES
+from grpo.training.settings.config_groups import (
+    CheckpointSettings,
+    ModelSettings,
+    OptimizerSettings,
+    PriceSettings,
+    RunSettings,
+    ServiceSettings,
+)
+from grpo.training.settings.fields import (
+    NOT_EMPTY,
+    AtLeast,
+    ConfigError,
+    Field,
+    Interval,
+    OneOf,
+    flag,
+    grouped,
+    with_checks,
+)
+
+
+@attrs.frozen(slots=False, field_transformer=grouped("update"))
+class ScheduleSettings:
+    """The learning-rate schedule of the data recipes (SFT, ...)."""
+
+    lr_schedule: str = flag(
+        "linear", "learning-rate decay after the warm-up (docs/FORMULAS.md)", OneOf(LR_SCHEDULES)
+    )
+    warmup_steps: int = flag(0, "steps of linear learning-rate warm-up", AtLeast(0))
+
+
+@attrs.frozen(slots=False, field_transformer=grouped("data and task"))
+class SftDataSettings:
+    """The rows SFT trains on."""
+
+    data: str | None = flag(
+        None,
+        "training rows: a .jsonl/.parquet/.csv file of 'messages', 'prompt'+'completion' or "
+        "'text' rows (docs/sft-dpo-distill.md, 'Supervised fine-tuning')",
+        NOT_EMPTY,
+    )
+
+
+@attrs.frozen(slots=False, field_transformer=grouped("update"))
+class SftUpdateSettings:
+    """How many passes, in batches of how many tokens."""
+
+    epochs: int = flag(1, "passes over the training rows", AtLeast(1))
+    batch_tokens: int = flag(
+        4096, "most tokens per batch (whole rows; one optimizer step per batch)", AtLeast(1)
+    )
+
+
+@attrs.frozen(slots=False, field_transformer=grouped("evaluation and checkpoints"))
+class SftEvaluationSettings:
+    """The held-out rows and how often their loss is measured."""
+
+    eval_data: str | None = flag(
+        None, "held-out rows for the eval loss (default: --eval-fraction of --data)", NOT_EMPTY
+    )
+    eval_fraction: float = flag(
+        0.1,
+        "share of --data held out for the eval loss when no --eval-data (0 = none)",
+        Interval(0, 1, "left"),
+    )
+    eval_every: int = flag(
+        10,
+        "eval loss on the held-out rows before training, every N steps and at the end (0 = never)",
+        AtLeast(0),
+    )
+
+
+# attrs collects the fields from the last base to the first.
+@attrs.frozen(field_transformer=with_checks)
+class SftConfig(
+    PriceSettings,
+    ServiceSettings,
+    CheckpointSettings,
+    SftEvaluationSettings,
+    ScheduleSettings,
+    OptimizerSettings,
+    SftUpdateSettings,
+    SftDataSettings,
+    RunSettings,
+    ModelSettings,
+):
+    """Every knob of `grpo sft`; --data is required."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.data is None:
+            raise ConfigError("--data is required: a .jsonl/.parquet/.csv file of training rows")
+
+
+SFT_FIELDS: dict[str, Field] = attrs.fields_dict(SftConfig)
+RECIPE_KEY = "recipe"
+"""config.json of an SFT run names its recipe (``"sft"``), so `grpo train` can tell it apart."""
+
+
+RecipeConfig = TypeVar("RecipeConfig")
+
+
+def recipe_config_from_dict(
+    config_class: type[RecipeConfig], command: str, values: Mapping[str, object], *, where: str
+) -> RecipeConfig:
+    """A recipe's config (SftConfig, ...) from flag values; ConfigError naming an
+    unknown key, `grpo <command> --help` and `where`."""
+    unknown = sorted(set(values) - set(attrs.fields_dict(config_class)))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown {command} flag {unknown[0]!r}; see `grpo {command} --help` for "
+            "the flags"
+        )
+    try:
+        return config_class(**values)
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {error}") from None
+
+
+def sft_to_dict(config: SftConfig) -> dict[str, Any]:
+    """The config as config.json holds it: its fields and ``recipe: "sft"``."""
+    return {**attrs.asdict(config), RECIPE_KEY: "sft"}
+
+
+def resolve_sft_run(config: SftConfig) -> SftConfig:
+    """Run name (--run-name, else the run directory's name, else sft-seed<k>-<time>) and dir."""
+    return resolve_recipe_run(config, "sft")
+
+
+Run = TypeVar("Run", bound=RunSettings)
+
+
+def resolve_recipe_run(config: Run, prefix: str) -> Run:
+    """A data recipe's config (SFT, ...) with its run name (--run-name, else the run directory's
+    name, else <prefix>-seed<k>-<time>) and run directory (default runs/<run name>)."""
+    directory_name = Path(config.run_dir).name if config.run_dir else ""
+    if directory_name in (".", ".."):
+        directory_name = ""
+    run_name = (
+        config.run_name
+        or directory_name
+        or f"{prefix}-seed{config.seed}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    )
+    return attrs.evolve(config, run_name=run_name, run_dir=config.run_dir or f"runs/{run_name}")

@@ -1,0 +1,1 @@
+"""The configuration: TrainConfig, field checks, flags and TOML, prices."""
