@@ -50,8 +50,8 @@ from grpo.backends.local.tiny import TINY_MODEL_NAME
 from grpo.backends.pytrio import make_service_client
 from grpo.serve.client import configured_pytrio
 from grpo.serve.server import serve_in_thread
+from grpo.training.custom_loss import as_custom_loss
 from grpo.training.recipes.grpo.run import train
-from grpo.training.run.custom_loss import as_custom_loss
 from grpo.training.settings.config import TrainConfig
 
 API_KEY = "benchmark"

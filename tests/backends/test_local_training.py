@@ -19,7 +19,7 @@ from pytrio.types import AdamParams, Datum, ModelInput, SamplingParams, TensorDa
 
 from grpo.backends.datums import scale_weights
 from grpo.backends.local import LocalServiceClient, LocalTrainingClient, tiny
-from grpo.training.run.custom_loss import as_custom_loss
+from grpo.training.custom_loss import as_custom_loss
 
 MODEL = tiny.TINY_MODEL_NAME
 ADAM = AdamParams(learning_rate=1e-2)

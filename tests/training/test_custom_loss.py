@@ -14,7 +14,7 @@ from pytrio.client.training import _invoke_custom_loss
 
 from grpo.backends.datums import IGNORE_INDEX, datum_mask
 from grpo.core import losses
-from grpo.training.run.custom_loss import as_custom_loss
+from grpo.training.custom_loss import as_custom_loss
 from tests.strategies import LOSS_CONFIGS, policy_datums
 
 

@@ -197,7 +197,9 @@ def records(run: Run, graded: Graded, groups_P: Sequence[RolloutGroup]) -> list[
     """The first --log-rollouts groups for rollouts.jsonl."""
     tokenizer, limit = run.tokenizer, run.config.log_rollouts
     if isinstance(graded, PlayedGroups):
-        return episode_records(graded.problems_P, groups_P, graded.seen_P, tokenizer, limit)  # type: ignore[arg-type]
+        return episode_records(  # type: ignore[arg-type]
+            graded.problems_P, groups_P, graded.seen_P, tokenizer, limit
+        )
     return completion_records(graded, groups_P, tokenizer, limit)  # type: ignore[arg-type]
 
 

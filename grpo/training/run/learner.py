@@ -34,8 +34,8 @@ from grpo.core.metrics import mismatch_metrics, update_metrics
 from grpo.core.mismatch import correct_batch
 from grpo.core.records import TokenBatch
 from grpo.core.usage import TokenUsage, training_usage
+from grpo.training.custom_loss import as_custom_loss
 from grpo.training.rollouts.clients import Sampler
-from grpo.training.run.custom_loss import as_custom_loss
 from grpo.training.run.faults import fault_point
 from grpo.training.run.lifecycle import NonFiniteUpdate
 from grpo.training.run.plan import runs_extra_forward

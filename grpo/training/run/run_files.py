@@ -15,7 +15,7 @@ time and holds:
 - ``ahead/step-N.json``: under --max-steps-off-policy, the rollouts already sampled for
   the steps after checkpoint N, saved with it (`grpo.training.run.ahead`);
 - ``reference_logprobs.json``: a recipe's cached reference log-probs, under a checksum of
-  its contents (`grpo.training.recipes.dpo.reference_cache`);
+  its contents (the recipe's ``reference_cache`` module);
 - ``service_probe.json``: with --backend pytrio, what the loss-normalization probe measured
   at the start of the latest launch (its verdict, evidence, or why it failed);
 - ``summary.json``: written when the run finished (its sampler path is read back inside
@@ -93,8 +93,8 @@ def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
 
 def payload_checksum(payload: Mapping[str, Any]) -> str:
     """SHA-256 of ``payload``'s canonical JSON: what a file written by grpo stores so that a
-    file edited by hand (or damaged) is not trusted (`grpo.training.run.ahead`,
-    `grpo.training.recipes.dpo.reference_cache`)."""
+    file edited by hand (or damaged) is not trusted (`grpo.training.run.ahead`, a recipe's
+    reference cache)."""
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 

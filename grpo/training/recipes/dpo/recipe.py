@@ -4,9 +4,10 @@ The recipe: the pairs of --data (`grpo.training.recipes.dpo.data`: prompt, chose
 encoded as `grpo sft` encodes a prompt/completion row), a held-out split (--eval-data, else
 --eval-fraction of --data); the reference's sequence log-probs of every completion, computed
 once (one ``compute_logprobs`` per sequence) and cached in the run directory
-(`grpo.training.recipes.dpo.reference_cache`); every step, --batch-size pairs as two datums each in
-one ``forward_backward_custom`` whose loss is the core kernel (`grpo.training.run.custom_loss.
-DpoLoss`, `grpo.core.dpo`; docs/FORMULAS.md, "Preference optimization"), then one
+(`grpo.training.recipes.dpo.reference_cache`); every step, --batch-size pairs as two datums
+each in one ``forward_backward_custom`` whose loss is the core kernel (`DpoLoss` in
+`grpo.training.recipes.dpo.loss`, `grpo.core.dpo`; docs/FORMULAS.md, "Preference
+optimization"), then one
 ``optim_step`` at the step's learning rate (SFT's schedule); ``dpo/*`` from the log-probs the
 call returned, ``eval/dpo/*`` from a forward of the held-out pairs every --eval-every steps.
 
@@ -33,6 +34,7 @@ from grpo.core.usage import Prices, TokenUsage
 from grpo.training.recipes.distill.teacher import is_run_dir, weights_sampler
 from grpo.training.recipes.dpo.config import DpoConfig, dpo_to_dict, resolve_dpo_run
 from grpo.training.recipes.dpo.data import load_pairs
+from grpo.training.recipes.dpo.loss import DpoLoss, as_dpo_loss
 from grpo.training.recipes.dpo.reference_cache import reference_logprobs
 from grpo.training.recipes.sft.data import SftDataError
 from grpo.training.recipes.sft.recipe import (
@@ -47,7 +49,6 @@ from grpo.training.recipes.sft.recipe import (
     saves,
 )
 from grpo.training.run import run_files
-from grpo.training.run.custom_loss import DpoLoss, as_dpo_loss
 from grpo.training.run.init_from import init_state_path
 from grpo.training.run.inputs import refuse_run_dir_over_inputs
 from grpo.training.run.lifecycle import (
