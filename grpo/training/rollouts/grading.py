@@ -171,7 +171,7 @@ def grade_rollouts(
     config: TrainConfig,
     max_tokens: int | None = None,
 ) -> StepRollouts:
-    """Step 5: every completion scored by the run's --reward callables (sampled with at most
+    """Step 3: every completion scored by the run's --reward callables (sampled with at most
     ``max_tokens``, by default the run's --max-tokens)."""
     scores = reward_groups(
         problems_P,
@@ -210,7 +210,7 @@ def refill(
 
 
 def trainable_groups(groups_P: Sequence[GroupT], limit: int | None) -> list[GroupT]:
-    """Step 7: the non-degenerate groups, the first ``limit`` of them when a limit is given."""
+    """Step 5: the non-degenerate groups, the first ``limit`` of them when a limit is given."""
     kept = [group for group in groups_P if not group.is_degenerate]
     return kept if limit is None else kept[:limit]
 
