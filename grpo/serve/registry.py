@@ -188,6 +188,25 @@ class RunRegistry:
             },
         }
 
+    def _run_created(
+        self, run: TrainingRun | SamplingRun, cuid_key: str, index: int, **limits: Any
+    ) -> dict[str, Any]:
+        """The create response of a training or sampling run: its cuid under `cuid_key`, its
+        session, model, `limits` (``trainer`` or ``sampler``), a fresh actor and its time."""
+        return {
+            cuid_key: run.cuid,
+            "service_session_cuid": run.session,
+            "workspace_cuid": "local-workspace",
+            "status": "ACTIVE",
+            "run_index": index,
+            "model_spec_cuid": f"model-{run.base_model}",
+            "model_alias": run.base_model,
+            "model_id": run.model_id,
+            **limits,
+            **self._actor(),
+            "created_at": run.created_at,
+        }
+
     def create_training_run(self, session: str, request: dict[str, Any]) -> dict[str, Any]:
         """`TrainingRunCreateResponse`; the model loads at the run's `trainer.init_run`."""
         self._session(session)
@@ -216,19 +235,9 @@ class RunRegistry:
         )
         with self._lock:
             self._training[run.cuid] = run
-        return {
-            "training_run_cuid": run.cuid,
-            "service_session_cuid": session,
-            "workspace_cuid": "local-workspace",
-            "status": "ACTIVE",
-            "run_index": len(self._training),
-            "model_spec_cuid": f"model-{name}",
-            "model_alias": name,
-            "model_id": model_id,
-            "trainer": self.catalogue.limits(name),
-            **self._actor(),
-            "created_at": created,
-        }
+        return self._run_created(
+            run, "training_run_cuid", len(self._training), trainer=self.catalogue.limits(name)
+        )
 
     def training_run(self, cuid: str) -> TrainingRun:
         """A registered training run (404 if unknown)."""
@@ -343,33 +352,23 @@ class RunRegistry:
             if source:
                 self._checkpoint_metadata(source)  # a damaged store entry: a 409 naming it
             client = local_call(lambda: self.local.create_sampling_client(name, source or None))
-        created = now_iso()
         run = SamplingRun(
             cuid=f"sampler-{uuid.uuid4().hex[:12]}",
             session=session,
             base_model=name,
             model_id=model_id,
             source_checkpoint_uri=source,
-            created_at=created,
+            created_at=now_iso(),
             client=client,
         )
         with self._lock:
             self._sampling[run.cuid] = run
             while len(self._sampling) > _SAMPLING_RUNS_KEPT:
                 self._sampling.popitem(last=False)
-        return {
-            "sampling_run_cuid": run.cuid,
-            "service_session_cuid": session,
-            "workspace_cuid": "local-workspace",
-            "status": "ACTIVE",
-            "run_index": len(self._sampling),
-            "model_spec_cuid": f"model-{name}",
-            "model_alias": name,
-            "model_id": model_id,
-            "sampler": self.catalogue.limits(name, trainer=False),
-            **self._actor(),
-            "created_at": created,
-        }
+            index = len(self._sampling)
+        return self._run_created(
+            run, "sampling_run_cuid", index, sampler=self.catalogue.limits(name, trainer=False)
+        )
 
     def sampler(self, model: str) -> LocalSamplingClient:
         """A sampler of `model` for the OpenAI-compatible API: in-memory sampler weights

@@ -26,7 +26,7 @@ from grpo.training.rollouts.evaluation import (
     boxed_answer,
     code_answer,
     completion_samples,
-    evaluation_row,
+    evaluate_policy,
 )
 from grpo.training.rollouts.problems import build_problems, tokenizer_max_len
 from grpo.training.run.run_files import read_metrics
@@ -168,7 +168,7 @@ def test_one_seed_reproduces_the_runs_own_evaluation(run_dir: Path) -> None:
     )
     decoding = Decoding(temperature=config.temperature, top_p=1.0, max_tokens=config.max_tokens)
     with ThreadPoolExecutor(max_workers=4) as pool:
-        new, new_usage = evaluation_row(
+        result = evaluate_policy(
             sampler,
             problems,
             tokenizer,
@@ -178,6 +178,7 @@ def test_one_seed_reproduces_the_runs_own_evaluation(run_dir: Path) -> None:
             samples=1,
             seed=config.seed,
         )
+    new, new_usage = result.metrics("test/"), result.usage
     assert {"test/avg@1", "test/cons@1", "test/format_rate", "test/truncation_rate"} <= set(new)
     for key, value in new.items():
         assert logged[key] == pytest.approx(value, abs=TOLERANCE), key

@@ -19,8 +19,9 @@ dynamic-sampling round >= 1.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -122,6 +123,24 @@ def bridge_text(
     return rendered[len(written) :], rendered
 
 
+@contextlib.contextmanager
+def _env_session(env: Env, log: Log) -> Iterator[None]:
+    """Waits for the env's session first (its ``wait_for_session(log)``, outside --env-timeout)
+    and closes the env at the end (its ``close()``), logging a failed close."""
+    try:
+        wait_for_session = getattr(env, "wait_for_session", None)
+        if callable(wait_for_session):
+            wait_for_session(log)
+        yield
+    finally:
+        close = getattr(env, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as error:  # noqa: BLE001 - the episode is over either way
+                log(f"closing {type(env).__name__} failed: {type(error).__name__}: {error}")
+
+
 def play_episode(
     sampler: Sampler,
     env: Env,
@@ -136,116 +155,93 @@ def play_episode(
     limit. Returns the episode, the sampler usage, and the decoded observation of each turn.
     An env with a ``wait_for_session(log)`` (a server of few sessions, `grpo.envs.openenv`)
     waits there first, outside --env-timeout; one with a ``close()`` is closed at the end."""
-    try:
-        wait_for_session = getattr(env, "wait_for_session", None)
-        if callable(wait_for_session):
-            wait_for_session(log)
-        return _play(sampler, env, tokenizer, limits, seed_for, max_retries=max_retries, log=log)
-    finally:
-        close = getattr(env, "close", None)
-        if callable(close):
+    with _env_session(env, log):
+        special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+        messages = list(initial_messages(env, limits.env_timeout_s))
+        tools = env_tools(env)
+        shown = render(tokenizer, messages, tools)
+        observation = _encode(tokenizer, shown)
+        context: list[int] = []
+        turns: list[Turn] = []
+        seen: list[str] = [shown]
+        usage = TokenUsage()
+        for index in range(limits.max_turns):
+            context += observation
+            room = limits.max_tokens if limits.max_len is None else limits.max_len - len(context)
+            if room < 1:
+                if not turns:
+                    raise EnvError(
+                        f"the initial observation has {len(context)} tokens, the model's whole "
+                        f"context of {limits.max_len}; shorten the environment's prompt"
+                    )
+                turns[-1] = attrs.evolve(turns[-1], stop_reason="context")
+                break
+            budget = min(limits.max_tokens, room)
+            prompt = ModelInput.from_ints(context)
+            params = SamplingParams(
+                max_tokens=budget,
+                temperature=limits.temperature,
+                top_p=limits.top_p,
+                seed=seed_for(index),
+            )
+            response = call_with_retries(
+                lambda prompt=prompt, params=params: request_result(
+                    sampler.sample(
+                        prompt=prompt, num_samples=1, sampling_params=params, return_text=True
+                    )
+                ),
+                what=f"sample (episode turn {index})",
+                max_retries=max_retries,
+                on_retry=log,
+            )
+            (sequence,) = response.sequences
+            tokens = [int(token) for token in sequence.tokens]
+            usage += sample_usage(
+                response.input_tokens, response.output_tokens, len(context), [len(tokens)]
+            )
+            ended = sequence.stop_reason == "stop" and bool(tokens) and tokens[-1] in special_ids
+            action = tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
+            end = tokenizer.decode(tokens[-1:], skip_special_tokens=False) if ended else ""
             try:
-                close()
-            except Exception as error:  # noqa: BLE001 - the episode is over either way
-                log(f"closing {type(env).__name__} failed: {type(error).__name__}: {error}")
-
-
-def _play(
-    sampler: Sampler,
-    env: Env,
-    tokenizer: Tokenizer,
-    limits: EpisodeLimits,
-    seed_for: Callable[[int], int],
-    *,
-    max_retries: int,
-    log: Log,
-) -> tuple[Episode, TokenUsage, list[str]]:
-    special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-    messages = list(initial_messages(env, limits.env_timeout_s))
-    tools = env_tools(env)
-    shown = render(tokenizer, messages, tools)
-    observation = _encode(tokenizer, shown)
-    context: list[int] = []
-    turns: list[Turn] = []
-    seen: list[str] = [shown]
-    usage = TokenUsage()
-    for index in range(limits.max_turns):
-        context += observation
-        room = limits.max_tokens if limits.max_len is None else limits.max_len - len(context)
-        if room < 1:
-            if not turns:
-                raise EnvError(
-                    f"the initial observation has {len(context)} tokens, the model's whole "
-                    f"context of {limits.max_len}; shorten the environment's prompt"
+                result = env_step(env, action, index, limits.env_timeout_s)
+            except EnvError as error:
+                if limits.env_errors != "zero":
+                    raise
+                log(f"{error}; the episode ends with reward 0 (--env-errors zero)")
+                turns.append(
+                    Turn(
+                        observation_tokens=observation,
+                        action_tokens=tokens,
+                        action_logprobs=list(sequence.logprobs),
+                        reward=0.0,
+                        action_text=action,
+                        stop_reason="env_error",
+                    )
                 )
-            turns[-1] = attrs.evolve(turns[-1], stop_reason="context")
-            break
-        budget = min(limits.max_tokens, room)
-        prompt = ModelInput.from_ints(context)
-        params = SamplingParams(
-            max_tokens=budget,
-            temperature=limits.temperature,
-            top_p=limits.top_p,
-            seed=seed_for(index),
-        )
-        response = call_with_retries(
-            lambda prompt=prompt, params=params: request_result(
-                sampler.sample(
-                    prompt=prompt, num_samples=1, sampling_params=params, return_text=True
-                )
-            ),
-            what=f"sample (episode turn {index})",
-            max_retries=max_retries,
-            on_retry=log,
-        )
-        (sequence,) = response.sequences
-        tokens = [int(token) for token in sequence.tokens]
-        usage += sample_usage(
-            response.input_tokens, response.output_tokens, len(context), [len(tokens)]
-        )
-        ended = sequence.stop_reason == "stop" and bool(tokens) and tokens[-1] in special_ids
-        action = tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
-        end = tokenizer.decode(tokens[-1:], skip_special_tokens=False) if ended else ""
-        try:
-            result = env_step(env, action, index, limits.env_timeout_s)
-        except EnvError as error:
-            if limits.env_errors != "zero":
-                raise
-            log(f"{error}; the episode ends with reward 0 (--env-errors zero)")
+                break
+            stop = "stop" if sequence.stop_reason == "stop" else "length"
+            if stop == "length" and budget < limits.max_tokens:
+                stop = "context"
             turns.append(
                 Turn(
                     observation_tokens=observation,
                     action_tokens=tokens,
                     action_logprobs=list(sequence.logprobs),
-                    reward=0.0,
+                    reward=result.reward,
                     action_text=action,
-                    stop_reason="env_error",
+                    stop_reason=stop,
+                    tool_calls=result.tool_calls,
+                    tool_errors=result.tool_errors,
                 )
             )
-            break
-        stop = "stop" if sequence.stop_reason == "stop" else "length"
-        if stop == "length" and budget < limits.max_tokens:
-            stop = "context"
-        turns.append(
-            Turn(
-                observation_tokens=observation,
-                action_tokens=tokens,
-                action_logprobs=list(sequence.logprobs),
-                reward=result.reward,
-                action_text=action,
-                stop_reason=stop,
-                tool_calls=result.tool_calls,
-                tool_errors=result.tool_errors,
-            )
-        )
-        context += tokens
-        if result.done or index + 1 == limits.max_turns:
-            break
-        messages += [{"role": "assistant", "content": action}, *result.observation]
-        bridge, shown = bridge_text(tokenizer, shown, action, end, messages, tools)
-        observation = _encode(tokenizer, bridge)
-        seen.append(bridge)
-    return Episode(turns=turns), usage, seen
+            context += tokens
+            if result.done or index + 1 == limits.max_turns:
+                break
+            messages += [{"role": "assistant", "content": action}, *result.observation]
+            bridge, shown = bridge_text(tokenizer, shown, action, end, messages, tools)
+            observation = _encode(tokenizer, bridge)
+            seen.append(bridge)
+        return Episode(turns=turns), usage, seen
 
 
 def task_of(problem: Problem, config: TrainConfig) -> Task:

@@ -11,8 +11,8 @@ the core computes avg@n, pass@k, cons@n, format and truncation rates (docs/FORMU
 - truncated: stopped by max_tokens (under `--env`: the last turn did not stop by itself).
 
 Entry points: `evaluate_policy` samples and grades one seed (a sampler, the problems, the
-tokenizer, the run's `TrainConfig`); `evaluation_row` is it with the metrics as logged
-(``test/avg@n`` ...) and the token usage, the shape in-training evaluation logs;
+tokenizer, the run's `TrainConfig`); its `Evaluation.metrics` are the metrics as logged
+(``test/avg@n`` ...), the shape in-training evaluation logs;
 `completion_samples` / `episode_samples` build the record from samples already drawn.
 Request seeds are drawn in `grpo.training.run.seeds` (the evaluation streams), so the same seed
 samples the same completions in `grpo eval` and in the run's own evaluation.
@@ -258,34 +258,3 @@ def evaluate_policy(
         log=log,
     )
     return _graded(job, problems, config, decoding)
-
-
-def evaluation_row(
-    sampler: Sampler,
-    problems: Sequence[Problem],
-    tokenizer: Tokenizer,
-    config: TrainConfig,
-    *,
-    pool: ThreadPoolExecutor,
-    decoding: Decoding,
-    samples: int,
-    seed: int,
-    max_retries: int = 3,
-    log: Log = print,
-    prefix: str = "test/",
-) -> tuple[dict[str, float], TokenUsage]:
-    """`evaluate_policy`'s metrics as a metrics row logs them (``test/avg@n``, ``test/pass@k``,
-    ``test/cons@n``, ``test/format_rate``, ``test/truncation_rate`` ...) and its token usage."""
-    result = evaluate_policy(
-        sampler,
-        problems,
-        tokenizer,
-        config,
-        pool=pool,
-        decoding=decoding,
-        samples=samples,
-        seed=seed,
-        max_retries=max_retries,
-        log=log,
-    )
-    return result.metrics(prefix), result.usage

@@ -27,7 +27,7 @@ from grpo.interrupts import request_result
 from grpo.training.recipes.distill.teacher import TeacherScoring
 from grpo.training.rollouts.clients import Sampler
 from grpo.training.rollouts.episodes import EpisodeLimits, play_groups
-from grpo.training.rollouts.evaluation import Decoding, evaluation_row
+from grpo.training.rollouts.evaluation import Decoding, evaluate_policy
 from grpo.training.rollouts.grading import (
     Job,
     PlayedGroups,
@@ -228,7 +228,7 @@ def evaluate_test(run: Run, sampler: Sampler) -> tuple[dict[str, float], TokenUs
     """The run's test evaluation (`grpo.training.rollouts.evaluation`): one sample (episode)
     per test problem at the run's temperature and top-p 1, graded as the run trains."""
     config = run.config
-    return evaluation_row(
+    result = evaluate_policy(
         sampler,
         run.test_problems,
         run.tokenizer,
@@ -240,3 +240,4 @@ def evaluate_test(run: Run, sampler: Sampler) -> tuple[dict[str, float], TokenUs
         max_retries=config.max_retries,
         log=run.note,
     )
+    return result.metrics("test/"), result.usage

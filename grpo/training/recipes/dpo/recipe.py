@@ -44,8 +44,8 @@ from grpo.training.recipes.sft.recipe import (
     encoded_split,
     evaluations,
     finish_dry_run,
-    open_recipe_session,
     recipe_service,
+    run_data_recipe,
     saves,
 )
 from grpo.training.run import run_files
@@ -54,10 +54,7 @@ from grpo.training.run.inputs import refuse_run_dir_over_inputs
 from grpo.training.run.lifecycle import (
     NonFiniteUpdate,
     RunResult,
-    finished_result,
     retry,
-    run_steps,
-    start_state,
 )
 from grpo.training.run.recipe import Session
 from grpo.training.run.state import RunState
@@ -267,29 +264,12 @@ def dpo(
 ) -> RunResult:
     """Preference optimization for --steps steps over --data's pairs (or continue it)."""
     config = resolve_dpo_run(config)
-    refuse_run_dir_over_inputs(config)
-    run_dir = Path(str(config.run_dir))
-    with run_files.owned(run_dir):
-        checkpoint = check_run_dir(run_dir, resume, "dpo")
-        if checkpoint is False:
-            return finished_result(run_dir, echo, "")
-        plan = preflight_dpo(config, lambda: service_client or recipe_service(config, run_dir))
 
-        session, start = open_recipe_session(
-            config,
-            plan.service,
-            run_dir,
-            checkpoint,
-            dpo_to_dict(config),
-            plan.steps,
-            plan.prices,
-            echo,
-            init_state=plan.init_state,
-        )
+    def begin(plan: DpoPlan, session: Session) -> tuple[DpoRecipe, TokenUsage]:
         for note in plan.notes:
             session.note(note)
         ref_N, sent = reference_logprobs(  # once per sequence; a resume reads the cache
-            run_dir,
+            Path(str(config.run_dir)),
             plan.reference,
             plan.ref_sampler,
             [e for pair in [*plan.train, *plan.eval] for e in (pair.chosen, pair.rejected)],
@@ -298,10 +278,20 @@ def dpo(
             note=session.note,
         )
         ref_P2 = ref_N.reshape(-1, 2)
-        state = start_state(run_dir, start)
-        state.usage += TokenUsage(prompt_tokens=sent)
-        recipe = DpoRecipe(plan, session, ref_P2[: len(plan.train)], ref_P2[len(plan.train) :])
-        return run_steps(recipe, state, echo, progress)
+        train, held_out = ref_P2[: len(plan.train)], ref_P2[len(plan.train) :]
+        return DpoRecipe(plan, session, train, held_out), TokenUsage(prompt_tokens=sent)
+
+    return run_data_recipe(
+        config,
+        "dpo",
+        dpo_to_dict(config),
+        preflight_dpo,
+        begin,
+        resume=resume,
+        service_client=service_client,
+        echo=echo,
+        progress=progress,
+    )
 
 
 class DpoRecipe(DataRecipe):

@@ -25,7 +25,7 @@ import contextlib
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import numpy as np
@@ -64,6 +64,7 @@ from grpo.training.run.recipe import Session
 from grpo.training.run.run_log import RunLogger, scrub_secrets
 from grpo.training.run.state import RunState
 from grpo.training.settings.config import FIELDS as TRAIN_FIELDS
+from grpo.training.settings.config_groups import RunSettings
 from grpo.training.settings.fields import ConfigError
 from grpo.training.settings.prices import prices_for
 
@@ -88,6 +89,11 @@ class SftPlan:
     def steps(self) -> int:
         """Optimizer steps of the whole run."""
         return len(self.batches)
+
+    @property
+    def init_state(self) -> None:
+        """SFT has no --init-from: it starts from its checkpoint, else a fresh LoRA."""
+        return None
 
 
 def example_datum(example: SftExample, weights_T: np.ndarray) -> Datum:
@@ -280,25 +286,76 @@ def sft(
 ) -> RunResult:
     """Supervised fine-tuning for --epochs passes over --data (or continue it with resume)."""
     config = resolve_sft_run(config)
+    return run_data_recipe(
+        config,
+        "sft",
+        sft_to_dict(config),
+        preflight_sft,
+        lambda plan, session: (SftRecipe(plan, session), TokenUsage()),
+        resume=resume,
+        service_client=service_client,
+        echo=echo,
+        progress=progress,
+    )
+
+
+class DataPlan(Protocol):
+    """What `run_data_recipe` reads of a data recipe's pre-flight plan (`SftPlan`, ...)."""
+
+    @property
+    def service(self) -> Any: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def prices(self) -> Prices | None: ...
+    @property
+    def init_state(self) -> str | None: ...
+
+
+Plan = TypeVar("Plan", bound=DataPlan)
+Config = TypeVar("Config", bound=RunSettings)
+
+
+def run_data_recipe(
+    config: Config,
+    command: str,
+    saved_config: dict[str, Any],
+    preflight: Callable[[Config, Callable[[], Any]], Plan],
+    begin: Callable[[Plan, Session], tuple[DataRecipe, TokenUsage]],
+    *,
+    resume: bool,
+    service_client: Any,
+    echo: Callable[[str], None],
+    progress: bool,
+) -> RunResult:
+    """A data recipe's run (SFT, DPO), its run directory locked throughout: a finished run's
+    result as it stands, else `preflight`'s plan, the session opened (from the checkpoint,
+    else the plan's ``init_state``, else a fresh LoRA; ``saved_config`` its config.json), and
+    `begin`'s recipe driven over every step not yet logged, the tokens that `begin` sent
+    counted in the run's usage."""
     refuse_run_dir_over_inputs(config)
     run_dir = Path(str(config.run_dir))
     with run_files.owned(run_dir):
-        checkpoint = check_run_dir(run_dir, resume)
+        checkpoint = check_run_dir(run_dir, resume, command)
         if checkpoint is False:
             return finished_result(run_dir, echo, "")
-        plan = preflight_sft(config, lambda: service_client or recipe_service(config, run_dir))
+        plan = preflight(config, lambda: service_client or recipe_service(config, run_dir))
 
         session, start = open_recipe_session(
             config,
             plan.service,
             run_dir,
             checkpoint,
-            sft_to_dict(config),
+            saved_config,
             plan.steps,
             plan.prices,
             echo,
+            init_state=plan.init_state,
         )
-        return run_steps(SftRecipe(plan, session), start_state(run_dir, start), echo, progress)
+        recipe, sent = begin(plan, session)
+        state = start_state(run_dir, start)
+        state.usage += sent
+        return run_steps(recipe, state, echo, progress)
 
 
 def open_recipe_session(
