@@ -14,8 +14,8 @@ from grpo.tasks.data import ARITHMETIC_SPLIT_SIZES
 from grpo.tools.experiments import report, sweep
 from grpo.tools.experiments.compare import compare_specs
 from grpo.tools.experiments.sweep import add_sweep_arguments
+from grpo.training.recipes.grpo import plan
 from grpo.training.rollouts import problems as rollouts
-from grpo.training.run import plan
 from tests.runs import TINY
 
 

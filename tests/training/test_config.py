@@ -12,7 +12,7 @@ import pytest
 from grpo.backends.names import TINY_MODEL_NAME
 from grpo.core.advantages import ADVANTAGES
 from grpo.core.losses import KL_ESTIMATORS, LOSSES, REDUCTIONS
-from grpo.training.run.plan import preflight
+from grpo.training.recipes.grpo.plan import preflight
 from grpo.training.settings import fields
 from grpo.training.settings.config import (
     FIELDS,

@@ -422,8 +422,8 @@ def test_dry_run_of_an_env_run_bounds_sampled_tokens_by_turns_times_tokens(tmp_p
     import json
 
     from grpo.backends.local import LocalServiceClient
+    from grpo.training.recipes.grpo.plan import plan_usage, preflight
     from grpo.training.recipes.grpo.run import dry_run
-    from grpo.training.run.plan import plan_usage, preflight
 
     (tmp_path / "echo.py").write_text(ECHO_ENV)
     env = f"{tmp_path / 'echo.py'}:make"

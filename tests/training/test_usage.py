@@ -21,8 +21,8 @@ from grpo.core.usage import (
     usage_from_row,
     usage_metrics,
 )
+from grpo.training.recipes.grpo.plan import plan_usage, preflight
 from grpo.training.recipes.grpo.run import dry_run
-from grpo.training.run.plan import plan_usage, preflight
 from grpo.training.run.run_files import read_metrics
 from grpo.training.settings.config import ConfigError, TrainConfig
 from grpo.training.settings.prices import prices_for

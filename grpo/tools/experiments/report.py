@@ -236,7 +236,7 @@ def dry_run_specs(
     run's check counted, one line per tenth of the plan.
     """
     from grpo.backends.pytrio import make_service_client
-    from grpo.training.run.plan import plan_experiment
+    from grpo.training.recipes.grpo.plan import plan_experiment
 
     warn_if_large(specs, what="a dry run", warn=progress)
     services: dict[str, Any] = {}

@@ -1,1 +1,1 @@
-"""The run of every recipe: lifecycle, run files, log, state, plan, learner."""
+"""The run of every recipe: lifecycle, run files, log, state, learner."""

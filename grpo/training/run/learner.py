@@ -38,10 +38,15 @@ from grpo.training.custom_loss import as_custom_loss
 from grpo.training.rollouts.clients import Sampler
 from grpo.training.run.faults import fault_point
 from grpo.training.run.lifecycle import NonFiniteUpdate
-from grpo.training.run.plan import runs_extra_forward
 from grpo.training.run.state import Run, RunState
 from grpo.training.run.timing import timed
 from grpo.training.settings.config import TrainConfig
+
+
+def runs_extra_forward(config: TrainConfig) -> bool:
+    """PyTRIO's and Tinker's SDKs run a custom loss as a forward, then a forward_backward
+    (one pass locally)."""
+    return config.runs_custom_loss and config.backend in ("pytrio", "tinker")
 
 
 def retry(run: Run, call: Callable[[], Any], what: str) -> Any:

@@ -1,8 +1,8 @@
 """Which steps of a run evaluate and which save a checkpoint: the one schedule.
 
-The step loop follows it and the plan (`grpo.training.run.plan`, `grpo train --dry-run`) counts
-it. A step is named by ``done``, the number of steps finished (1 after the first step), the
-number its row is logged under.
+The step loop follows it and the plan (`grpo.training.recipes.grpo.plan`, `grpo train
+--dry-run`) counts it. A step is named by ``done``, the number of steps finished (1 after
+the first step), the number its row is logged under.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ finiteness, names from the registries of `grpo.core`, the loss and its config, e
 group, the combinations across groups) and raises `ConfigError` naming the flag, the value
 and the fix, so a bad flag never fails after a step ran. Building one reads no user data: the
 --reward modules and the --fewshot-file are loaded by `check_user_inputs`, the first step of
-the pre-flight (`grpo.training.run.plan.preflight`). The validators live in
+the pre-flight (`grpo.training.recipes.grpo.plan.preflight`). The validators live in
 `grpo.training.settings.fields`.
 
 No `from __future__ import annotations` here: the field transformer reads each field's type.

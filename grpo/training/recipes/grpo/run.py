@@ -1,10 +1,11 @@
 """`grpo train` and `grpo distill`: a GRPO run on the shared lifecycle.
 
 `train` locks the run directory and checks it (`grpo.training.run.lifecycle`), runs the
-pre-flight (`grpo.training.run.plan.preflight`), builds the run's fixed record (`Run`: clients,
-problems, sinks) and hands the GRPO recipe (`grpo.training.recipes.grpo.recipe`) to the lifecycle,
-which takes the steps from the first one not logged, stops on signals with a checkpoint and
-writes the summary. `dry_run` is the same checks and the plan, with nothing written.
+pre-flight (`grpo.training.recipes.grpo.plan.preflight`), builds the run's fixed record
+(`Run`: clients, problems, sinks) and hands the GRPO recipe
+(`grpo.training.recipes.grpo.recipe`) to the lifecycle, which takes the steps from the first
+one not logged, stops on signals with a checkpoint and writes the summary. `dry_run` is the
+same checks and the plan, with nothing written.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from grpo.backends.pytrio import make_service_client
 from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION
+from grpo.training.recipes.grpo.plan import describe, plan_usage, preflight
 from grpo.training.recipes.grpo.recipe import GrpoRecipe
 from grpo.training.run import run_files
 from grpo.training.run.ahead import load_ahead
@@ -35,7 +37,6 @@ from grpo.training.run.lifecycle import (
     sampler_weights_name,
     start_state,
 )
-from grpo.training.run.plan import describe, plan_usage, preflight
 from grpo.training.run.run_log import RunLogger, scrub_secrets
 from grpo.training.run.state import Run
 from grpo.training.settings.config import ConfigError, TrainConfig, resolve_run, to_dict

@@ -30,6 +30,7 @@ from grpo.training.rollouts.problems import (
     tokenizer_max_len,
 )
 from grpo.training.run import run_files
+from grpo.training.run.learner import runs_extra_forward
 from grpo.training.run.schedule import evaluates_after, evaluates_at_start, saves_after
 from grpo.training.run.seeds import extra_batch, pick_batch
 from grpo.training.settings.config import ConfigError, TrainConfig, check_user_inputs
@@ -187,12 +188,6 @@ def _judge_line(pre: Preflight, start_step: int) -> list[str]:
         f"tokens <= {calls * pre.config.judge_max_tokens:,}; judge prompt tokens not planned "
         "(the rubric's and the judge tokenizer's)"
     ]
-
-
-def runs_extra_forward(config: TrainConfig) -> bool:
-    """PyTRIO's and Tinker's SDKs run a custom loss as a forward, then a forward_backward
-    (one pass locally)."""
-    return config.runs_custom_loss and config.backend in ("pytrio", "tinker")
 
 
 def plan_usage(pre: Preflight, start_step: int = 0) -> TokenUsage:
