@@ -30,9 +30,9 @@ from grpo.rewards.judges import (
     EndpointJudge,
     Judge,
     JudgeReply,
-    check_judge,
 )
 from grpo.rewards.scores import score_completions
+from grpo.training.recipes.grpo.judge_setup import check_judge
 from grpo.training.recipes.grpo.run import dry_run, train
 from grpo.training.run import run_files
 from grpo.training.run.faults import FAULT_ENV

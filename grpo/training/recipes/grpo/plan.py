@@ -20,8 +20,9 @@ import attrs
 
 from grpo.backends.pytrio import CapabilityError, check_capabilities
 from grpo.core.usage import Prices, TokenUsage, cost, planned_episode_tokens, planned_usage
-from grpo.rewards.judges import Judge, check_judge, resolve_judge
+from grpo.rewards.judges import Judge
 from grpo.tasks.data import load_problems, run_problem_source
+from grpo.training.recipes.grpo.judge_setup import check_judge, resolve_judge
 from grpo.training.rollouts.clients import Sampler, Tokenizer
 from grpo.training.rollouts.problems import (
     Problem,
