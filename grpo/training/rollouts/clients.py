@@ -1,15 +1,18 @@
 """What the rollout path asks of the clients it is given: a tokenizer and a sampler.
 
 Structural types (`typing.Protocol`), so a Hugging Face tokenizer, pytrio's
-``SamplingClient``, the local backend's and a test's double all fit without a wrapper.
+``SamplingClient``, the local backend's and a test's double all fit without a wrapper. The
+sampler is the backends' (`grpo.backends.clients`), named here for the rollout path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
-from pytrio.types import ModelInput, SamplingParams
+from grpo.backends.clients import SampledSequence, Sampler
+
+__all__ = ["SampledSequence", "Sampler", "Tokenizer"]
 
 
 class Tokenizer(Protocol):
@@ -19,30 +22,6 @@ class Tokenizer(Protocol):
 
     def decode(self, tokens: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
-    def apply_chat_template(self, conversation: list[dict[str, str]], **options: Any) -> str: ...
+    def apply_chat_template(self, conversation: list[dict[str, str]], **options: object) -> str: ...
 
     def get_vocab(self) -> dict[str, int]: ...
-
-
-class SampledSequence(Protocol):
-    """One sequence of a sampling response (pytrio's ``SampledSequence``)."""
-
-    tokens: list[int]
-    logprobs: list[float] | None
-    text: str | None
-    stop_reason: str
-
-
-class Sampler(Protocol):
-    """A sampling client: ``sample`` and ``compute_logprobs`` return futures (pytrio's
-    ``SamplingClient``, a test's double)."""
-
-    def sample(
-        self,
-        prompt: ModelInput,
-        num_samples: int,
-        sampling_params: SamplingParams,
-        **options: Any,
-    ) -> Any: ...
-
-    def compute_logprobs(self, prompt: ModelInput) -> Any: ...
