@@ -1,4 +1,5 @@
-"""What the shell asks of a backend's clients: the service, a training client, a sampler.
+"""What the shell asks of a backend's clients: the service, a training client, a sampler
+and its tokenizer.
 
 Structural types (`typing.Protocol`) naming only the calls grpo makes, so pytrio's clients,
 the local backend's (`grpo.backends.local`), the Tinker SDK's adapters
@@ -39,6 +40,18 @@ class Future(Protocol[T_co]):
     def result(self) -> T_co: ...
 
 
+class Tokenizer(Protocol):
+    """What the rollout path asks of a Hugging Face tokenizer."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, tokens: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], **options: object) -> str: ...
+
+    def get_vocab(self) -> dict[str, int]: ...
+
+
 class SampledSequence(Protocol):
     """One sequence of a sampling response (pytrio's ``SampledSequence``)."""
 
@@ -61,6 +74,8 @@ class Sampler(Protocol):
     ) -> Future[SampleResponse]: ...
 
     def compute_logprobs(self, prompt: ModelInput) -> Future[Sequence[float | None]]: ...
+
+    def get_tokenizer(self) -> Tokenizer: ...
 
 
 class TrainingClient(Protocol):

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import attrs
 import numpy as np
-from pytrio.types import Datum
+from pytrio.types import Datum, ForwardBackwardOutput
 
+from grpo.backends.clients import Future, TrainingClient
 from grpo.backends.datums import (
     batch_to_datums,
     datum_totals,
@@ -43,8 +44,10 @@ from grpo.training.run.state import Run, RunState
 from grpo.training.run.timing import timed
 from grpo.training.settings.config import TrainConfig
 
+T = TypeVar("T")
 
-def retry(run: Run, call: Callable[[], Any], what: str) -> Any:
+
+def retry(run: Run, call: Callable[[], T], what: str) -> T:
     """``call()`` with the run's retries of transient backend errors (--max-retries)."""
     return call_with_retries(call, what=what, max_retries=run.config.max_retries, on_retry=run.note)
 
@@ -140,8 +143,13 @@ def update(
 
 
 def loss_submission(
-    client: Any, spec: LossSpec, datums: list[Datum], *, custom: bool, normalization: str
-) -> Callable[[], Any]:
+    client: TrainingClient,
+    spec: LossSpec,
+    datums: list[Datum],
+    *,
+    custom: bool,
+    normalization: str,
+) -> Callable[[], Future[ForwardBackwardOutput]]:
     """The call that trains `spec` on `datums` so the gradient applied is the loss's own when
     the service divides by D (`normalization`, docs/FORMULAS.md "Service normalization"):
     built-in, the weights and the kernel's weight-scaled keys times D (the datums' totals);
