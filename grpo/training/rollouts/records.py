@@ -8,22 +8,21 @@ the text, no components) plus its turns.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from grpo.core.episodes import EpisodeGroup
 from grpo.core.records import ScoredGroup
 from grpo.training.rollouts.clients import Tokenizer
 from grpo.training.rollouts.grading import StepRollouts
 from grpo.training.rollouts.problems import Problem
-from grpo.training.run.run_log import clip_text
+from grpo.training.run.run_log import CompletionRecord, RolloutRecord, TurnRecord, clip_text
 
 
 def completion_records(
     rollouts: StepRollouts, groups_P: Sequence[ScoredGroup], tokenizer: Tokenizer, limit: int
-) -> list[dict[str, Any]]:
+) -> list[RolloutRecord]:
     """The first ``limit`` groups of completions as JSON-ready records for rollouts.jsonl: the
     prompt, each completion's text (clipped), reward, components, advantage, tokens, stop."""
-    records = []
+    records: list[RolloutRecord] = []
     for index, (problem, group) in enumerate(zip(rollouts.problems_P, groups_P)):
         if index >= limit:
             break
@@ -59,16 +58,16 @@ def episode_records(
     seen_P: Sequence[Sequence[Sequence[str]]],
     tokenizer: Tokenizer,
     limit: int,
-) -> list[dict[str, Any]]:
+) -> list[RolloutRecord]:
     """The first ``limit`` groups for rollouts.jsonl: each episode's transcript after the
     prompt as ``text`` (actions and tool responses, as `grpo show` prints it) and its turns."""
-    records = []
+    records: list[RolloutRecord] = []
     for index, (problem, group, seen_G) in enumerate(zip(problems, groups_P, seen_P)):
         if index >= limit:
             break
-        completions = []
+        completions: list[CompletionRecord] = []
         for member, (episode, seen) in enumerate(zip(group.episodes, seen_G, strict=True)):
-            turns = [
+            turns: list[TurnRecord] = [
                 {
                     "action": clip_text(turn.action_text),
                     "observation": clip_text(seen[t + 1]) if t + 1 < len(seen) else "",

@@ -40,6 +40,7 @@ from grpo.training.rollouts.problems import Problem, tokenizer_max_len
 from grpo.training.rollouts.records import completion_records, episode_records
 from grpo.training.rollouts.sampling import Sampling
 from grpo.training.run.learner import current_sampler
+from grpo.training.run.run_log import RolloutRecord
 from grpo.training.run.seeds import (
     Purpose,
     episode_seed,
@@ -193,7 +194,7 @@ def advantage_groups(run: Run, graded: Graded) -> tuple[list[RolloutGroup], dict
     return list(scored_P), {**rollout_metrics(scored_P), **graded.scores.metrics()}
 
 
-def records(run: Run, graded: Graded, groups_P: Sequence[RolloutGroup]) -> list[dict]:
+def records(run: Run, graded: Graded, groups_P: Sequence[RolloutGroup]) -> list[RolloutRecord]:
     """The first --log-rollouts groups for rollouts.jsonl."""
     tokenizer, limit = run.tokenizer, run.config.log_rollouts
     if isinstance(graded, PlayedGroups):

@@ -173,19 +173,19 @@ def load_ahead(
 # --- records -------------------------------------------------------------------------------
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     """An attrs record's field as JSON: arrays as lists (floats round-trip exactly)."""
     if isinstance(value, np.ndarray):
         return value.tolist()
     return value
 
 
-def _fields(record: Any) -> dict[str, Any]:
+def _fields(record: attrs.AttrsInstance) -> run_files.JsonObject:
     """Every field of an attrs record, as JSON values."""
     return {field.name: _plain(getattr(record, field.name)) for field in attrs.fields(type(record))}
 
 
-def _outcome_record(outcome: JobResult) -> dict[str, Any]:
+def _outcome_record(outcome: JobResult) -> run_files.JsonObject:
     """A job's result as JSON: ``completions`` (single-turn) or ``episodes`` (--env)."""
     if isinstance(outcome, list):
         return {"completions": [[_fields(c) for c in group] for group in outcome]}

@@ -10,8 +10,8 @@ model. Checked from the run's files before any service call (ConfigError naming 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from grpo.backends.clients import ServiceClient, TrainingClient
 from grpo.backends.pytrio import error_reason
 from grpo.training.recipes import recipe_of_config
 from grpo.training.run import run_files
@@ -44,7 +44,9 @@ def init_state_path(config: TrainConfig) -> str:
     return checkpoint.state_path
 
 
-def init_training_client(service: Any, config: TrainConfig, state_path: str) -> Any:
+def init_training_client(
+    service: ServiceClient, config: TrainConfig, state_path: str
+) -> TrainingClient:
     """A training client on the source run's final weights (fresh optimizer state)."""
     try:
         return service.create_training_client_from_state(state_path)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import attrs
 import numpy as np
-from pytrio.types import Datum
+from pytrio.types import Datum, ForwardBackwardOutput
 
+from grpo.backends.clients import Future, TrainingClient
 from grpo.backends.datums import (
     batch_to_datums,
     datum_totals,
@@ -42,6 +43,8 @@ from grpo.training.run.state import Run, RunState
 from grpo.training.run.timing import timed
 from grpo.training.settings.config import TrainConfig
 
+T = TypeVar("T")
+
 
 def runs_extra_forward(config: TrainConfig) -> bool:
     """PyTRIO's and Tinker's SDKs run a custom loss as a forward, then a forward_backward
@@ -49,7 +52,7 @@ def runs_extra_forward(config: TrainConfig) -> bool:
     return config.runs_custom_loss and config.backend in ("pytrio", "tinker")
 
 
-def retry(run: Run, call: Callable[[], Any], what: str) -> Any:
+def retry(run: Run, call: Callable[[], T], what: str) -> T:
     """``call()`` with the run's retries of transient backend errors (--max-retries)."""
     return call_with_retries(call, what=what, max_retries=run.config.max_retries, on_retry=run.note)
 
@@ -145,8 +148,13 @@ def update(
 
 
 def loss_submission(
-    client: Any, spec: LossSpec, datums: list[Datum], *, custom: bool, normalization: str
-) -> Callable[[], Any]:
+    client: TrainingClient,
+    spec: LossSpec,
+    datums: list[Datum],
+    *,
+    custom: bool,
+    normalization: str,
+) -> Callable[[], Future[ForwardBackwardOutput]]:
     """The call that trains `spec` on `datums` so the gradient applied is the loss's own when
     the service divides by D (`normalization`, docs/FORMULAS.md "Service normalization"):
     built-in, the weights and the kernel's weight-scaled keys times D (the datums' totals);

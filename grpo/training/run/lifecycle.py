@@ -24,12 +24,14 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import attrs
 import numpy as np
-from pytrio.types import AdamParams
+from pytrio.types import AdamParams, Datum
 
+from grpo.backends.clients import ServiceClient, TrainingClient
 from grpo.backends.datums import output_logprobs
 from grpo.backends.pytrio import call_with_retries, error_reason
 from grpo.core.normalization import ServiceDivisor, service_divisor
@@ -41,6 +43,12 @@ from grpo.training.run.recipe import Recipe, Session
 from grpo.training.run.state import RunState
 from grpo.training.run.timing import timed
 from grpo.training.settings.config import ConfigError
+from grpo.training.settings.config_groups import OptimizerSettings, RunConfig
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+T = TypeVar("T")
 
 
 class NonFiniteUpdate(RuntimeError):
@@ -121,13 +129,13 @@ def finished_result(run_dir: Path, echo: Callable[[str], None], hint: str) -> Ru
 
 
 def open_training_client(
-    service: Any,
-    config: Any,
+    service: ServiceClient,
+    config: RunConfig,
     run_dir: Path,
     checkpoint: run_files.Checkpoint | None,
     init_state: str | None,
     note: Callable[[str], None],
-) -> tuple[Any, run_files.Checkpoint | None]:
+) -> tuple[TrainingClient, run_files.Checkpoint | None]:
     """A run's training client: from its checkpoint (`load_checkpoint`, with the fallback),
     else on the ``init_state`` weights (--init-from), else a fresh LoRA of the config's base
     model, rank and seed; and the checkpoint it came from (None for the other two)."""
@@ -142,8 +150,11 @@ def open_training_client(
 
 
 def load_checkpoint(
-    service: Any, run_dir: Path, checkpoint: run_files.Checkpoint, note: Callable[[str], None]
-) -> tuple[Any, run_files.Checkpoint]:
+    service: ServiceClient,
+    run_dir: Path,
+    checkpoint: run_files.Checkpoint,
+    note: Callable[[str], None],
+) -> tuple[TrainingClient, run_files.Checkpoint]:
     """The training client of the run's checkpoint and the checkpoint it came from.
 
     When the recorded one cannot be loaded (its files deleted or damaged), the newest intact
@@ -193,7 +204,7 @@ def load_checkpoint(
 def open_run(
     run_dir: Path,
     checkpoint: run_files.Checkpoint | None,
-    config_record: dict[str, Any],
+    config_record: run_files.JsonObject,
     note: Callable[[str], None],
 ) -> int:
     """Make ``run_dir`` a run (or continue it) once every check has passed; the start step.
@@ -234,7 +245,7 @@ def start_state(run_dir: Path, start_step: int) -> RunState:
 # --- the steps -----------------------------------------------------------------------------
 
 
-def retry(session: Session, call: Callable[[], Any], what: str) -> Any:
+def retry(session: Session, call: Callable[[], T], what: str) -> T:
     """``call()`` with the run's retries of transient backend errors (--max-retries)."""
     return call_with_retries(
         call, what=what, max_retries=session.max_retries, on_retry=session.note
@@ -286,7 +297,7 @@ def checkpoint_check_usage(state: RunState) -> TokenUsage:
     return TokenUsage(forward_tokens=sum(len(datum.model_input) for datum in probe))
 
 
-def _weights_give_finite_logprobs(session: Session, probe_datums: Any) -> bool:
+def _weights_give_finite_logprobs(session: Session, probe_datums: list[Datum]) -> bool:
     """One forward of ``probe_datums``: are the log-probs finite? (A backend that refuses
     non-finite log-probs itself, as the local one does, answers with a ``non_finite`` error.)"""
     client = session.training_client
@@ -408,7 +419,7 @@ def _steps_then_final_save(
     recipe: Recipe,
     state: RunState,
     stop_requested: threading.Event,
-    bar: Any,
+    bar: tqdm[NoReturn],
     echo: Callable[[str], None],
 ) -> str:
     """The baseline row, every step not yet logged, the final checkpoint and weights."""
@@ -429,9 +440,9 @@ def _steps_then_final_save(
     ).path
 
 
-def usage_summary(usage: TokenUsage, prices: Prices | None) -> dict[str, Any]:
+def usage_summary(usage: TokenUsage, prices: Prices | None) -> run_files.JsonObject:
     """summary.json's ``usage`` (the last row's cumulative usage) and, with prices, ``cost``."""
-    summary: dict[str, Any] = {"usage": attrs.asdict(usage)}
+    summary: run_files.JsonObject = {"usage": attrs.asdict(usage)}
     if prices is not None:
         summary["cost"] = {
             "total": cost(usage, prices),
@@ -480,7 +491,7 @@ def stop_on_signals() -> Iterator[threading.Event]:
         yield requested
         return
 
-    def handler(signum: int, _frame: Any) -> None:
+    def handler(signum: int, _frame: FrameType | None) -> None:
         if requested.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
         requested.set()
@@ -493,7 +504,7 @@ def stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(sig, old)
 
 
-def adam_params(config: Any, learning_rate: float) -> AdamParams:
+def adam_params(config: OptimizerSettings, learning_rate: float) -> AdamParams:
     """PyTRIO's AdamParams at ``learning_rate`` with a run config's --beta1, --beta2, --eps,
     --weight-decay and --grad-clip-norm (every recipe shares these flags)."""
     return AdamParams(
@@ -507,10 +518,10 @@ def adam_params(config: Any, learning_rate: float) -> AdamParams:
 
 
 def run_divisor(
-    config: Any,
-    probe: dict[str, Any] | None,
+    config: RunConfig,
+    probe: run_files.JsonObject | None,
     note: Callable[[str], None],
-    service: Any = None,
+    service: ServiceClient | None = None,
 ) -> ServiceDivisor:
     """What the service divides a loss's gradient by (`service_divisor`: the local backend's
     own, the flag, the probe's verdict, or the documented default), noted on a service; a

@@ -14,11 +14,13 @@ import contextlib
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 
+from grpo.backends.clients import TrainingClient
 from grpo.core.usage import Prices
+from grpo.training.run.run_files import JsonObject
 from grpo.training.run.run_log import RunLogger
 from grpo.training.run.state import RunState
 
@@ -30,7 +32,7 @@ class Session:
     run_dir: Path
     run_name: str
     steps: int
-    training_client: Any
+    training_client: TrainingClient
     logger: RunLogger
     note: Callable[[str], None]
     prices: Prices | None
@@ -80,11 +82,11 @@ class Recipe(Protocol):
         """The checkpoint of ``state.completed`` is recorded: drop what only older ones need."""
         ...
 
-    def calls(self, stop: threading.Event) -> contextlib.AbstractContextManager[Any]:
+    def calls(self, stop: threading.Event) -> contextlib.AbstractContextManager[object]:
         """The context the steps run in (reward workers, until ``stop`` is set)."""
         ...
 
-    def summary(self, state: RunState) -> dict[str, Any]:
+    def summary(self, state: RunState) -> JsonObject:
         """The recipe's keys of summary.json."""
         ...
 

@@ -43,7 +43,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeAlias
 
 import attrs
 import filelock
@@ -73,6 +73,11 @@ _STATE_FILES = (
 )
 
 
+JsonObject: TypeAlias = dict[str, object]
+"""A JSON object grpo writes (a config record, a summary, a probe's verdict): its values are
+serialized or passed on, never read as typed fields."""
+
+
 class RunDirError(ValueError):
     """A run directory that cannot be used as asked; the message names the file and the fix."""
 
@@ -80,7 +85,7 @@ class RunDirError(ValueError):
 # --- writing -------------------------------------------------------------------------------
 
 
-def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
+def write_json_atomic(path: Path, payload: Mapping[str, object]) -> None:
     """Write ``payload`` as JSON via a temp file, fsync and rename: never half a file."""
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as handle:
@@ -91,7 +96,7 @@ def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
     fsync_path(path.parent)
 
 
-def payload_checksum(payload: Mapping[str, Any]) -> str:
+def payload_checksum(payload: Mapping[str, object]) -> str:
     """SHA-256 of ``payload``'s canonical JSON: what a file written by grpo stores so that a
     file edited by hand (or damaged) is not trusted (`grpo.training.run.ahead`, a recipe's
     reference cache)."""
@@ -99,7 +104,7 @@ def payload_checksum(payload: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: object) -> object:
     """Non-finite floats become null so every line stays valid JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -113,7 +118,7 @@ class MetricsWriter:
         self.path = run_dir / METRICS_FILE
         self._file: IO[str] = self.path.open("a", encoding="utf-8")
 
-    def append(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def append(self, step: int, metrics: Mapping[str, object]) -> None:
         """Write ``{"step": step, **metrics}`` as one line and make it durable."""
         row = {STEP_KEY: step, **{key: _jsonable(value) for key, value in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
@@ -132,7 +137,7 @@ class RolloutsWriter:
         self.path = run_dir / ROLLOUTS_FILE
         self._file: IO[str] | None = None
 
-    def append(self, step: int, groups: Iterable[Mapping[str, Any]]) -> None:
+    def append(self, step: int, groups: Iterable[Mapping[str, object]]) -> None:
         """Write ``{"step": step, **group}`` for every group."""
         lines = [json.dumps({STEP_KEY: step, **group}) + "\n" for group in groups]
         if not lines:
@@ -247,7 +252,7 @@ def stored_state_path(run_dir: Path, path: str) -> dict[str, str]:
     return _stored_path(run_dir, path)
 
 
-def _loaded_path(run_dir: Path, record: Mapping[str, Any]) -> str:
+def _loaded_path(run_dir: Path, record: Mapping[str, object]) -> str:
     """The state path a checkpoint.json record points at, made absolute again."""
     if "scheme" in record:
         return str(record["scheme"]) + str(run_dir.resolve() / str(record["state_path"]))
@@ -389,7 +394,7 @@ def merge_rows_by_step(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]
     return [merged[step] for step in sorted(merged)]
 
 
-def rewrite_metrics(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+def rewrite_metrics(run_dir: Path, rows: Sequence[Mapping[str, object]]) -> None:
     """Replace metrics.jsonl with ``rows`` atomically (used when a resume drops redone steps)."""
     path = run_dir / METRICS_FILE
     tmp = path.with_name(path.name + ".tmp")

@@ -13,9 +13,16 @@ import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
-from grpo.training.run.run_files import STEP_KEY, MetricsWriter, RolloutsWriter, read_metrics
+from grpo.training.run.run_files import (
+    STEP_KEY,
+    JsonObject,
+    MetricsWriter,
+    RolloutsWriter,
+    read_metrics,
+)
+from grpo.training.settings.config_groups import RunConfig
 from grpo.training.trackers.base import RunInfo, Tracker
 from grpo.training.trackers.fanout import TrackerSet, make_tracker
 
@@ -44,7 +51,43 @@ ROLLOUT_TEXT_LIMIT = 2000
 """Characters kept of each prompt and completion in rollouts.jsonl (the rest is elided)."""
 
 
-def scrub_secrets(config: Mapping[str, Any]) -> dict[str, Any]:
+class TurnRecord(TypedDict):
+    """One turn of a logged episode in rollouts.jsonl (texts clipped)."""
+
+    action: str
+    observation: str
+    reward: float
+    tokens: int
+    stop_reason: str
+    tool_calls: int
+    tool_errors: int
+
+
+class CompletionRecord(TypedDict):
+    """One completion (or episode: its transcript as ``text``, and its turns) of a logged
+    group in rollouts.jsonl."""
+
+    text: str
+    reward: float
+    components: dict[str, float]
+    advantage: float
+    tokens: int
+    stop_reason: str
+    turns: NotRequired[list[TurnRecord]]
+
+
+class RolloutRecord(TypedDict):
+    """One logged group of rollouts.jsonl (`grpo.training.rollouts.records` builds them)."""
+
+    group: int
+    row: int
+    prompt: str
+    gold: str
+    degenerate: bool
+    completions: list[CompletionRecord]
+
+
+def scrub_secrets(config: Mapping[str, object]) -> JsonObject:
     """The config without any key that names a credential (API keys never reach logs); a key
     ending in ``_env`` whose value is a variable's name (``judge_api_key_env``) is kept: it
     says where the secret is, so a resume finds it again."""
@@ -55,7 +98,7 @@ def scrub_secrets(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _names_a_variable(key: str, value: Any) -> bool:
+def _names_a_variable(key: str, value: object) -> bool:
     """Whether ``key`` is ``..._env`` and ``value`` an environment variable's name (or None)."""
     return key.endswith("_env") and (
         value is None or (isinstance(value, str) and bool(_VARIABLE_NAME.fullmatch(value)))
@@ -80,7 +123,7 @@ def clip_text(text: str) -> str:
     return f"{text[:half]} [... {len(text) - 2 * half} characters ...] {text[-half:]}"
 
 
-def rollout_text(group: Mapping[str, Any]) -> str:
+def rollout_text(group: RolloutRecord) -> str:
     """One logged group as plain text: the prompt, then each completion with its scores."""
     lines = [f"prompt (row {group['row']}, gold {group['gold']!r}):", group["prompt"], ""]
     for member, completion in enumerate(group["completions"]):
@@ -101,7 +144,7 @@ class RunLogger:
         self,
         run_dir: Path,
         *,
-        config: Mapping[str, Any],
+        config: Mapping[str, object],
         run: RunInfo,
         log_to: Sequence[str],
         start_step: int = 0,
@@ -134,8 +177,8 @@ class RunLogger:
     def of_run(
         cls,
         run_dir: Path,
-        record: Mapping[str, Any],
-        config: Any,
+        record: Mapping[str, object],
+        config: RunConfig,
         *,
         start_step: int = 0,
         note: Callable[[str], None] | None = None,
@@ -163,7 +206,7 @@ class RunLogger:
         )
 
     def log(
-        self, step: int, metrics: Mapping[str, float], *, rollouts: Sequence[Mapping[str, Any]] = ()
+        self, step: int, metrics: Mapping[str, float], *, rollouts: Sequence[RolloutRecord] = ()
     ) -> None:
         """Append one step's rollouts and metrics (metrics.jsonl durable on return), then queue
         them for the trackers (which never block)."""

@@ -10,18 +10,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import attrs
-from pytrio.types import AdamParams
+from pytrio.types import AdamParams, Datum
 
+from grpo.backends.clients import TrainingClient
 from grpo.core.usage import Prices, TokenUsage
 from grpo.rewards.judges import Judge
 from grpo.training.recipes.distill.teacher import Teacher
 from grpo.training.rollouts.clients import Sampler, Tokenizer
 from grpo.training.rollouts.grading import Job
 from grpo.training.rollouts.problems import Problem
-from grpo.training.run.run_log import RunLogger
+from grpo.training.run.run_log import RolloutRecord, RunLogger
 from grpo.training.settings.config import TrainConfig
 
 
@@ -32,7 +32,7 @@ class Run:
     config: TrainConfig
     run_dir: Path
     steps: int
-    training_client: Any
+    training_client: TrainingClient
     tokenizer: Tokenizer
     train_problems: list[Problem]
     test_problems: list[Problem]
@@ -63,7 +63,7 @@ class RunState:
     """Updates applied, at batch granularity: one per trained step."""
     weights_dirty: bool = False
     """True from the first optimizer step of a step until its row is logged."""
-    probe_datums: Any = None
+    probe_datums: list[Datum] | None = None
     """The last minibatch of an update no checkpoint has checked yet, stripped to targets: no
     checkpoint if its log-probs are not finite (None once checked)."""
     sampler: Sampler | None = None
@@ -71,7 +71,7 @@ class RunState:
     jobs: dict[int, Job] = attrs.Factory(dict)
     """Sampling in flight, by step (steps ahead under --max-steps-off-policy): each a
     `grpo.training.rollouts.grading.Job`."""
-    rollout_log: list[dict[str, Any]] = attrs.Factory(list)
+    rollout_log: list[RolloutRecord] = attrs.Factory(list)
     """The groups of the step being trained, for rollouts.jsonl (written with its row)."""
     last_metrics: dict[str, float] = attrs.Factory(dict)
     usage: TokenUsage = TokenUsage()

@@ -358,7 +358,7 @@ def check_user_inputs(config: TrainConfig, *, where: str | None = None) -> None:
         raise ConfigError(f"{where}: {error}") from None
 
 
-def to_dict(config: TrainConfig) -> dict[str, Any]:
+def to_dict(config: TrainConfig) -> dict[str, object]:
     """The config as a JSON-ready dict (tuples become lists)."""
     return attrs.asdict(
         config,

@@ -10,6 +10,8 @@ group), usable alone: `OptimizerSettings(learning_rate=1e-4)`.
 No `from __future__ import annotations` here: the field transformer reads each field's type.
 """
 
+from typing import Protocol
+
 import attrs
 
 from grpo.backends.names import TINY_MODEL_NAME
@@ -186,3 +188,39 @@ SHARED_GROUPS = (
     PriceSettings,
 )
 """The groups every recipe's config is composed of."""
+
+
+class RunConfig(Protocol):
+    """What the shell reads of any recipe's config (`TrainConfig`, `SftConfig`, `DpoConfig`,
+    each composed of the groups above): the model and LoRA to open, the seed, the backend's
+    divisor flag, and the run's name and trackers."""
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def base_model(self) -> str: ...
+
+    @property
+    def lora_rank(self) -> int: ...
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def service_normalization(self) -> str | None: ...
+
+    @property
+    def run_name(self) -> str | None: ...
+
+    @property
+    def log_to(self) -> tuple[str, ...]: ...
+
+    @property
+    def swanlab_mode(self) -> str: ...
+
+    @property
+    def swanlab_project(self) -> str: ...
+
+    @property
+    def tracker_group(self) -> str | None: ...

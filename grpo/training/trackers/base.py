@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol
 
 import attrs
@@ -50,7 +51,9 @@ class Tracker(Protocol):
     (TensorBoard's purge), so the redone steps are sent again; False for append-only trackers
     (W&B, Trackio, SwanLab), which keep the steps they already hold."""
 
-    def start(self, run: RunInfo, config: Mapping[str, Any], resume_step: int | None) -> str | None:
+    def start(
+        self, run: RunInfo, config: Mapping[str, object], resume_step: int | None
+    ) -> str | None:
         """Open (or, with ``resume_step``, continue) this run's tracker run; a line to show
         the user (a fallback taken), or None."""
 
@@ -99,7 +102,7 @@ class TrackerUnavailable(RuntimeError):
     """A tracker that cannot start here (its package is missing, or it refused to start)."""
 
 
-def import_extra(module: str, install: str) -> Any:
+def import_extra(module: str, install: str) -> ModuleType:
     """``import module``, or TrackerUnavailable saying how to ``install`` it."""
     import importlib
 

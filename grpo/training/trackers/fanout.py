@@ -64,7 +64,7 @@ def make_tracker(name: str) -> Tracker:
     raise ValueError(f"no tracker named {name!r}; --log-to takes {', '.join(TRACKER_NAMES)}")
 
 
-def chartable(metrics: Mapping[str, Any]) -> dict[str, float]:
+def chartable(metrics: Mapping[str, object]) -> dict[str, float]:
     """The metrics a tracker charts: finite numbers (metrics.jsonl writes the rest as null)."""
     return {
         key: float(value)
@@ -82,9 +82,9 @@ class _TrackerThread:
         self,
         tracker: Tracker,
         run: RunInfo,
-        config: Mapping[str, Any],
+        config: Mapping[str, object],
         resume_step: int,
-        replay_rows: Sequence[Mapping[str, Any]],
+        replay_rows: Sequence[Mapping[str, object]],
         note: Callable[[str], None],
     ) -> None:
         self.name = tracker.name
@@ -174,7 +174,7 @@ def _one_line(error: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _quietly(call: Callable[[], Any]) -> None:
+def _quietly(call: Callable[[], object]) -> None:
     try:
         call()
     except Exception:  # noqa: BLE001 - already reported; closing what is left
@@ -188,10 +188,10 @@ class TrackerSet:
         self,
         names: Sequence[str],
         run: RunInfo,
-        config: Mapping[str, Any],
+        config: Mapping[str, object],
         *,
         resume_step: int,
-        replay_rows: Sequence[Mapping[str, Any]],
+        replay_rows: Sequence[Mapping[str, object]],
         note: Callable[[str], None],
         factory: Callable[[str], Tracker] | None = None,
     ) -> None:
@@ -209,7 +209,9 @@ class TrackerSet:
         """The trackers still receiving steps."""
         return [thread.name for thread in self._threads if not thread.dropped]
 
-    def log(self, step: int, metrics: Mapping[str, Any], texts: Sequence[tuple[str, str]]) -> None:
+    def log(
+        self, step: int, metrics: Mapping[str, object], texts: Sequence[tuple[str, str]]
+    ) -> None:
         """Queue ``step``'s chartable metrics (and rollout texts) for every tracker."""
         numbers, captioned = chartable(metrics), list(texts)
         for thread in self._threads:

@@ -22,7 +22,9 @@ class SwanlabTracker:
     def __init__(self) -> None:
         self._swanlab: Any = None
 
-    def start(self, run: RunInfo, config: Mapping[str, Any], resume_step: int | None) -> str | None:
+    def start(
+        self, run: RunInfo, config: Mapping[str, object], resume_step: int | None
+    ) -> str | None:
         """``swanlab.init`` in --swanlab-mode, online falling back to offline."""
         swanlab = import_extra("swanlab", "pip install swanlab")
         mode = run.swanlab_mode
@@ -53,7 +55,7 @@ class SwanlabTracker:
         self, step: int, metrics: Mapping[str, float], texts: Sequence[tuple[str, str]]
     ) -> None:
         """``swanlab.log`` of the metrics, and the rollout groups as ``swanlab.Text``."""
-        payload: dict[str, Any] = dict(metrics)
+        payload: dict[str, object] = dict(metrics)
         if texts:
             payload["rollouts"] = [
                 self._swanlab.Text(text, caption=caption) for caption, text in texts

@@ -28,7 +28,9 @@ class TensorboardTracker:
     def __init__(self) -> None:
         self._writer: Any = None
 
-    def start(self, run: RunInfo, config: Mapping[str, Any], resume_step: int | None) -> str | None:
+    def start(
+        self, run: RunInfo, config: Mapping[str, object], resume_step: int | None
+    ) -> str | None:
         """A SummaryWriter on ``trackers/tensorboard``, purging the steps after a resume's."""
         import_extra("tensorboard", INSTALL)
         from torch.utils.tensorboard import SummaryWriter

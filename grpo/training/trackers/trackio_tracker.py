@@ -14,7 +14,6 @@ sampling is off.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from grpo.training.trackers.base import AppendOnlyTracker, RunInfo, import_extra
 
@@ -32,7 +31,9 @@ class TrackioTracker(AppendOnlyTracker):
 
     name = "trackio"
 
-    def start(self, run: RunInfo, config: Mapping[str, Any], resume_step: int | None) -> str | None:
+    def start(
+        self, run: RunInfo, config: Mapping[str, object], resume_step: int | None
+    ) -> str | None:
         """``trackio.init`` of the run (continued when resuming)."""
         trackio = import_extra("trackio", INSTALL)
         self._run = trackio.init(

@@ -24,6 +24,7 @@ import secrets
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from grpo.training.trackers.base import AppendOnlyTracker, RunInfo, import_extra
@@ -89,7 +90,9 @@ class WandbTracker(AppendOnlyTracker):
 
     name = "wandb"
 
-    def start(self, run: RunInfo, config: Mapping[str, Any], resume_step: int | None) -> str | None:
+    def start(
+        self, run: RunInfo, config: Mapping[str, object], resume_step: int | None
+    ) -> str | None:
         """``wandb.init`` of this grpo run's W&B run (a new id for a new run)."""
         wandb = import_extra("wandb", INSTALL)
         directory = run.tracker_dir(self.name)
@@ -117,12 +120,12 @@ class WandbTracker(AppendOnlyTracker):
 
     @staticmethod
     def _init(
-        wandb: Any,
+        wandb: ModuleType,
         run: RunInfo,
-        config: Mapping[str, Any],
+        config: Mapping[str, object],
         run_id: str,
         mode: str,
-        directory: Any,
+        directory: Path,
     ) -> Any:
         settings = wandb.Settings(
             console="off",

@@ -21,12 +21,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import attrs
 import numpy as np
 from pytrio.types import ModelInput
 
+from grpo.backends.clients import ServiceClient
 from grpo.backends.pytrio import call_with_retries, sampler_on_weights
 from grpo.core.distill import distill_advantages, distill_metrics, teacher_logprobs_at
 from grpo.core.episodes import Episode
@@ -86,7 +86,7 @@ def _is_model_dir(path: Path) -> bool:
 
 
 def weights_sampler(
-    service: Any, base_model: str, path: str, source: str, flag: str = "--teacher"
+    service: ServiceClient, base_model: str, path: str, source: str, flag: str = "--teacher"
 ) -> Sampler:
     """A sampler on sampler weights at ``path``, else on a training state's weights (ConfigError
     naming ``flag`` and ``source`` when it is neither)."""
@@ -103,7 +103,7 @@ def weights_sampler(
 
 
 def named_sampler(
-    service: Any, config: TrainConfig, source: str, flag: str
+    service: ServiceClient, config: TrainConfig, source: str, flag: str
 ) -> tuple[Sampler, str | None]:
     """The sampler ``source`` names on the run's backend (a finished run directory, a weights
     path, or a model name) and the weights path it resolved to (None: a base model)."""
@@ -129,7 +129,7 @@ def named_sampler(
         ) from None
 
 
-def teacher_sampler(service: Any, config: TrainConfig) -> tuple[Sampler, str | None]:
+def teacher_sampler(service: ServiceClient, config: TrainConfig) -> tuple[Sampler, str | None]:
     """The sampler --teacher names and the weights path it resolved to (None: a base model)."""
     return named_sampler(service, config, str(config.teacher), "--teacher")
 
@@ -160,7 +160,9 @@ def check_same_tokenizer(
         )
 
 
-def resolve_teacher(service: Any, config: TrainConfig, student_tokenizer: Tokenizer) -> Teacher:
+def resolve_teacher(
+    service: ServiceClient, config: TrainConfig, student_tokenizer: Tokenizer
+) -> Teacher:
     """The checked teacher of --teacher (tokenizer equal to the student's), before any work."""
     sampler, weights = teacher_sampler(service, config)
     tokenizer = sampler.get_tokenizer()

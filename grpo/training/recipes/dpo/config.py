@@ -6,8 +6,6 @@ groups of `grpo.training.settings.config_groups`, the learning-rate schedule of 
 No `from __future__ import annotations` here: the field transformer reads each field's type.
 """
 
-from typing import Any
-
 import attrs
 
 from grpo.core.dpo import DPO_LOSSES, DpoSettings
@@ -173,7 +171,7 @@ class DpoConfig(
 DPO_FIELDS: dict[str, Field] = attrs.fields_dict(DpoConfig)
 
 
-def dpo_to_dict(config: DpoConfig) -> dict[str, Any]:
+def dpo_to_dict(config: DpoConfig) -> dict[str, object]:
     """The config as config.json holds it: its fields and ``recipe: "dpo"``."""
     return {**attrs.asdict(config), RECIPE_KEY: "dpo"}
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import attrs
 import numpy as np
 import torch
 from pytrio.types import Datum, ModelInput, TensorData
 
+from grpo.backends.clients import Sampler, ServiceClient
 from grpo.backends.datums import output_logprobs
 from grpo.core.dpo import PreferencePair, pair_batches, steps_of_one_pass
 from grpo.core.sft import SftExample
@@ -48,6 +48,7 @@ from grpo.training.recipes.sft.recipe import (
     run_data_recipe,
     saves,
 )
+from grpo.training.rollouts.clients import Tokenizer
 from grpo.training.run import run_files
 from grpo.training.run.init_from import init_state_path
 from grpo.training.run.inputs import refuse_run_dir_over_inputs
@@ -70,14 +71,14 @@ class DpoPlan:
     """What the pre-flight built: the encoded pairs, every step's pairs, the reference."""
 
     config: DpoConfig
-    service: Any
+    service: ServiceClient
     train: list[PreferencePair]
     eval: list[PreferencePair]
     batches: list[np.ndarray]
     """Pair indices into ``train`` of every step."""
     reference: str
     """What the reference is: a weights path, or ``base:<model>``."""
-    ref_sampler: Any
+    ref_sampler: Sampler
     init_state: str | None
     """The --init-from run's final training state (None: a fresh LoRA)."""
     prices: Prices | None
@@ -114,7 +115,7 @@ def pair_loss(
 
 
 def _encoded(
-    tokenizer: Any, path: str, max_len: int | None, notes: list[str]
+    tokenizer: Tokenizer, path: str, max_len: int | None, notes: list[str]
 ) -> list[PreferencePair]:
     try:
         pairs = load_pairs(tokenizer, path)
@@ -154,7 +155,7 @@ def _without_degenerate(
     return [pair for pair in pairs if not pair.is_degenerate]
 
 
-def resolve_reference(config: DpoConfig, service: Any) -> tuple[str, Any]:
+def resolve_reference(config: DpoConfig, service: ServiceClient) -> tuple[str, Sampler]:
     """(what the reference is, its sampler): --ref, else the --init-from run, else the base."""
     source = config.ref or config.init_from
     if source is None:
@@ -173,7 +174,7 @@ def resolve_reference(config: DpoConfig, service: Any) -> tuple[str, Any]:
     return weights, weights_sampler(service, config.base_model, weights, source, flag)
 
 
-def preflight_dpo(config: DpoConfig, make_service: Callable[[], Any]) -> DpoPlan:
+def preflight_dpo(config: DpoConfig, make_service: Callable[[], ServiceClient]) -> DpoPlan:
     """Prices, --init-from, the pairs (read, encoded, split, batched), the reference's sampler:
     all before the first training call."""
     prices = prices_for(config)  # type: ignore[arg-type]  # reads base_model and price_*
@@ -225,7 +226,7 @@ def planned_usage(plan: DpoPlan, start_step: int = 0, cached: int = 0) -> TokenU
 
 
 def dry_run_dpo(
-    config: DpoConfig, *, resume: bool = False, service_client: Any = None
+    config: DpoConfig, *, resume: bool = False, service_client: ServiceClient | None = None
 ) -> list[str]:
     """`grpo dpo --dry-run`: every check of a run, then its plan; nothing is written."""
     config = resolve_dpo_run(config)
@@ -258,7 +259,7 @@ def dpo(
     config: DpoConfig,
     *,
     resume: bool = False,
-    service_client: Any = None,
+    service_client: ServiceClient | None = None,
     echo: Callable[[str], None] = print,
     progress: bool = True,
 ) -> RunResult:
@@ -378,7 +379,7 @@ class DpoRecipe(DataRecipe):
             parts.append(f"cost={metrics['cost/cum']:.4f}")
         return " | ".join(parts)
 
-    def summary(self, state: RunState) -> dict[str, Any]:
+    def summary(self, state: RunState) -> run_files.JsonObject:
         """The recipe, its reference and its final held-out accuracy and margin."""
         last = state.last_metrics
         return {

@@ -24,11 +24,11 @@ import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from pytrio.types import ModelInput
 
+from grpo.backends.clients import Sampler
 from grpo.backends.pytrio import call_with_retries
 from grpo.core.sft import SftExample
 from grpo.training.run import run_files
@@ -105,7 +105,7 @@ def masked_sum(logprobs_T: Sequence[float | None], example: SftExample) -> float
 def reference_logprobs(
     run_dir: Path,
     reference: str,
-    sampler: Any,
+    sampler: Sampler,
     examples: Sequence[SftExample],
     *,
     concurrency: int,

@@ -14,10 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 
+from grpo.backends.clients import ServiceClient
 from grpo.backends.pytrio import CapabilityError, check_capabilities
 from grpo.core.usage import Prices, TokenUsage, cost, planned_episode_tokens, planned_usage
 from grpo.rewards.judges import Judge
@@ -38,6 +39,8 @@ from grpo.training.settings.config import ConfigError, TrainConfig, check_user_i
 from grpo.training.settings.prices import prices_for
 
 if TYPE_CHECKING:
+    from datasets import Dataset
+
     from grpo.training.recipes.distill.teacher import Teacher
 
 
@@ -47,7 +50,7 @@ class Preflight:
 
     config: TrainConfig
     steps: int
-    service: Any
+    service: ServiceClient
     base_sampler: Sampler
     """A sampler on the base model (the reference sampler when --kl-coef > 0)."""
     tokenizer: Tokenizer
@@ -67,10 +70,12 @@ class SharedInputs:
     it would have built itself (a sweep over --learning-rate loads and tokenizes once)."""
 
     def __init__(self) -> None:
-        self._rows: dict[tuple[Any, ...], Any] = {}
-        self._problems: dict[tuple[Any, ...], tuple[Any, Any, list[Problem]]] = {}
+        self._rows: dict[tuple[object, ...], Dataset] = {}
+        self._problems: dict[
+            tuple[object, ...], tuple[Tokenizer, Dataset | tuple[()], list[Problem]]
+        ] = {}
 
-    def rows(self, config: TrainConfig, split: str, *, limit: int | None = None) -> Any:
+    def rows(self, config: TrainConfig, split: str, *, limit: int | None = None) -> Dataset:
         """`load_run_problems(config, split, limit=limit)`, loaded once per distinct source."""
         source = run_problem_source(config, split, limit=limit)
         key = tuple(sorted(source.items()))
@@ -79,7 +84,12 @@ class SharedInputs:
         return self._rows[key]
 
     def problems(
-        self, tokenizer: Tokenizer, rows: Any, config: TrainConfig, split: str, max_len: int | None
+        self,
+        tokenizer: Tokenizer,
+        rows: Dataset | tuple[()],
+        config: TrainConfig,
+        split: str,
+        max_len: int | None,
     ) -> list[Problem]:
         """`run_problems(tokenizer, rows, config, split, max_len=max_len)`, built once."""
         options = run_problem_options(config, split, max_len=max_len)
@@ -92,7 +102,7 @@ class SharedInputs:
 
 def preflight(
     config: TrainConfig,
-    make_service: Callable[[], Any],
+    make_service: Callable[[], ServiceClient],
     log: Callable[[str], None] = print,
     shared: SharedInputs | None = None,
 ) -> Preflight:
@@ -410,7 +420,7 @@ def _teacher_line(pre: Preflight, start_step: int) -> list[str]:
 
 
 def plan_experiment(
-    configs: Sequence[TrainConfig], make_service: Callable[[TrainConfig], Any]
+    configs: Sequence[TrainConfig], make_service: Callable[[TrainConfig], ServiceClient]
 ) -> tuple[list[tuple[TrainConfig, TokenUsage, Prices | None]], list[str]]:
     """Every run's pre-flight and plan, and the report lines with the experiment's totals."""
     planned = []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any
 
 from grpo.core.alignment import mask_sequences
 from grpo.core.episodes import RolloutGroup, pack_rollout_groups, truncated_rollouts
@@ -35,6 +34,7 @@ from grpo.training.run.ahead import prune_ahead, save_ahead
 from grpo.training.run.faults import fault_point
 from grpo.training.run.learner import current_sampler, shape_with_kl, update
 from grpo.training.run.recipe import Session
+from grpo.training.run.run_files import JsonObject
 from grpo.training.run.run_log import console_line
 from grpo.training.run.schedule import evaluates_after, evaluates_at_start, saves_after
 from grpo.training.run.state import Run, RunState
@@ -169,7 +169,7 @@ class GrpoRecipe:
         if self.run.config.max_steps_off_policy:
             prune_ahead(self.run.run_dir, state.completed)
 
-    def calls(self, stop: threading.Event) -> contextlib.AbstractContextManager[Any]:
+    def calls(self, stop: threading.Event) -> contextlib.AbstractContextManager[object]:
         """The reward workers (--reward-workers) for the whole run, and env calls that give
         up once the run is stopping (so a hung env cannot keep a stop from ending)."""
         config = self.run.config
@@ -187,7 +187,7 @@ class GrpoRecipe:
         )
         return calls
 
-    def summary(self, state: RunState) -> dict[str, Any]:
+    def summary(self, state: RunState) -> JsonObject:
         """summary.json's final test reward."""
         return {"test/reward": state.last_metrics.get("test/reward")}
 

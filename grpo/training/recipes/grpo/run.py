@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
+from grpo.backends.clients import ServiceClient
 from grpo.backends.pytrio import make_service_client
 from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION
 from grpo.training.recipes.grpo.plan import describe, plan_usage, preflight
@@ -56,7 +56,7 @@ def train(
     config: TrainConfig,
     *,
     resume: bool = False,
-    service_client: Any = None,
+    service_client: ServiceClient | None = None,
     echo: Callable[[str], None] = print,
     progress: bool = True,
 ) -> RunResult:
@@ -75,7 +75,9 @@ def train(
         return _train_in(run_dir, config, checkpoint, service_client, echo, progress)
 
 
-def dry_run(config: TrainConfig, *, resume: bool = False, service_client: Any = None) -> list[str]:
+def dry_run(
+    config: TrainConfig, *, resume: bool = False, service_client: ServiceClient | None = None
+) -> list[str]:
     """`grpo train --dry-run`: the checks a run does before its first call, then its plan.
 
     No training client is created and nothing is written (no run directory, no lock).
@@ -98,7 +100,7 @@ def dry_run(config: TrainConfig, *, resume: bool = False, service_client: Any = 
             service.close()
 
 
-def _make_service(config: TrainConfig, run_dir: Path) -> Any:
+def _make_service(config: TrainConfig, run_dir: Path) -> ServiceClient:
     return make_service_client(
         config.backend,
         local_root=str(run_dir / run_files.BACKEND_DIR),
@@ -128,7 +130,7 @@ def _train_in(
     run_dir: Path,
     config: TrainConfig,
     checkpoint: run_files.Checkpoint | None,
-    service_client: Any,
+    service_client: ServiceClient | None,
     echo: Callable[[str], None],
     progress: bool,
 ) -> RunResult:
@@ -196,8 +198,8 @@ def _train_in(
 
 
 def normalization_probe(
-    config: TrainConfig, service: Any, note: Callable[[str], None]
-) -> dict[str, Any] | None:
+    config: TrainConfig, service: ServiceClient, note: Callable[[str], None]
+) -> run_files.JsonObject | None:
     """With --backend pytrio and --normalization-probe: the probe's record (service_probe.json),
     its verdict noted; a failure is noted and recorded, never raised; else None."""
     if config.backend != "pytrio" or not config.normalization_probe:

@@ -12,7 +12,7 @@ No `from __future__ import annotations` here: the field transformer reads each f
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import attrs
 
@@ -135,7 +135,7 @@ def recipe_config_from_dict(
         raise ConfigError(f"{where}: {error}") from None
 
 
-def sft_to_dict(config: SftConfig) -> dict[str, Any]:
+def sft_to_dict(config: SftConfig) -> dict[str, object]:
     """The config as config.json holds it: its fields and ``recipe: "sft"``."""
     return {**attrs.asdict(config), RECIPE_KEY: "sft"}
 

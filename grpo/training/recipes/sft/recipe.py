@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
 
 import attrs
 import numpy as np
-from pytrio.types import Datum, ModelInput, TensorData
+from pytrio.types import Datum, ModelInput, OptimStepResponse, TensorData
 
+from grpo.backends.clients import ServiceClient
 from grpo.backends.datums import datum_totals, forward_only, output_logprobs, scale_weights
 from grpo.backends.pytrio import make_service_client
 from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION
@@ -45,6 +46,7 @@ from grpo.core.sft import (
 from grpo.core.usage import Prices, TokenUsage, cost
 from grpo.training.recipes.sft.config import SftConfig, resolve_sft_run, sft_to_dict
 from grpo.training.recipes.sft.data import SftDataError, load_examples
+from grpo.training.rollouts.clients import Tokenizer
 from grpo.training.rollouts.problems import tokenizer_max_len
 from grpo.training.run import run_files
 from grpo.training.run.inputs import refuse_run_dir_over_inputs
@@ -68,7 +70,13 @@ from grpo.training.settings.config_groups import RunSettings
 from grpo.training.settings.fields import ConfigError
 from grpo.training.settings.prices import prices_for
 
+if TYPE_CHECKING:
+    from grpo.training.recipes.dpo.config import DpoConfig
+
 __all__ = ["SftPlan", "dry_run_sft", "example_datum", "sft"]
+
+DataRecipeConfig: TypeAlias = "SftConfig | DpoConfig"
+"""The config of a data recipe (SFT, DPO): the flags the shared helpers below read."""
 
 
 @attrs.frozen
@@ -76,8 +84,8 @@ class SftPlan:
     """What the pre-flight built: the encoded rows, every step's batch, the service."""
 
     config: SftConfig
-    service: Any
-    tokenizer: Any
+    service: ServiceClient
+    tokenizer: Tokenizer
     train: list[SftExample]
     eval: list[SftExample]
     batches: list[np.ndarray]
@@ -94,6 +102,29 @@ class SftPlan:
     def init_state(self) -> None:
         """SFT has no --init-from: it starts from its checkpoint, else a fresh LoRA."""
         return None
+
+
+class DataPlan(Protocol):
+    """What the shared data-recipe code (`run_data_recipe`, ...) reads of a pre-flight's plan
+    (`SftPlan`, `DpoPlan`)."""
+
+    @property
+    def config(self) -> DataRecipeConfig: ...
+
+    @property
+    def service(self) -> ServiceClient: ...
+
+    @property
+    def eval(self) -> Sequence[object]: ...
+
+    @property
+    def prices(self) -> Prices | None: ...
+
+    @property
+    def steps(self) -> int: ...
+
+    @property
+    def init_state(self) -> str | None: ...
 
 
 def example_datum(example: SftExample, weights_T: np.ndarray) -> Datum:
@@ -114,7 +145,7 @@ def batch_datums(examples: list[SftExample]) -> list[Datum]:
     return [example_datum(example, weights) for example, weights in zip(examples, weights_B)]
 
 
-def recipe_service(config: Any, run_dir: Path) -> Any:
+def recipe_service(config: DataRecipeConfig, run_dir: Path) -> ServiceClient:
     """The service client of a data recipe's run (SFT, ...) from its shared flags."""
     return make_service_client(
         config.backend,
@@ -127,7 +158,7 @@ def recipe_service(config: Any, run_dir: Path) -> Any:
     )
 
 
-def _encoded(tokenizer: Any, path: str, max_len: int | None) -> list[SftExample]:
+def _encoded(tokenizer: Tokenizer, path: str, max_len: int | None) -> list[SftExample]:
     try:
         examples = load_examples(tokenizer, path)
     except SftDataError as error:
@@ -142,7 +173,7 @@ def _encoded(tokenizer: Any, path: str, max_len: int | None) -> list[SftExample]
     return examples
 
 
-def check_data_files(config: Any) -> None:
+def check_data_files(config: DataRecipeConfig) -> None:
     """ConfigError unless --data and --eval-data (when given) exist."""
     for path in (config.data, config.eval_data):
         if path is not None and not Path(path).exists():
@@ -153,9 +184,9 @@ Item = TypeVar("Item")
 
 
 def encoded_split(
-    config: Any,
-    tokenizer: Any,
-    encode: Callable[[Any, str, int | None], list[Item]],
+    config: DataRecipeConfig,
+    tokenizer: Tokenizer,
+    encode: Callable[[Tokenizer, str, int | None], list[Item]],
 ) -> tuple[list[Item], list[Item]]:
     """(train, held-out) items of a data recipe, each file encoded by ``encode(tokenizer,
     path, max_len)``: --eval-data when given, else --eval-fraction of --data (by --seed)."""
@@ -170,7 +201,7 @@ def encoded_split(
     return [items[i] for i in train_rows], [items[i] for i in eval_rows]
 
 
-def preflight_sft(config: SftConfig, make_service: Callable[[], Any]) -> SftPlan:
+def preflight_sft(config: SftConfig, make_service: Callable[[], ServiceClient]) -> SftPlan:
     """Prices, the data (read, encoded, split, batched), all before the first training call."""
     prices = prices_for(config)  # type: ignore[arg-type]  # reads base_model and price_*
     check_data_files(config)
@@ -191,19 +222,19 @@ def preflight_sft(config: SftConfig, make_service: Callable[[], Any]) -> SftPlan
     return SftPlan(config, service, tokenizer, train, held, batches, epochs, prices)
 
 
-def evaluates(config: Any, done: int, steps: int, has_eval: bool) -> bool:
+def evaluates(config: DataRecipeConfig, done: int, steps: int, has_eval: bool) -> bool:
     """Whether the eval loss is measured after ``done`` steps (0: before training)."""
     if not has_eval or config.eval_every == 0:
         return False
     return done % config.eval_every == 0 or done == steps
 
 
-def saves(config: Any, done: int, steps: int) -> bool:
+def saves(config: DataRecipeConfig, done: int, steps: int) -> bool:
     """Whether a checkpoint follows step ``done`` (every --save-every, and the last)."""
     return done == steps or (config.save_every > 0 and done % config.save_every == 0)
 
 
-def evaluations(config: Any, start_step: int, steps: int, has_eval: bool) -> int:
+def evaluations(config: DataRecipeConfig, start_step: int, steps: int, has_eval: bool) -> int:
     """How many evaluations a run makes from ``start_step`` (the one before training only
     when it starts at step 0: a resume has logged it)."""
     return sum(
@@ -223,7 +254,7 @@ def planned_usage(plan: SftPlan, start_step: int = 0) -> TokenUsage:
 
 
 def dry_run_sft(
-    config: SftConfig, *, resume: bool = False, service_client: Any = None
+    config: SftConfig, *, resume: bool = False, service_client: ServiceClient | None = None
 ) -> list[str]:
     """`grpo sft --dry-run`: every check of a run, then its plan; nothing is written."""
     config = resolve_sft_run(config)
@@ -251,7 +282,7 @@ def dry_run_sft(
 
 
 def finish_dry_run(
-    lines: list[str], usage: TokenUsage, plan: Any, service_client: Any
+    lines: list[str], usage: TokenUsage, plan: DataPlan, service_client: ServiceClient | None
 ) -> list[str]:
     """A data recipe's dry-run lines with the plan's cost added (or why there is none); the
     service closed unless the caller passed it in."""
@@ -280,7 +311,7 @@ def sft(
     config: SftConfig,
     *,
     resume: bool = False,
-    service_client: Any = None,
+    service_client: ServiceClient | None = None,
     echo: Callable[[str], None] = print,
     progress: bool = True,
 ) -> RunResult:
@@ -297,19 +328,6 @@ def sft(
         echo=echo,
         progress=progress,
     )
-
-
-class DataPlan(Protocol):
-    """What `run_data_recipe` reads of a data recipe's pre-flight plan (`SftPlan`, ...)."""
-
-    @property
-    def service(self) -> Any: ...
-    @property
-    def steps(self) -> int: ...
-    @property
-    def prices(self) -> Prices | None: ...
-    @property
-    def init_state(self) -> str | None: ...
 
 
 Plan = TypeVar("Plan", bound=DataPlan)
@@ -359,11 +377,11 @@ def run_data_recipe(
 
 
 def open_recipe_session(
-    config: Any,
-    service: Any,
+    config: DataRecipeConfig,
+    service: ServiceClient,
     run_dir: Path,
-    checkpoint: Any,
-    saved_config: dict[str, Any],
+    checkpoint: run_files.Checkpoint | None,
+    saved_config: run_files.JsonObject,
     steps: int,
     prices: Prices | None,
     echo: Callable[[str], None],
@@ -400,11 +418,11 @@ class DataRecipe:
     --save-every steps with nothing beside the weights, no reward workers, nothing in flight.
     A subclass gives ``step``, ``evaluate``, ``console_line`` and ``summary``."""
 
-    def __init__(self, plan: Any, session: Session) -> None:
+    def __init__(self, plan: DataPlan, session: Session) -> None:
         self.plan, self.config, self.session = plan, plan.config, session
         self.divisor = run_divisor(self.config, None, session.note, plan.service).convention
 
-    def optim_step(self, step: int) -> tuple[float, Any]:
+    def optim_step(self, step: int) -> tuple[float, OptimStepResponse]:
         """optim_step at step ``step``'s scheduled learning rate: (the rate, the call's result)."""
         config, client = self.config, self.session.training_client
         rate = config.learning_rate * lr_multiplier(
@@ -439,7 +457,7 @@ class DataRecipe:
     def saved(self, state: RunState) -> None:
         """Nothing to prune."""
 
-    def calls(self, stop: threading.Event) -> contextlib.AbstractContextManager[Any]:
+    def calls(self, stop: threading.Event) -> contextlib.AbstractContextManager[object]:
         """No reward workers."""
         return contextlib.nullcontext()
 
@@ -518,6 +536,6 @@ class SftRecipe(DataRecipe):
             parts.append(f"cost={metrics['cost/cum']:.4f}")
         return " | ".join(parts)
 
-    def summary(self, state: RunState) -> dict[str, Any]:
+    def summary(self, state: RunState) -> run_files.JsonObject:
         """The recipe and its final eval loss."""
         return {"recipe": "sft", "eval/loss": state.last_metrics.get("eval/loss")}
