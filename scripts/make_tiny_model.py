@@ -213,7 +213,7 @@ def measure_tools(out: Path, problems: int) -> dict:
                     limits,
                     lambda turn: episode_seed(SAMPLING_SEED, 4, 0, index, turn),
                     max_retries=0,
-                    log=print,
+                    note=print,
                 )
                 return episode.reward, any(turn.tool_calls for turn in episode.turns)
 

@@ -27,6 +27,9 @@ from pytrio.types import (
 if TYPE_CHECKING:
     import torch
 
+Note = Callable[[str], None]
+"""Where a module says one line about the run (a retry, a skipped item): the run's note."""
+
 T_co = TypeVar("T_co", covariant=True)
 
 CustomLoss = Callable[[list[Datum], list["torch.Tensor"]], tuple["torch.Tensor", dict[str, float]]]

@@ -245,7 +245,7 @@ def call_with_retries(
     what: str,
     max_retries: int,
     base_delay_s: float = 1.0,
-    on_retry: Callable[[str], None] | None = None,
+    note: Callable[[str], None] | None = None,
 ) -> T:
     """Run `call`; on a transient failure retry up to `max_retries` times, with backoff."""
     for attempt in range(max_retries + 1):
@@ -260,8 +260,8 @@ def call_with_retries(
                     f"{type(error).__name__}: {error}"
                 ) from error
             delay = base_delay_s * 2**attempt
-            if on_retry is not None:
-                on_retry(
+            if note is not None:
+                note(
                     f"{what} failed ({type(error).__name__}: {error}); "
                     f"retry {attempt + 1}/{max_retries} in {delay:.1f}s"
                 )

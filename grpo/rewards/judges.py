@@ -31,7 +31,7 @@ import socket
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,6 +40,7 @@ import attrs
 import numpy as np
 from pytrio.types import ModelInput, SamplingParams
 
+from grpo.backends.clients import Note
 from grpo.backends.pytrio import RetriesExhaustedError, call_with_retries
 from grpo.core.judging import (
     FENCE_CHARS,
@@ -70,7 +71,6 @@ __all__ = [
 CACHE_FILE = "judge_cache.jsonl"
 MAX_RESPONSE_BYTES = 4_000_000
 JUDGE_SEED = 0
-Log = Callable[[str], None]
 
 
 class JudgeCallError(RuntimeError):
@@ -178,7 +178,7 @@ class EndpointJudge:
         max_tokens: int,
         temperature: float,
         timeout_s: float,
-        log: Log = print,
+        note: Note = print,
     ) -> None:
         self.url = url.rstrip("/")
         self.model = model
@@ -187,7 +187,7 @@ class EndpointJudge:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.timeout_s = timeout_s
-        self.log = log
+        self.note = note
         self._warned: set[str] = set()
         self._warned_lock = threading.Lock()
 
@@ -285,7 +285,7 @@ class EndpointJudge:
         if first:
             shown = repr(value)
             shown = shown if len(shown) <= 60 else shown[:57] + "..."
-            self.log(
+            self.note(
                 f"warning: the judge endpoint {self.url} reported usage.{field} = {shown}, "
                 f"which is no token count (an integer 0..{MAX_REPORTED_TOKENS:,}); such "
                 f"replies count 0 judge {field.replace('_', ' ')} (said once); the rewards "
@@ -324,7 +324,7 @@ class Judge:
         concurrency: int,
         max_retries: int,
         cache_path: Path | None,
-        log: Log = print,
+        note: Note = print,
         retry_delay_s: float = 1.0,
     ) -> None:
         self.backend = backend
@@ -334,7 +334,7 @@ class Judge:
         self.max_retries = max_retries
         self.retry_delay_s = retry_delay_s
         self.cache_path = cache_path
-        self.log = log
+        self.note = note
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="judge")
         self._lock = threading.Lock()
         self._cache = _read_cache(cache_path)
@@ -358,7 +358,7 @@ class Judge:
                 what="judge request",
                 max_retries=self.max_retries,
                 base_delay_s=self.retry_delay_s,
-                on_retry=self.log,
+                note=self.note,
             )
         except Exception as error:
             self._count("errors")

@@ -393,7 +393,7 @@ def evaluate_report(
                 decoding=decoding,
                 samples=samples,
                 seed=one_seed,
-                log=echo,
+                note=echo,
             )
             for one_seed in seed_list
         )

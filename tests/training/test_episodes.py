@@ -63,7 +63,7 @@ class ScriptedSampler:
 
 def _play(env: Any, sampler: ScriptedSampler, limits: EpisodeLimits = LIMITS, tokenizer=TOKENIZER):
     return play_episode(
-        sampler, env, tokenizer, limits, lambda turn: turn, max_retries=0, log=lambda _: None
+        sampler, env, tokenizer, limits, lambda turn: turn, max_retries=0, note=lambda _: None
     )
 
 

@@ -167,7 +167,7 @@ def _judge(backend: Any, cache: Path | None = None) -> Judge:
         concurrency=2,
         max_retries=0,
         cache_path=cache,
-        log=lambda _line: None,
+        note=lambda _line: None,
     )
 
 
@@ -449,9 +449,9 @@ def test_an_absurd_usage_count_from_the_endpoint_is_ignored_with_a_warning(
         backend = EndpointJudge(
             endpoint.url, model="m", api_key=None, max_tokens=8, temperature=0.0, timeout_s=30.0
         )
-        backend.log = lines.append
+        backend.note = lines.append
         judge = _judge(backend)
-        judge.log = lines.append
+        judge.note = lines.append
         assert judge.score_groups(groups) == [[SCORE / 10, SCORE / 10]]
     usage, counts = judge.take_metrics()
     assert counts["judge/calls"] == 2 and counts["judge/errors"] == 0

@@ -45,7 +45,7 @@ from grpo.tasks.prompts import build_messages
 from grpo.training.rollouts.clients import Sampler, Tokenizer
 from grpo.training.rollouts.grading import PlayedGroups
 from grpo.training.rollouts.problems import Problem
-from grpo.training.rollouts.sampling import Log
+from grpo.training.rollouts.sampling import Note
 from grpo.training.settings.config import TrainConfig
 
 
@@ -124,13 +124,13 @@ def bridge_text(
 
 
 @contextlib.contextmanager
-def _env_session(env: Env, log: Log) -> Iterator[None]:
-    """Waits for the env's session first (its ``wait_for_session(log)``, outside --env-timeout)
+def _env_session(env: Env, note: Note) -> Iterator[None]:
+    """Waits for the env's session first (its ``wait_for_session(note)``, outside --env-timeout)
     and closes the env at the end (its ``close()``), logging a failed close."""
     try:
         wait_for_session = getattr(env, "wait_for_session", None)
         if callable(wait_for_session):
-            wait_for_session(log)
+            wait_for_session(note)
         yield
     finally:
         close = getattr(env, "close", None)
@@ -138,7 +138,7 @@ def _env_session(env: Env, log: Log) -> Iterator[None]:
             try:
                 close()
             except Exception as error:  # noqa: BLE001 - the episode is over either way
-                log(f"closing {type(env).__name__} failed: {type(error).__name__}: {error}")
+                note(f"closing {type(env).__name__} failed: {type(error).__name__}: {error}")
 
 
 def play_episode(
@@ -149,13 +149,13 @@ def play_episode(
     seed_for: Callable[[int], int],
     *,
     max_retries: int,
-    log: Log,
+    note: Note,
 ) -> tuple[Episode, TokenUsage, list[str]]:
     """One episode: sample a turn, let the env answer, append its rendering; until done or a
     limit. Returns the episode, the sampler usage, and the decoded observation of each turn.
-    An env with a ``wait_for_session(log)`` (a server of few sessions, `grpo.envs.openenv`)
+    An env with a ``wait_for_session(note)`` (a server of few sessions, `grpo.envs.openenv`)
     waits there first, outside --env-timeout; one with a ``close()`` is closed at the end."""
-    with _env_session(env, log):
+    with _env_session(env, note):
         special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
         messages = list(initial_messages(env, limits.env_timeout_s))
         tools = env_tools(env)
@@ -192,7 +192,7 @@ def play_episode(
                 ),
                 what=f"sample (episode turn {index})",
                 max_retries=max_retries,
-                on_retry=log,
+                note=note,
             )
             (sequence,) = response.sequences
             tokens = [int(token) for token in sequence.tokens]
@@ -207,7 +207,7 @@ def play_episode(
             except EnvError as error:
                 if limits.env_errors != "zero":
                     raise
-                log(f"{error}; the episode ends with reward 0 (--env-errors zero)")
+                note(f"{error}; the episode ends with reward 0 (--env-errors zero)")
                 turns.append(
                     Turn(
                         observation_tokens=observation,
@@ -312,7 +312,7 @@ def play_groups(
     group_size: int,
     seed_for: Callable[[int, int], int],
     max_retries: int,
-    log: Log,
+    note: Note,
     sampler_version: int = 0,
 ) -> EpisodeJob:
     """``group_size`` episodes of every problem's env (``config.env_factory``) submitted to
@@ -332,7 +332,7 @@ def play_groups(
                     limits,
                     functools.partial(seed_for, episode),
                     max_retries=max_retries,
-                    log=log,
+                    note=note,
                 )
             )
     return EpisodeJob(problems, futures, group_size=group_size, sampler_version=sampler_version)

@@ -39,7 +39,7 @@ from grpo.training.rollouts.clients import Sampler, Tokenizer
 from grpo.training.rollouts.episodes import EpisodeLimits, play_groups
 from grpo.training.rollouts.grading import Job, PlayedGroups, grade_rollouts
 from grpo.training.rollouts.problems import Problem, tokenizer_max_len
-from grpo.training.rollouts.sampling import Log, Sampling
+from grpo.training.rollouts.sampling import Note, Sampling
 from grpo.training.run.seeds import Purpose, episode_seed, sampling_seed
 from grpo.training.settings.config import TrainConfig
 
@@ -154,7 +154,7 @@ def _submit(
     samples: int,
     seed: int,
     max_retries: int,
-    log: Log,
+    note: Note,
 ) -> Job:
     """``samples`` completions of every problem in one request each, or under --env
     ``samples`` episodes of every problem's env; seeds of the evaluation streams."""
@@ -178,7 +178,7 @@ def _submit(
             group_size=samples,
             seed_for=lambda episode, turn: episode_seed(seed, Purpose.ENV_EVAL, 0, episode, turn),
             max_retries=max_retries,
-            log=log,
+            note=note,
         )
 
     def params(index: int) -> SamplingParams:
@@ -189,7 +189,7 @@ def _submit(
             seed=sampling_seed(seed, 0, index, purpose=Purpose.EVAL),
         )
 
-    return Sampling(pool, tokenizer, max_retries, log).submit(
+    return Sampling(pool, tokenizer, max_retries, note).submit(
         sampler, problems, params, num_samples=samples
     )
 
@@ -234,7 +234,7 @@ def evaluate_policy(
     samples: int,
     seed: int,
     max_retries: int = 3,
-    log: Log = print,
+    note: Note = print,
 ) -> Evaluation:
     """`samples` completions (or episodes, with `config.env`) of every problem, graded.
 
@@ -255,6 +255,6 @@ def evaluate_policy(
         samples=samples,
         seed=seed,
         max_retries=max_retries,
-        log=log,
+        note=note,
     )
     return _graded(job, problems, config, decoding)

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import attrs
 from pytrio.types import ModelInput, SamplingParams
 
+from grpo.backends.clients import Note
 from grpo.backends.pytrio import call_with_retries
 from grpo.core.records import Completion
 from grpo.core.usage import TokenUsage, sample_usage
@@ -24,8 +25,6 @@ from grpo.training.rollouts.clients import SampledSequence, Sampler, Tokenizer
 from grpo.training.rollouts.grading import Job
 from grpo.training.rollouts.problems import Problem, step_problems
 from grpo.training.run.state import Run, RunState
-
-Log = Callable[[str], None]
 
 
 def completion_from(sequence: SampledSequence, tokenizer: Tokenizer) -> Completion:
@@ -52,7 +51,7 @@ class RolloutJob:
         num_samples: int,
         tokenizer: Tokenizer,
         max_retries: int,
-        log: Log,
+        note: Note,
         sampler_version: int,
     ) -> None:
         self.sampler_version = sampler_version
@@ -72,7 +71,7 @@ class RolloutJob:
                 ),
                 what=f"sample (problem {index})",
                 max_retries=max_retries,
-                on_retry=log,
+                note=note,
             )
             self._usage_P[index] = sample_usage(
                 response.input_tokens,
@@ -103,12 +102,12 @@ class RolloutJob:
 @attrs.frozen
 class Sampling:
     """Where a run's sampling requests go: its thread pool, the tokenizer that decodes a
-    completion the backend returned without text, the retries of a request, the log."""
+    completion the backend returned without text, the retries of a request, the note."""
 
     pool: ThreadPoolExecutor
     tokenizer: Tokenizer
     max_retries: int
-    log: Log
+    note: Note
 
     def submit(
         self,
@@ -128,7 +127,7 @@ class Sampling:
             num_samples=num_samples,
             tokenizer=self.tokenizer,
             max_retries=self.max_retries,
-            log=self.log,
+            note=self.note,
             sampler_version=sampler_version,
         )
 

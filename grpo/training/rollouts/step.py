@@ -101,7 +101,7 @@ def submit(
             group_size=config.group_size,
             seed_for=seed_for,
             max_retries=config.max_retries,
-            log=run.note,
+            note=run.note,
             sampler_version=state.version,
         )
 
@@ -140,14 +140,14 @@ def teacher_scoring(run: Run, sampled: Sampled) -> TeacherScoring:
     if isinstance(sampled, PlayedGroups):
         episodes = [episode for group in sampled.episodes_P for episode in group]
         return TeacherScoring.of_episodes(
-            teacher, episodes, max_retries=config.max_retries, log=run.note
+            teacher, episodes, max_retries=config.max_retries, note=run.note
         )
     return TeacherScoring.of_completions(
         teacher,
         sampled.problems_P,
         sampled.completions_P,
         max_retries=config.max_retries,
-        log=run.note,
+        note=run.note,
     )
 
 
@@ -215,7 +215,7 @@ def reference_logprobs(run: Run, groups_P: Sequence[RolloutGroup]) -> tuple[np.n
             lambda: request_result(sampler.compute_logprobs(ModelInput.from_ints(tokens))),
             what="reference compute_logprobs",
             max_retries=config.max_retries,
-            on_retry=run.note,
+            note=run.note,
         )
         return np.array([values[position] for position in positions], dtype=np.float64)
 
@@ -239,6 +239,6 @@ def evaluate_test(run: Run, sampler: Sampler) -> tuple[dict[str, float], TokenUs
         samples=1,
         seed=config.seed,
         max_retries=config.max_retries,
-        log=run.note,
+        note=run.note,
     )
     return result.metrics("test/"), result.usage

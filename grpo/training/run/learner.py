@@ -54,7 +54,7 @@ def runs_extra_forward(config: TrainConfig) -> bool:
 
 def retry(run: Run, call: Callable[[], T], what: str) -> T:
     """``call()`` with the run's retries of transient backend errors (--max-retries)."""
-    return call_with_retries(call, what=what, max_retries=run.config.max_retries, on_retry=run.note)
+    return call_with_retries(call, what=what, max_retries=run.config.max_retries, note=run.note)
 
 
 def current_sampler(run: Run, state: RunState) -> Sampler:

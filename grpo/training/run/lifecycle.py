@@ -247,9 +247,7 @@ def start_state(run_dir: Path, start_step: int) -> RunState:
 
 def retry(session: Session, call: Callable[[], T], what: str) -> T:
     """``call()`` with the run's retries of transient backend errors (--max-retries)."""
-    return call_with_retries(
-        call, what=what, max_retries=session.max_retries, on_retry=session.note
-    )
+    return call_with_retries(call, what=what, max_retries=session.max_retries, note=session.note)
 
 
 def run_step(recipe: Recipe, state: RunState, step: int, echo: Callable[[str], None]) -> None:

@@ -18,7 +18,7 @@ docs/FORMULAS.md, "On-policy distillation"; the step's pieces are in
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,7 +26,7 @@ import attrs
 import numpy as np
 from pytrio.types import ModelInput
 
-from grpo.backends.clients import ServiceClient
+from grpo.backends.clients import Note, ServiceClient
 from grpo.backends.pytrio import call_with_retries, sampler_on_weights
 from grpo.core.distill import distill_advantages, distill_metrics, teacher_logprobs_at
 from grpo.core.episodes import Episode
@@ -38,8 +38,6 @@ from grpo.training.rollouts.problems import Problem
 from grpo.training.run import run_files
 from grpo.training.run.seeds import pick_batch
 from grpo.training.settings.config import ConfigError, TrainConfig
-
-Log = Callable[[str], None]
 
 
 @attrs.frozen
@@ -205,7 +203,7 @@ class TeacherScoring:
         sequences: Sequence[tuple[list[int], np.ndarray]],
         *,
         max_retries: int,
-        log: Log,
+        note: Note,
     ) -> None:
         self._started = time.perf_counter()
         self._finished: list[float] = []
@@ -216,7 +214,7 @@ class TeacherScoring:
                 lambda: teacher.sampler.compute_logprobs(ModelInput.from_ints(tokens)).result(),
                 what="teacher compute_logprobs",
                 max_retries=max_retries,
-                on_retry=log,
+                note=note,
             )
             self._finished.append(time.perf_counter())
             return teacher_logprobs_at(values, positions)
@@ -233,7 +231,7 @@ class TeacherScoring:
         completions_P: Sequence[Sequence[Completion]],
         *,
         max_retries: int,
-        log: Log,
+        note: Note,
     ) -> TeacherScoring:
         """Each completion scored after the teacher's prompt x_T: q(y_t | x_T, y_<t)."""
         sequences = []
@@ -242,18 +240,18 @@ class TeacherScoring:
             for completion in completions:
                 tokens = [*prompt, *completion.tokens.tolist()]
                 sequences.append((tokens, np.arange(len(prompt), len(tokens))))
-        return cls(teacher, sequences, max_retries=max_retries, log=log)
+        return cls(teacher, sequences, max_retries=max_retries, note=note)
 
     @classmethod
     def of_episodes(
-        cls, teacher: Teacher, episodes: Sequence[Episode], *, max_retries: int, log: Log
+        cls, teacher: Teacher, episodes: Sequence[Episode], *, max_retries: int, note: Note
     ) -> TeacherScoring:
         """Each episode's whole stream scored at its sampled tokens (observations and tool
         outputs are context, never scored)."""
         sequences = [
             (episode.tokens.tolist(), np.flatnonzero(episode.sampled)) for episode in episodes
         ]
-        return cls(teacher, sequences, max_retries=max_retries, log=log)
+        return cls(teacher, sequences, max_retries=max_retries, note=note)
 
     def result_N(self, batch: TokenBatch) -> np.ndarray:
         """q on ``batch``'s sampled positions (mask 1, as packed), 0 elsewhere."""

@@ -129,7 +129,7 @@ def reference_logprobs(
             ).result(),
             what="reference compute_logprobs",
             max_retries=max_retries,
-            on_retry=note,
+            note=note,
         )
         return masked_sum(values, example)
 

@@ -20,7 +20,7 @@ from grpo.rewards.judges import (
     Judge,
     JudgeBackend,
     JudgeCallError,
-    Log,
+    Note,
     SamplerJudge,
 )
 from grpo.training.settings.config import ConfigError, TrainConfig
@@ -93,7 +93,7 @@ def check_judge(config: TrainConfig) -> dict[str, str]:
 
 
 def resolve_judge(
-    service: Any, config: TrainConfig, *, run_dir: Path | None, log: Log = print
+    service: Any, config: TrainConfig, *, run_dir: Path | None, note: Note = print
 ) -> Judge | None:
     """The run's checked judge when a --reward is a judge reward (else None), before any
     training call: `check_judge`'s errors, and ConfigError for a --judge-model the backend
@@ -120,7 +120,7 @@ def resolve_judge(
             max_tokens=config.judge_max_tokens,
             temperature=config.judge_temperature,
             timeout_s=config.judge_timeout,
-            log=log,
+            note=note,
         )
         try:
             endpoint.check()
@@ -149,5 +149,5 @@ def resolve_judge(
         concurrency=config.judge_concurrency,
         max_retries=config.max_retries,
         cache_path=None if run_dir is None else run_dir / CACHE_FILE,
-        log=log,
+        note=note,
     )

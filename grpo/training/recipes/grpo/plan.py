@@ -103,7 +103,7 @@ class SharedInputs:
 def preflight(
     config: TrainConfig,
     make_service: Callable[[], ServiceClient],
-    log: Callable[[str], None] = print,
+    note: Callable[[str], None] = print,
     shared: SharedInputs | None = None,
 ) -> Preflight:
     """Check rewards, few-shot file, prices and data (before any service call), then prompts.
@@ -140,7 +140,7 @@ def preflight(
 
         teacher = resolve_teacher(service, config, tokenizer)
     judge = resolve_judge(
-        service, config, run_dir=Path(config.run_dir) if config.run_dir else None, log=log
+        service, config, run_dir=Path(config.run_dir) if config.run_dir else None, note=note
     )
     return Preflight(
         teacher=teacher,
