@@ -19,11 +19,13 @@ from tests.test_cli import TINY_FLAGS
 
 
 def _stderr_of(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    """`grpo argv` in-process: exit 2, one line on stderr, no traceback."""
+    """`grpo argv` in-process: exit 2, one error line on stderr (after at most `grpo eval`'s
+    stage lines, "[grpo eval] ..."), no traceback."""
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and err.count("\n") == 1, err
-    return err
+    said = [line for line in err.strip().splitlines() if not line.startswith("[grpo eval] ")]
+    assert "Traceback" not in err and len(said) == 1, err
+    return said[0]
 
 
 def test_our_messages_are_never_cut_and_pytrios_keep_their_hint() -> None:
