@@ -397,6 +397,11 @@ def evaluate_report(
             )
             for one_seed in seed_list
         )
+    # Done with the service made above: a Tinker session is finished now (not at exit, its
+    # heartbeats failing once the server is gone), the local worker stopped. An error or
+    # Ctrl-C before this leaves it to the process's exit (tinker_sdk finishes it then).
+    if hasattr(service, "close"):
+        service.close()
     summary = seed_summary(
         [result.samples for result in results],
         resamples=BOOTSTRAP_RESAMPLES,
