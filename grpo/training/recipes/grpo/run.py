@@ -194,7 +194,12 @@ def _train_in(
                 note=note,
             )
         )
-    return run_steps(GrpoRecipe(run), state, echo, progress)
+    result = run_steps(GrpoRecipe(run), state, echo, progress)
+    if service_client is None and config.backend == "tinker":
+        # the Tinker session this run opened ends with it, not at the process's exit (an
+        # error or a stop leaves it to the exit: grpo.backends.tinker_sdk finishes it then)
+        service.close()  # type: ignore[attr-defined]
+    return result
 
 
 def normalization_probe(
