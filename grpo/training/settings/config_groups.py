@@ -191,8 +191,8 @@ SHARED_GROUPS = (
 
 
 class RunConfig(Protocol):
-    """What the shell reads of any recipe's config (`TrainConfig`, `SftConfig`, `DpoConfig`,
-    each composed of the groups above): the model and LoRA to open, the seed, the backend's
+    """What the shell reads of any recipe's config (`TrainConfig` and each data recipe's,
+    composed of the groups above): the model and LoRA to open, the seed, the backend's
     divisor flag, and the run's name and trackers."""
 
     @property
