@@ -25,6 +25,7 @@ from grpo.backends.local.model import AdapterWeights, ModelHost
 from grpo.backends.local.sample_request import PendingSample, SampleSpec
 from grpo.backends.local.sampler.loop import sample_batch
 from grpo.backends.local.sampler.validation import validate_sample_request
+from grpo.backends.local.twins import awaiting_future
 
 _DEFAULT_SAMPLING_PARAMS = SamplingParams()
 
@@ -123,24 +124,7 @@ class LocalSamplingClient:
         )
         return self._submit(spec)
 
-    async def sample_async(
-        self,
-        prompt: ModelInput,
-        num_samples: int = 1,
-        sampling_params: SamplingParams = _DEFAULT_SAMPLING_PARAMS,
-        include_prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-        return_text: bool = True,
-    ) -> SampleResponse:
-        """Async twin of `sample` (returns the response, as PyTRIO's does)."""
-        return await self.sample(
-            prompt,
-            num_samples,
-            sampling_params,
-            include_prompt_logprobs,
-            topk_prompt_logprobs,
-            return_text,
-        )
+    sample_async = awaiting_future(sample)
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         """log p(token_t | tokens_<t) for each prompt token (None for the first)."""
@@ -163,9 +147,7 @@ class LocalSamplingClient:
         )
         return self._submit(spec)
 
-    async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
-        """Async twin of `compute_logprobs` (returns the list)."""
-        return await self.compute_logprobs(prompt)
+    compute_logprobs_async = awaiting_future(compute_logprobs)
 
     def _submit(self, spec: SampleSpec) -> APIFuture[SampleResponse]:
         key = self._weights if self._weights is not None else self._host

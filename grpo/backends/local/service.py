@@ -56,7 +56,6 @@ in ``loss_execution.py``) and ``sampling_client.py``; what they share in ``engin
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
@@ -73,6 +72,7 @@ from grpo.backends.local.model import LoraSpec
 from grpo.backends.local.rest import LocalRestClient
 from grpo.backends.local.sampling_client import LocalSamplingClient, read_sampler_weights
 from grpo.backends.local.training import LocalTrainingClient
+from grpo.backends.local.twins import in_thread
 from grpo.backends.names import BUILTIN_MODEL_NAMES
 from grpo.core.normalization import DEFAULT_SERVICE_NORMALIZATION, BatchTotals
 
@@ -172,9 +172,7 @@ class LocalServiceClient:
             )
         return GetServerCapabilitiesResponse(supported_models=models)
 
-    async def get_server_capabilities_async(self) -> GetServerCapabilitiesResponse:
-        """Async twin of `get_server_capabilities`."""
-        return await asyncio.to_thread(self.get_server_capabilities)
+    get_server_capabilities_async = in_thread(get_server_capabilities)
 
     def create_rest_client(self) -> LocalRestClient:
         """Checkpoint listing and deletion under this service's root (pytrio's RestClient API)."""
@@ -205,25 +203,7 @@ class LocalServiceClient:
         host = self._engine.load(base_model)
         return LocalTrainingClient(self._engine, host, spec, normalization)
 
-    async def create_lora_training_client_async(
-        self,
-        base_model: str,
-        rank: int = 32,
-        seed: int | None = None,
-        train_mlp: bool = True,
-        train_attn: bool = True,
-        train_unembed: bool = True,
-    ) -> LocalTrainingClient:
-        """Async twin of `create_lora_training_client`."""
-        return await asyncio.to_thread(
-            self.create_lora_training_client,
-            base_model,
-            rank,
-            seed,
-            train_mlp,
-            train_attn,
-            train_unembed,
-        )
+    create_lora_training_client_async = in_thread(create_lora_training_client)
 
     def create_sampling_client(
         self, base_model: str, model_path: str | None = None
@@ -233,29 +213,21 @@ class LocalServiceClient:
         weights = None if model_path is None else read_sampler_weights(model_path, host)
         return LocalSamplingClient(self._engine, host, weights)
 
-    async def create_sampling_client_async(
-        self, base_model: str, model_path: str | None = None
-    ) -> LocalSamplingClient:
-        """Async twin of `create_sampling_client`."""
-        return await asyncio.to_thread(self.create_sampling_client, base_model, model_path)
+    create_sampling_client_async = in_thread(create_sampling_client)
 
     def create_training_client_from_state(self, path: str) -> LocalTrainingClient:
         """A training client with the checkpoint's LoRA config and weights (fresh optimizer)."""
         return self._from_state(path, with_optimizer=False)
 
-    async def create_training_client_from_state_async(self, path: str) -> LocalTrainingClient:
-        """Async twin of `create_training_client_from_state`."""
-        return await asyncio.to_thread(self.create_training_client_from_state, path)
+    create_training_client_from_state_async = in_thread(create_training_client_from_state)
 
     def create_training_client_from_state_with_optimizer(self, path: str) -> LocalTrainingClient:
         """A training client with the checkpoint's weights and optimizer state."""
         return self._from_state(path, with_optimizer=True)
 
-    async def create_training_client_from_state_with_optimizer_async(
-        self, path: str
-    ) -> LocalTrainingClient:
-        """Async twin of `create_training_client_from_state_with_optimizer`."""
-        return await asyncio.to_thread(self.create_training_client_from_state_with_optimizer, path)
+    create_training_client_from_state_with_optimizer_async = in_thread(
+        create_training_client_from_state_with_optimizer
+    )
 
     def _from_state(self, path: str, *, with_optimizer: bool) -> LocalTrainingClient:
         directory = checkpoints.resolve(path)

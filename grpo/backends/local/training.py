@@ -9,7 +9,6 @@ refused on diverged weights), and sampling clients frozen at the current weights
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 import weakref
 from pathlib import Path
@@ -44,6 +43,7 @@ from grpo.backends.local.loss_execution import (
 )
 from grpo.backends.local.model import AdapterWeights, LoraSpec, ModelHost
 from grpo.backends.local.sampling_client import LocalSamplingClient, read_sampler_weights
+from grpo.backends.local.twins import in_thread, returning_future
 from grpo.backends.local.worker import Worker
 from grpo.core.normalization import DEFAULT_SERVICE_NORMALIZATION, BatchTotals
 
@@ -100,15 +100,7 @@ class LocalTrainingClient:
         self._started = True
         return self._engine.worker.call(lambda: self._run_loss(batch, backward=False))
 
-    async def forward_async(
-        self,
-        data: list[Datum],
-        loss_fn: str = "cross_entropy",
-        loss_fn_config: dict[str, object] | None = None,
-        auto_shift: bool = False,
-    ) -> APIFuture[ForwardBackwardOutput]:
-        """Async twin of `forward`."""
-        return self.forward(data, loss_fn, loss_fn_config, auto_shift)
+    forward_async = returning_future(forward)
 
     def forward_backward(
         self,
@@ -128,15 +120,7 @@ class LocalTrainingClient:
             lambda: self._run_loss(batch, backward=True, totals=gradient_accumulation)
         )
 
-    async def forward_backward_async(
-        self,
-        data: list[Datum],
-        loss_fn: str = "cross_entropy",
-        loss_fn_config: dict[str, object] | None = None,
-        auto_shift: bool = False,
-    ) -> APIFuture[ForwardBackwardOutput]:
-        """Async twin of `forward_backward`."""
-        return self.forward_backward(data, loss_fn, loss_fn_config, auto_shift)
+    forward_backward_async = returning_future(forward_backward)
 
     def forward_backward_custom(
         self,
@@ -169,14 +153,7 @@ class LocalTrainingClient:
             )
         )
 
-    async def forward_backward_custom_async(
-        self,
-        data: list[Datum],
-        loss_fn: CustomLossFn,
-        loss_fn_config: dict[str, object] | None = None,
-    ) -> APIFuture[ForwardBackwardOutput]:
-        """Async twin of `forward_backward_custom`."""
-        return self.forward_backward_custom(data, loss_fn, loss_fn_config)
+    forward_backward_custom_async = returning_future(forward_backward_custom)
 
     def _prepare(
         self,
@@ -215,9 +192,7 @@ class LocalTrainingClient:
         self._started = True
         return self._engine.worker.call(lambda: self._step(adam_params))
 
-    async def optim_step_async(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
-        """Async twin of `optim_step`."""
-        return self.optim_step(adam_params)
+    optim_step_async = returning_future(optim_step)
 
     def _step(self, adam_params: AdamParams) -> OptimStepResponse:
         gradients = [parameter.grad for parameter in self._parameters if parameter.grad is not None]
@@ -265,11 +240,7 @@ class LocalTrainingClient:
             lambda: self._save("state", payload.name, ttl_seconds, overwrite=overwrite)
         )
 
-    async def save_state_async(
-        self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
-    ) -> APIFuture[SaveWeightsResponse]:
-        """Async twin of `save_state`."""
-        return self.save_state(name, ttl_seconds, overwrite)
+    save_state_async = returning_future(save_state)
 
     def save_weights_for_sampler(
         self, name: str, ttl_seconds: int | None = None
@@ -282,11 +253,7 @@ class LocalTrainingClient:
             lambda: self._save("sampler", payload.name, ttl_seconds, overwrite=True)
         )
 
-    async def save_weights_for_sampler_async(
-        self, name: str, ttl_seconds: int | None = None
-    ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        """Async twin of `save_weights_for_sampler`."""
-        return self.save_weights_for_sampler(name, ttl_seconds)
+    save_weights_for_sampler_async = returning_future(save_weights_for_sampler)
 
     def _save(
         self,
@@ -352,18 +319,14 @@ class LocalTrainingClient:
         self._load(path, with_optimizer=False)
         return APIFuture.completed({})
 
-    async def load_state_async(self, path: str) -> APIFuture[dict[str, object]]:
-        """Async twin of `load_state`."""
-        return await asyncio.to_thread(self.load_state, path)
+    load_state_async = in_thread(load_state)
 
     def load_state_with_optimizer(self, path: str) -> APIFuture[dict[str, object]]:
         """Load LoRA weights and optimizer state; only before the first training operation."""
         self._load(path, with_optimizer=True)
         return APIFuture.completed({})
 
-    async def load_state_with_optimizer_async(self, path: str) -> APIFuture[dict[str, object]]:
-        """Async twin of `load_state_with_optimizer`."""
-        return await asyncio.to_thread(self.load_state_with_optimizer, path)
+    load_state_with_optimizer_async = in_thread(load_state_with_optimizer)
 
     def _load(self, path: str, *, with_optimizer: bool) -> None:
         if self._started:
@@ -413,9 +376,7 @@ class LocalTrainingClient:
         weights = self._engine.run(lambda: self._host.snapshot(self._adapter, self.lora))
         return LocalSamplingClient(self._engine, self._host, weights)
 
-    async def save_weights_and_get_sampling_client_async(self) -> LocalSamplingClient:
-        """Async twin of `save_weights_and_get_sampling_client`."""
-        return await asyncio.to_thread(self.save_weights_and_get_sampling_client)
+    save_weights_and_get_sampling_client_async = in_thread(save_weights_and_get_sampling_client)
 
     def create_sampling_client(self, model_path: str) -> LocalSamplingClient:
         """A sampler of LoRA weights saved at `model_path` (same base model)."""
@@ -423,9 +384,7 @@ class LocalTrainingClient:
             self._engine, self._host, read_sampler_weights(model_path, self._host)
         )
 
-    async def create_sampling_client_async(self, model_path: str) -> LocalSamplingClient:
-        """Async twin of `create_sampling_client`."""
-        return await asyncio.to_thread(self.create_sampling_client, model_path)
+    create_sampling_client_async = in_thread(create_sampling_client)
 
     def get_tokenizer(self) -> Any:
         """The base model's tokenizer."""
