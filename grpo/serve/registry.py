@@ -31,7 +31,6 @@ from pytrio.errors.base import PyTrioError
 
 from grpo.backends.local import (
     LocalSamplingClient,
-    LocalServiceClient,
     checkpoint_lora_spec,
     lora_wire_fields,
     read_checkpoint_metadata,
@@ -70,21 +69,13 @@ def _damaged(path: Path, problem: str) -> ServeError:
 class RunRegistry:
     """The server's sessions, runs and checkpoints on one local backend (thread-safe)."""
 
-    def __init__(
-        self,
-        local: LocalServiceClient,
-        root: Path,
-        actor_endpoint: str,
-        files_url: str,
-        aliases: dict[str, str] | None = None,
-        batch_limits: tuple[int | None, int | None] = (None, None),
-    ) -> None:
-        self.local = local
-        self.root = root
+    def __init__(self, catalogue: ModelCatalogue, actor_endpoint: str, files_url: str) -> None:
+        self.catalogue = catalogue
+        self.local = catalogue.local  # the runs' backend and store: the catalogue's
+        self.root = catalogue.root
         self.actor_endpoint = actor_endpoint
         self.files_url = files_url
         self.downloads = DownloadTokens()
-        self.catalogue = ModelCatalogue(local, root, aliases, batch_limits)
         self._lock = threading.Lock()
         self._sessions: dict[str, dict[str, Any]] = {}
         self._training: dict[str, TrainingRun] = {}

@@ -17,6 +17,7 @@ from grpo.serve.events import TrainerEvents
 from grpo.serve.faults import FaultPlan
 from grpo.serve.handler import HTTPServer
 from grpo.serve.limits import MAX_CONNECTIONS, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S
+from grpo.serve.models import ModelCatalogue
 from grpo.serve.registry import RunRegistry
 from grpo.serve.tinker_service import SESSION_EXPIRY_S, TinkerService
 
@@ -108,14 +109,10 @@ def start_server(
     bound_host, bound_port = server.server_address[:2]
     base = f"http://{bound_host}:{bound_port}"
     try:
-        registry = RunRegistry(
-            local,
-            root_path,
-            f"{base}/actor",
-            files_url=f"{base}/files",
-            aliases=aliases,
-            batch_limits=(max_batch_size, max_tokens_per_request),
+        catalogue = ModelCatalogue(
+            local, root_path, aliases, (max_batch_size, max_tokens_per_request)
         )
+        registry = RunRegistry(catalogue, f"{base}/actor", files_url=f"{base}/files")
     except BaseException:
         server.server_close()
         local.close()
