@@ -6,8 +6,11 @@ pytrio 0.2.9's own, unchanged client (and so any PyTRIO program) runs against it
 
 from __future__ import annotations
 
+import inspect
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, ParamSpec, TypeVar, cast
 
 from grpo.backends.local import LocalServiceClient, default_root
 from grpo.core.normalization import DEFAULT_SERVICE_NORMALIZATION
@@ -22,6 +25,9 @@ from grpo.serve.registry import RunRegistry
 from grpo.serve.tinker_service import SESSION_EXPIRY_S, TinkerService
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class ServeHandle:
@@ -77,7 +83,14 @@ def start_server(
 
     An empty or whitespace `api_key` is a ValueError (it must not turn the check off), and
     so is a `host` off loopback without a key: every route would be open to the network.
-    A Tinker session silent for `tinker_session_expiry_s` expires (`grpo.serve.tinker_service`).
+    `aliases` maps model names a program asks for to served models (``--model-alias``);
+    `sampler_dtype` "bfloat16" samples in reduced precision (a sampler-trainer mismatch);
+    the bounds are `grpo.serve.limits`' (``--max-request-bytes`` ...);
+    `service_normalization` is the trainer's gradient scale (``--service-normalization``),
+    `max_batch_size` / `max_tokens_per_request` the trainer limits advertised to clients
+    (pytrio 0.2.9 splits a larger call into micro-batches), `tinker_session_expiry_s` how
+    long a silent Tinker session lives (``--tinker-session-expiry``): one that long silent
+    expires (`grpo.serve.tinker_service`).
     """
     api_key = checked_api_key(api_key)
     if not tinker_session_expiry_s > 0:
@@ -125,51 +138,26 @@ def start_server(
     return server, local
 
 
-def serve_in_thread(
-    *,
-    root: str | Path | None = None,
-    api_key: str | None = None,
-    faults: FaultPlan | None = None,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    seed: int = 0,
-    aliases: dict[str, str] | None = None,
-    sampler_dtype: str = "float32",
-    max_request_bytes: int = MAX_REQUEST_BYTES,
-    max_connections: int = MAX_CONNECTIONS,
-    request_timeout_s: float = REQUEST_TIMEOUT_S,
-    service_normalization: str = DEFAULT_SERVICE_NORMALIZATION,
-    max_batch_size: int | None = None,
-    max_tokens_per_request: int | None = None,
-    tinker_session_expiry_s: float = SESSION_EXPIRY_S,
-) -> ServeHandle:
-    """Serve on a daemon thread (for tests and notebooks); close the handle to stop.
+def _taking_the_arguments_of(
+    source: Callable[P, object],
+) -> Callable[[Callable[..., R]], Callable[P, R]]:
+    """Mark the decorated function as taking `source`'s arguments, for type checkers and for
+    ``inspect.signature`` (it passes them on to `source`: one signature, one set of defaults)."""
 
-    `aliases` maps model names a program asks for to served models (``--model-alias``);
-    `sampler_dtype` "bfloat16" samples in reduced precision (a sampler-trainer mismatch);
-    the bounds are `grpo.serve.limits`' (``--max-request-bytes`` ...);
-    `service_normalization` is the trainer's gradient scale (``--service-normalization``),
-    `max_batch_size` / `max_tokens_per_request` the trainer limits advertised to clients
-    (pytrio 0.2.9 splits a larger call into micro-batches), `tinker_session_expiry_s` how
-    long a silent Tinker session lives (``--tinker-session-expiry``).
-    """
-    server, local = start_server(
-        root=root,
-        api_key=api_key,
-        faults=faults,
-        host=host,
-        port=port,
-        seed=seed,
-        aliases=aliases,
-        sampler_dtype=sampler_dtype,
-        max_request_bytes=max_request_bytes,
-        max_connections=max_connections,
-        request_timeout_s=request_timeout_s,
-        service_normalization=service_normalization,
-        max_batch_size=max_batch_size,
-        max_tokens_per_request=max_tokens_per_request,
-        tinker_session_expiry_s=tinker_session_expiry_s,
-    )
+    def decorate(function: Callable[..., R]) -> Callable[P, R]:
+        returns = inspect.signature(function).return_annotation
+        signature = inspect.signature(source).replace(return_annotation=returns)
+        function.__signature__ = signature  # type: ignore[attr-defined]
+        return cast("Callable[P, R]", function)
+
+    return decorate
+
+
+@_taking_the_arguments_of(start_server)
+def serve_in_thread(**options: Any) -> ServeHandle:
+    """`start_server(**options)`, served on a daemon thread (for tests and notebooks); close
+    the handle to stop."""
+    server, local = start_server(**options)
     thread = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="grpo-serve", daemon=True
     )
