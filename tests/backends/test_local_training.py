@@ -7,6 +7,7 @@ on the shipped warm-started weights.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 from pathlib import Path
 
@@ -18,7 +19,12 @@ from pytrio.errors.base import ValidationError
 from pytrio.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
 from grpo.backends.datums import scale_weights
-from grpo.backends.local import LocalServiceClient, LocalTrainingClient, tiny
+from grpo.backends.local import (
+    LocalSamplingClient,
+    LocalServiceClient,
+    LocalTrainingClient,
+    tiny,
+)
 from grpo.training.custom_loss import as_custom_loss
 
 MODEL = tiny.TINY_MODEL_NAME
@@ -572,6 +578,18 @@ def test_async_twins_return_what_pytrio_returns(service):
     assert output.metrics["ppo/train_tokens"] > 0 and step.metrics["optimizer_step"] == 1.0
     assert len(response.sequences) == 2
     assert isinstance(restored, LocalTrainingClient)
+
+
+@pytest.mark.parametrize(
+    "client_class", [LocalServiceClient, LocalTrainingClient, LocalSamplingClient]
+)
+def test_every_async_twin_is_a_coroutine_taking_its_sync_calls_arguments(client_class):
+    twins = [name for name in vars(client_class) if name.endswith("_async")]
+    assert twins
+    for name in twins:
+        twin, call = getattr(client_class, name), getattr(client_class, name.removesuffix("_async"))
+        assert inspect.iscoroutinefunction(twin), name
+        assert inspect.signature(twin).parameters == inspect.signature(call).parameters, name
 
 
 # --- numbers never poison the adapter ------------------------------------------------------
