@@ -193,7 +193,7 @@ SHARED_GROUPS = (
 class RunConfig(Protocol):
     """What the shell reads of any recipe's config (`TrainConfig` and each data recipe's,
     composed of the groups above): the model and LoRA to open, the seed, the backend's
-    divisor flag, and the run's name and trackers."""
+    divisor flag, time-out and threads, and the run's name and trackers."""
 
     @property
     def backend(self) -> str: ...
@@ -209,6 +209,12 @@ class RunConfig(Protocol):
 
     @property
     def service_normalization(self) -> str | None: ...
+
+    @property
+    def connect_timeout(self) -> float: ...
+
+    @property
+    def threads(self) -> int: ...
 
     @property
     def run_name(self) -> str | None: ...
