@@ -19,7 +19,6 @@ from grpo.core.normalization import NORMALIZATIONS
 from grpo.training.settings.fields import (
     NOT_EMPTY,
     PLAIN_NAME,
-    PRICE,
     TRACKER_LIST,
     Above,
     AtLeast,
@@ -28,6 +27,7 @@ from grpo.training.settings.fields import (
     OneOf,
     flag,
     grouped,
+    price_flag,
 )
 
 BACKENDS = ("local", "pytrio", "tinker")
@@ -154,25 +154,17 @@ class PriceSettings:
         "TOML file of prices per million tokens, per model (docs/training.md, 'Cost')",
         NOT_EMPTY,
     )
-    price_prompt: float | None = flag(
-        None,
-        "price per million prompt tokens sent to the sampler (overrides the file)",
-        PRICE,
+    price_prompt: float | None = price_flag(
+        "price per million prompt tokens sent to the sampler (overrides the file)"
     )
-    price_completion: float | None = flag(
-        None,
-        "price per million sampled completion tokens (overrides the file)",
-        PRICE,
+    price_completion: float | None = price_flag(
+        "price per million sampled completion tokens (overrides the file)"
     )
-    price_train: float | None = flag(
-        None,
-        "price per million trained tokens (positions x passes; overrides the file)",
-        PRICE,
+    price_train: float | None = price_flag(
+        "price per million trained tokens (positions x passes; overrides the file)"
     )
-    price_forward: float | None = flag(
-        None,
-        "price per million forward-only tokens (default: the train price)",
-        PRICE,
+    price_forward: float | None = price_flag(
+        "price per million forward-only tokens (default: the train price)"
     )
     price_currency: str | None = flag(
         None, "currency of the prices (overrides the file's; e.g. CNY)", NOT_EMPTY

@@ -330,7 +330,12 @@ PLAIN_NAME = PlainName()
 GOLD_RULE = GoldRule()
 ENV_VAR_NAME = EnvVarName()
 MAX_PRICE = 1e9  # per million tokens: costs of any run stay finite
-PRICE = attrs.validators.and_(AtLeast(0, " (a price per million tokens)"), AtMost(MAX_PRICE))
+
+
+def price_flag(help: str) -> Any:
+    """A --price-* flag: a price per million tokens, None when not given (then the price
+    file's), else in [0, MAX_PRICE]."""
+    return flag(None, help, AtLeast(0, " (a price per million tokens)"), AtMost(MAX_PRICE))
 
 
 # --- types -------------------------------------------------------------------------------
