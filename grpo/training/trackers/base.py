@@ -75,15 +75,18 @@ class Tracker(Protocol):
 
 class PackageTracker:
     """What every tracker shares: ``start`` imports its package, named as the tracker (when
-    missing, TrackerUnavailable saying ``install``: by default the grpo extra of that name) and
-    hands it to ``open``, which keeps its handle
-    (the tracker's run, a writer, the package itself) in ``_handle``; ``finish`` closes that
-    handle once (``close``: ``handle.finish()`` unless overridden); ``log`` is
-    ``handle.log`` of each step (W&B's, Trackio's); the last step the tracker's store holds
-    is unknown (None: the fan-out's own record says) unless ``open`` sets ``_held``."""
+    missing, TrackerUnavailable saying how to install it) and hands it to ``open``, which
+    keeps its handle (the tracker's run, a writer, the package itself) in ``_handle``;
+    ``finish`` closes that handle once (``close``: ``handle.finish()`` unless overridden);
+    ``log`` is ``handle.log`` of each step (W&B's, Trackio's); the last step the tracker's
+    store holds is unknown (None: the fan-out's own record says) unless ``open`` sets
+    ``_held``."""
 
     name: str
     rewinds = False
+    install = ""
+    """How to install its package when it is missing (default: the grpo extra of its name,
+    pyproject.toml)."""
 
     def __init__(self) -> None:
         self._handle: Any = None
@@ -93,12 +96,8 @@ class PackageTracker:
         self, run: RunInfo, config: Mapping[str, object], resume_step: int | None
     ) -> str | None:
         """Import the tracker's package, then ``open`` this run's tracker run; its line."""
-        return self.open(import_extra(self.name, self.install), run, config, resume_step)
-
-    @property
-    def install(self) -> str:
-        """How to install the tracker's package: the grpo extra of its name (pyproject.toml)."""
-        return f"pip install 'grpo[{self.name}]'"
+        install = self.install or f"pip install 'grpo[{self.name}]'"
+        return self.open(import_extra(self.name, install), run, config, resume_step)
 
     def open(
         self, package: ModuleType, run: RunInfo, config: ConfigValues, resume_step: int | None
