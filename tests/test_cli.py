@@ -230,7 +230,7 @@ def _no_service(*_args: object, **_kwargs: object) -> None:
 def test_a_missing_reward_or_fewshot_file_exits_2_before_any_service_call(
     flags: list[str], message: str, dry_run: list[str], tmp_path: Path, capsys, monkeypatch
 ) -> None:
-    monkeypatch.setattr("grpo.training.recipes.grpo.run.make_service_client", _no_service)
+    monkeypatch.setattr("grpo.training.run.lifecycle.make_service_client", _no_service)
     fails_cleanly(["train", *flags, *dry_run, "--run-dir", str(tmp_path / "run")], capsys, message)
 
 

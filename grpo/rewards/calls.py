@@ -135,28 +135,22 @@ def _worker_call(
     return call_one(_WORKER_REWARDS[which], completion, row, sample)
 
 
+@attrs.define(eq=False)
 class RewardCaller:
     """Calls a run's rewards the way `uses_processes` says; `close()` ends its workers."""
 
-    def __init__(
-        self,
-        rewards: Sequence[RewardFn],
-        *,
-        workers: int = 0,
-        timeout: float = 0.0,
-        stop: threading.Event | None = None,
-        note: Callable[[str], None] | None = None,
-        judge: Any = None,
-    ) -> None:
-        self.rewards = tuple(rewards)
-        self.workers = workers
-        self.timeout = timeout
-        self.stop = stop
-        self.note = note
-        self.judge = judge
-        """The run's judge (`grpo.rewards.judges.Judge`) for the judge rewards, else None."""
-        self.processes = uses_processes(self.rewards, timeout)
-        self._pool: multiprocessing.pool.Pool | None = None
+    rewards: tuple[RewardFn, ...] = attrs.field(converter=tuple)
+    workers: int = attrs.field(default=0, kw_only=True)
+    timeout: float = attrs.field(default=0.0, kw_only=True)
+    stop: threading.Event | None = attrs.field(default=None, kw_only=True)
+    note: Callable[[str], None] | None = attrs.field(default=None, kw_only=True)
+    judge: Any = attrs.field(default=None, kw_only=True)
+    """The run's judge (`grpo.rewards.judges.Judge`) for the judge rewards, else None."""
+    processes: bool = attrs.field(init=False)
+    _pool: multiprocessing.pool.Pool | None = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.processes = uses_processes(self.rewards, self.timeout)
 
     def results(self, calls: Sequence[Call]) -> list[Result]:
         """The result of every (reward index, (completion, row, sample)), in order."""

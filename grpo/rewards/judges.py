@@ -311,35 +311,31 @@ def _fresh_token(*texts: str) -> str:
             return token
 
 
+@attrs.define(eq=False)
 class Judge:
     """The run's judge: a backend, the rubrics, the cache, the pool and the counters."""
 
-    def __init__(
-        self,
-        backend: JudgeBackend,
-        *,
-        rubrics: Mapping[str, str],
-        max_score: float,
-        question_column: str,
-        concurrency: int,
-        max_retries: int,
-        cache_path: Path | None,
-        note: Note = print,
-        retry_delay_s: float = 1.0,
-    ) -> None:
-        self.backend = backend
-        self.rubrics = dict(rubrics)
-        self.max_score = max_score
-        self.question_column = question_column
-        self.max_retries = max_retries
-        self.retry_delay_s = retry_delay_s
-        self.cache_path = cache_path
-        self.note = note
-        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="judge")
-        self._lock = threading.Lock()
-        self._cache = _read_cache(cache_path)
-        self._usage = TokenUsage()
-        self._counts = dict.fromkeys(("calls", "cache_hits", "parse_errors", "errors"), 0)
+    backend: JudgeBackend
+    rubrics: dict[str, str] = attrs.field(converter=dict, kw_only=True)
+    max_score: float = attrs.field(kw_only=True)
+    question_column: str = attrs.field(kw_only=True)
+    concurrency: int = attrs.field(kw_only=True)
+    max_retries: int = attrs.field(kw_only=True)
+    cache_path: Path | None = attrs.field(kw_only=True)
+    note: Note = attrs.field(default=print, kw_only=True)
+    retry_delay_s: float = attrs.field(default=1.0, kw_only=True)
+    pool: ThreadPoolExecutor = attrs.field(init=False)
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _cache: dict[str, str] = attrs.field(init=False)
+    _usage: TokenUsage = attrs.field(init=False, factory=TokenUsage)
+    _counts: dict[str, int] = attrs.field(
+        init=False,
+        factory=lambda: dict.fromkeys(("calls", "cache_hits", "parse_errors", "errors"), 0),
+    )
+
+    def __attrs_post_init__(self) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="judge")
+        self._cache = _read_cache(self.cache_path)
 
     def _count(self, name: str, amount: int = 1) -> None:
         with self._lock:

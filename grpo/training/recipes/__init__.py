@@ -101,6 +101,16 @@ class RecipeSpec:
         return dry_run
 
 
+TRAIN_CONFIG_RECIPE: dict[str, str] = {
+    "kind": TASK,
+    "config": "grpo.training.settings.config:TrainConfig",
+    "fields": "grpo.training.settings.config:FIELDS",
+    "run": "grpo.training.recipes.grpo.run:train",
+    "dry_run": "grpo.training.recipes.grpo.run:dry_run",
+}
+"""The kind and entry points every TASK recipe shares: the one `TrainConfig` (its ``recipe``
+field names the recipe) and the one run of `grpo.training.recipes.grpo.run`."""
+
 RECIPES: dict[str, RecipeSpec] = {
     spec.name: spec
     for spec in (
@@ -108,11 +118,7 @@ RECIPES: dict[str, RecipeSpec] = {
             name="grpo",
             command="train",
             summary="one GRPO run (default: offline on the built-in model)",
-            kind=TASK,
-            config="grpo.training.settings.config:TrainConfig",
-            fields="grpo.training.settings.config:FIELDS",
-            run="grpo.training.recipes.grpo.run:train",
-            dry_run="grpo.training.recipes.grpo.run:dry_run",
+            **TRAIN_CONFIG_RECIPE,
             pins_recipe=False,
         ),
         RecipeSpec(
@@ -146,11 +152,7 @@ RECIPES: dict[str, RecipeSpec] = {
             name="distill",
             command="distill",
             summary="on-policy distillation: `grpo train` with --teacher's log-probs as the reward",
-            kind=TASK,
-            config="grpo.training.settings.config:TrainConfig",
-            fields="grpo.training.settings.config:FIELDS",
-            run="grpo.training.recipes.grpo.run:train",
-            dry_run="grpo.training.recipes.grpo.run:dry_run",
+            **TRAIN_CONFIG_RECIPE,
             resumed_by="train",
         ),
     )

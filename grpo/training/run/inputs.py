@@ -143,3 +143,10 @@ def refuse_run_dir_over_inputs(config: Any, extra: Sequence[ReadPath] = ()) -> N
     run_dir = _field(config, "run_dir")
     if run_dir:
         refuse_overlap(run_dir, "--run-dir", [*config_read_paths(config), *extra])
+
+
+def checked_run_dir(config: Any) -> Path:
+    """`config`'s run directory, once `refuse_run_dir_over_inputs` passed it (the first thing
+    a run or a dry run does, before the directory is created or locked)."""
+    refuse_run_dir_over_inputs(config)
+    return Path(str(config.run_dir))

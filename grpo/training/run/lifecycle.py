@@ -33,8 +33,8 @@ from pytrio.types import AdamParams, Datum
 
 from grpo.backends.clients import ServiceClient, TrainingClient
 from grpo.backends.datums import output_logprobs
-from grpo.backends.pytrio import call_with_retries, error_reason
-from grpo.core.normalization import ServiceDivisor, service_divisor
+from grpo.backends.pytrio import call_with_retries, error_reason, make_service_client
+from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION, ServiceDivisor, service_divisor
 from grpo.core.usage import Prices, TokenUsage, cost, usage_from_row, usage_metrics
 from grpo.training.run import run_files
 from grpo.training.run.faults import fault_point
@@ -42,6 +42,7 @@ from grpo.training.run.init_from import init_training_client
 from grpo.training.run.recipe import Recipe, Session
 from grpo.training.run.state import RunState
 from grpo.training.run.timing import timed
+from grpo.training.settings.config import FIELDS as TRAIN_FIELDS
 from grpo.training.settings.config import ConfigError
 from grpo.training.settings.config_groups import OptimizerSettings, RunConfig
 
@@ -125,6 +126,23 @@ def finished_result(run_dir: Path, echo: Callable[[str], None], hint: str) -> Ru
         steps=steps,
         final_metrics=dict(summary.get("final", {})),
         sampler_path=summary.get("sampler_path"),
+    )
+
+
+def run_service(config: RunConfig, run_dir: Path) -> ServiceClient:
+    """The service client of any recipe's run, from its flags: the backend, seed, time-out,
+    threads and divisor every recipe has, and --concurrency and --sampler-dtype where its
+    config has them (else `grpo train`'s defaults); the local backend's files in the run's
+    ``backend/``."""
+    return make_service_client(
+        config.backend,
+        local_root=str(run_dir / run_files.BACKEND_DIR),
+        seed=config.seed,
+        connect_timeout_s=config.connect_timeout,
+        concurrency=getattr(config, "concurrency", TRAIN_FIELDS["concurrency"].default),
+        sampler_dtype=getattr(config, "sampler_dtype", TRAIN_FIELDS["sampler_dtype"].default),
+        threads=config.threads,
+        service_normalization=config.service_normalization or LOCAL_TRAIN_NORMALIZATION,
     )
 
 

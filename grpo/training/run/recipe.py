@@ -14,11 +14,11 @@ import contextlib
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 import attrs
 
-from grpo.backends.clients import TrainingClient
+from grpo.backends.clients import ServiceClient, TrainingClient
 from grpo.core.usage import Prices
 from grpo.training.run.run_files import JsonObject
 from grpo.training.run.run_log import RunLogger
@@ -37,6 +37,24 @@ class Session:
     note: Callable[[str], None]
     prices: Prices | None
     max_retries: int
+
+
+class DryRunOptions(TypedDict, total=False):
+    """How a recipe's dry run is launched beside its config, ``dry_run(config, **options)``:
+    planning the continuation of its run directory (``resume``, default False), on a given
+    service (``service_client``, default: one made from its flags)."""
+
+    resume: bool
+    service_client: ServiceClient | None
+
+
+class RunOptions(DryRunOptions, total=False):
+    """How a recipe's run is launched beside its config, ``run(config, **options)``: as a dry
+    run's (``resume`` continues its run directory), writing its lines to ``echo`` (default
+    print), with a progress bar (``progress``, default True)."""
+
+    echo: Callable[[str], None]
+    progress: bool
 
 
 class Recipe(Protocol):

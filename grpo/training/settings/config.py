@@ -104,6 +104,12 @@ def group_of(config: object, kind: type[Group]) -> Group:
     return kind(**{name: getattr(config, name) for name in attrs.fields_dict(kind)})
 
 
+def concern(kind: type[Group]) -> "cached_property[Group]":
+    """A config's property: its concern `kind` as a record of its own (`group_of`), built and
+    checked on first read, then kept."""
+    return cached_property(lambda config: group_of(config, kind))
+
+
 # attrs collects the fields from the last base to the first: the order below is the
 # reverse of config.json's.
 @attrs.frozen(field_transformer=with_checks)
@@ -143,40 +149,20 @@ class TrainConfig(
                 "sampler precision is the service's); drop the flag or use --backend local"
             )
 
-    @cached_property
-    def loss(self) -> LossSettings:
-        """--advantage, --loss-fn, --loss-config, --custom-loss, --reduction, the CISPO bounds."""
-        return group_of(self, LossSettings)
-
-    @cached_property
-    def kl(self) -> KlSettings:
-        """--kl-coef and --kl-estimator."""
-        return group_of(self, KlSettings)
-
-    @cached_property
-    def mismatch_settings(self) -> MismatchSettings:
-        """--mismatch-correction and its cap and mask bounds, as given (`mismatch`: built)."""
-        return group_of(self, MismatchSettings)
-
-    @cached_property
-    def environment(self) -> EnvSettings:
-        """--env, its arguments, capacity, turns, time-out and error policy."""
-        return group_of(self, EnvSettings)
-
-    @cached_property
-    def judge(self) -> JudgeSettings:
-        """The --judge-* flags."""
-        return group_of(self, JudgeSettings)
-
-    @cached_property
-    def distillation(self) -> TeacherSettings:
-        """--recipe, --teacher and the distill-* flags."""
-        return group_of(self, TeacherSettings)
-
-    @cached_property
-    def prices(self) -> PriceSettings:
-        """The --price-* flags."""
-        return group_of(self, PriceSettings)
+    loss = concern(LossSettings)
+    """--advantage, --loss-fn, --loss-config, --custom-loss, --reduction, the CISPO bounds."""
+    kl = concern(KlSettings)
+    """--kl-coef and --kl-estimator."""
+    mismatch_settings = concern(MismatchSettings)
+    """--mismatch-correction and its cap and mask bounds, as given (`mismatch`: built)."""
+    environment = concern(EnvSettings)
+    """--env, its arguments, capacity, turns, time-out and error policy."""
+    judge = concern(JudgeSettings)
+    """The --judge-* flags."""
+    distillation = concern(TeacherSettings)
+    """--recipe, --teacher and the distill-* flags."""
+    prices = concern(PriceSettings)
+    """The --price-* flags."""
 
     @cached_property
     def reward_fns(self) -> tuple["RewardFn", ...]:

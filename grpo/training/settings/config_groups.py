@@ -19,7 +19,6 @@ from grpo.core.normalization import NORMALIZATIONS
 from grpo.training.settings.fields import (
     NOT_EMPTY,
     PLAIN_NAME,
-    PRICE,
     TRACKER_LIST,
     Above,
     AtLeast,
@@ -28,6 +27,7 @@ from grpo.training.settings.fields import (
     OneOf,
     flag,
     grouped,
+    price_flag,
 )
 
 BACKENDS = ("local", "pytrio", "tinker")
@@ -154,25 +154,17 @@ class PriceSettings:
         "TOML file of prices per million tokens, per model (docs/training.md, 'Cost')",
         NOT_EMPTY,
     )
-    price_prompt: float | None = flag(
-        None,
-        "price per million prompt tokens sent to the sampler (overrides the file)",
-        PRICE,
+    price_prompt: float | None = price_flag(
+        "price per million prompt tokens sent to the sampler (overrides the file)"
     )
-    price_completion: float | None = flag(
-        None,
-        "price per million sampled completion tokens (overrides the file)",
-        PRICE,
+    price_completion: float | None = price_flag(
+        "price per million sampled completion tokens (overrides the file)"
     )
-    price_train: float | None = flag(
-        None,
-        "price per million trained tokens (positions x passes; overrides the file)",
-        PRICE,
+    price_train: float | None = price_flag(
+        "price per million trained tokens (positions x passes; overrides the file)"
     )
-    price_forward: float | None = flag(
-        None,
-        "price per million forward-only tokens (default: the train price)",
-        PRICE,
+    price_forward: float | None = price_flag(
+        "price per million forward-only tokens (default: the train price)"
     )
     price_currency: str | None = flag(
         None, "currency of the prices (overrides the file's; e.g. CNY)", NOT_EMPTY
@@ -193,7 +185,7 @@ SHARED_GROUPS = (
 class RunConfig(Protocol):
     """What the shell reads of any recipe's config (`TrainConfig` and each data recipe's,
     composed of the groups above): the model and LoRA to open, the seed, the backend's
-    divisor flag, and the run's name and trackers."""
+    divisor flag, time-out and threads, and the run's name and trackers."""
 
     @property
     def backend(self) -> str: ...
@@ -209,6 +201,12 @@ class RunConfig(Protocol):
 
     @property
     def service_normalization(self) -> str | None: ...
+
+    @property
+    def connect_timeout(self) -> float: ...
+
+    @property
+    def threads(self) -> int: ...
 
     @property
     def run_name(self) -> str | None: ...

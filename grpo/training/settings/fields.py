@@ -5,7 +5,8 @@ validators.
   `with_checks` (the class's field transformer) adds every field's strict type check first
   (`StrictType`: ints accepted for floats, every float finite) and its TOML/JSON converter;
 - validators, small frozen callables whose repr says what they check: `OneOf`, `AtLeast`,
-  `Above`, `InRange`, `Interval`, `NOT_EMPTY`, `PLAIN_NAME`, `GOLD_RULE`;
+  `AtMost` and `Above` (each a one-sided `Bound`), `InRange`, `Interval`, `NOT_EMPTY`,
+  `PLAIN_NAME`, `GOLD_RULE`;
 - `Registry`: the names of a registry of `grpo.core` (`LOSS_NAMES`, `REDUCTION_NAMES`,
   `ADVANTAGE_NAMES`, `KL_ESTIMATOR_NAMES`, `MISMATCH_CORRECTION_NAMES`), imported when a value
   is checked, not at import: they load torch, and `grpo --help` stays light.
@@ -13,8 +14,10 @@ validators.
 Every check raises `ConfigError` naming the flag, the value and the fix.
 """
 
+import functools
 import importlib
 import math
+import operator
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
@@ -146,49 +149,40 @@ class OneOf:
 # --- ranges ------------------------------------------------------------------------------
 
 
-@attrs.frozen(repr=False)
-class AtLeast:
-    """Value >= `low` (None passes); `why` is appended to the bound in the message."""
+_RELATIONS: dict[str, tuple[str, Callable[[float, float], bool]]] = {
+    ">=": ("AtLeast", operator.ge),
+    "<=": ("AtMost", operator.le),
+    ">": ("Above", operator.gt),
+}
+"""Each relation of a one-sided bound: the name it is made by, and whether it holds."""
 
-    low: float
+
+@attrs.frozen(repr=False)
+class Bound:
+    """Value `relation` `bound` (None passes): one side of a range, made as `AtLeast(low)`
+    (>=), `AtMost(high)` (<=: a bound past which sums of it overflow) or `Above(low)` (>);
+    `why` is appended to the bound in the message."""
+
+    relation: str = attrs.field(validator=attrs.validators.in_(_RELATIONS))
+    bound: float
     why: str = ""
 
     def __call__(self, _instance: object, attribute: Field, value: float | None) -> None:
-        if value is not None and value < self.low:
+        _, holds = _RELATIONS[self.relation]
+        if value is not None and not holds(value, self.bound):
             raise ConfigError(
-                f"{flag_name(attribute.name)} must be >= {self.low}{self.why}, got {value}"
+                f"{flag_name(attribute.name)} must be {self.relation} {self.bound:g}{self.why}, "
+                f"got {value}"
             )
 
     def __repr__(self) -> str:
-        return f"AtLeast({self.low!r}{f', {self.why!r}' if self.why else ''})"
+        maker, _ = _RELATIONS[self.relation]
+        return f"{maker}({self.bound!r}{f', {self.why!r}' if self.why else ''})"
 
 
-@attrs.frozen(repr=False)
-class AtMost:
-    """Value <= `high` (None passes): a bound past which sums of it overflow."""
-
-    high: float
-
-    def __call__(self, _instance: object, attribute: Field, value: float | None) -> None:
-        if value is not None and value > self.high:
-            raise ConfigError(f"{flag_name(attribute.name)} must be <= {self.high:g}, got {value}")
-
-    def __repr__(self) -> str:
-        return f"AtMost({self.high!r})"
-
-
-@attrs.frozen(repr=False)
-class Above:
-    """Value > `low`."""
-
-    low: float
-
-    def __call__(self, _instance: object, attribute: Field, value: float) -> None:
-        if not value > self.low:
-            raise ConfigError(f"{flag_name(attribute.name)} must be > {self.low}, got {value}")
-
-    def __repr__(self) -> str:
-        return f"Above({self.low!r})"
+AtLeast = functools.partial(Bound, ">=")
+AtMost = functools.partial(Bound, "<=")
+Above = functools.partial(Bound, ">")
 
 
 @attrs.frozen(repr=False)
@@ -336,7 +330,12 @@ PLAIN_NAME = PlainName()
 GOLD_RULE = GoldRule()
 ENV_VAR_NAME = EnvVarName()
 MAX_PRICE = 1e9  # per million tokens: costs of any run stay finite
-PRICE = attrs.validators.and_(AtLeast(0, " (a price per million tokens)"), AtMost(MAX_PRICE))
+
+
+def price_flag(help: str) -> Any:
+    """A --price-* flag: a price per million tokens, None when not given (then the price
+    file's), else in [0, MAX_PRICE]."""
+    return flag(None, help, AtLeast(0, " (a price per million tokens)"), AtMost(MAX_PRICE))
 
 
 # --- types -------------------------------------------------------------------------------

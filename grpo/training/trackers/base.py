@@ -12,12 +12,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import attrs
 
 TRACKER_NAMES = ("swanlab", "wandb", "tensorboard", "trackio", "none")
 """The values of --log-to; `none` alone logs to metrics.jsonl only."""
+
+ConfigValues: TypeAlias = "Mapping[str, object]"
+"""A run's resolved config as a tracker is given it (secrets already scrubbed)."""
 
 TRACKERS_DIR = "trackers"
 """The run directory's folder for the trackers' own files (W&B's, TensorBoard's, Trackio's)."""
@@ -70,16 +73,38 @@ class Tracker(Protocol):
         """Flush and close the tracker run."""
 
 
-class AppendOnlyTracker:
-    """The part every append-only tracker on a run object (W&B's, Trackio's) shares: the run,
-    opened by ``start``, the last step it holds (set by ``start``; -1: none, None: unknown),
-    ``run.log`` of each step and ``run.finish``."""
+class PackageTracker:
+    """What every tracker shares: ``start`` imports its package, named as the tracker (when
+    missing, TrackerUnavailable saying how to install it) and hands it to ``open``, which
+    keeps its handle (the tracker's run, a writer, the package itself) in ``_handle``;
+    ``finish`` closes that handle once (``close``: ``handle.finish()`` unless overridden);
+    ``log`` is ``handle.log`` of each step (W&B's, Trackio's); the last step the tracker's
+    store holds is unknown (None: the fan-out's own record says) unless ``open`` sets
+    ``_held``."""
 
+    name: str
     rewinds = False
+    install = ""
+    """How to install its package when it is missing (default: the grpo extra of its name,
+    pyproject.toml)."""
 
     def __init__(self) -> None:
-        self._run: Any = None
+        self._handle: Any = None
         self._held: int | None = None
+
+    def start(
+        self, run: RunInfo, config: Mapping[str, object], resume_step: int | None
+    ) -> str | None:
+        """Import the tracker's package, then ``open`` this run's tracker run; its line."""
+        install = self.install or f"pip install 'grpo[{self.name}]'"
+        return self.open(import_extra(self.name, install), run, config, resume_step)
+
+    def open(
+        self, package: ModuleType, run: RunInfo, config: ConfigValues, resume_step: int | None
+    ) -> str | None:
+        """Open (or, with ``resume_step``, continue) the tracker run with ``package``, keeping
+        its handle in ``_handle``; a line to show the user (a fallback taken), or None."""
+        raise NotImplementedError
 
     def held_through(self) -> int | None:
         """The last step the tracker's store holds for this run (-1: none; None: unknown)."""
@@ -88,14 +113,18 @@ class AppendOnlyTracker:
     def log(
         self, step: int, metrics: Mapping[str, float], texts: Sequence[tuple[str, str]]
     ) -> None:
-        """``run.log`` of the metrics at ``step``."""
-        self._run.log(dict(metrics), step=step)
+        """``handle.log`` of the metrics at ``step``."""
+        self._handle.log(dict(metrics), step=step)
 
     def finish(self) -> None:
-        """``run.finish`` (flushes what the tracker buffered)."""
-        if self._run is not None:
-            service_run, self._run = self._run, None
-            service_run.finish()
+        """Close the handle once (flushing what the tracker buffered)."""
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            self.close(handle)
+
+    def close(self, handle: Any) -> None:
+        """``handle.finish()``."""
+        handle.finish()
 
 
 class TrackerUnavailable(RuntimeError):

@@ -12,27 +12,22 @@ its metrics.jsonl is emptied. Events are flushed after every step.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
-from grpo.training.trackers.base import RunInfo, import_extra
-
-INSTALL = "pip install 'grpo[tensorboard]'"
+from grpo.training.trackers.base import ConfigValues, PackageTracker, RunInfo
 
 
-class TensorboardTracker:
+class TensorboardTracker(PackageTracker):
     """The TensorBoard mirror of metrics.jsonl."""
 
     name = "tensorboard"
     rewinds = True
 
-    def __init__(self) -> None:
-        self._writer: Any = None
-
-    def start(
-        self, run: RunInfo, config: Mapping[str, object], resume_step: int | None
+    def open(
+        self, package: ModuleType, run: RunInfo, config: ConfigValues, resume_step: int | None
     ) -> str | None:
         """A SummaryWriter on ``trackers/tensorboard``, purging the steps after a resume's."""
-        import_extra("tensorboard", INSTALL)
         from torch.utils.tensorboard import SummaryWriter
 
         log_dir = run.tracker_dir(self.name)
@@ -42,18 +37,14 @@ class TensorboardTracker:
                 events.unlink()
             earlier = []
         purge_step = resume_step + 1 if earlier and resume_step is not None else None
-        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+        self._handle = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
         if purge_step is None:
             lines = [f"    {key} = {value!r}" for key, value in sorted(config.items())]
             tags = ", ".join(run.tags)
             header = f"run {run.run_name}, project {run.project}, tags {tags}"
             if run.group:
                 header += f", experiment {run.group}"
-            self._writer.add_text("config", header + "\n\n" + "\n".join(lines), global_step=0)
-        return None
-
-    def held_through(self) -> int | None:
-        """Unknown from TensorBoard itself: the fan-out's own record says."""
+            self._handle.add_text("config", header + "\n\n" + "\n".join(lines), global_step=0)
         return None
 
     def log(
@@ -61,11 +52,9 @@ class TensorboardTracker:
     ) -> None:
         """Each metric as a scalar at ``step``, flushed."""
         for key, value in metrics.items():
-            self._writer.add_scalar(key, value, global_step=step)
-        self._writer.flush()
+            self._handle.add_scalar(key, value, global_step=step)
+        self._handle.flush()
 
-    def finish(self) -> None:
+    def close(self, handle: Any) -> None:
         """Close the writer."""
-        if self._writer is not None:
-            writer, self._writer = self._writer, None
-            writer.close()
+        handle.close()

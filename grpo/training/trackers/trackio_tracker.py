@@ -13,11 +13,9 @@ sampling is off.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from types import ModuleType
 
-from grpo.training.trackers.base import AppendOnlyTracker, RunInfo, import_extra
-
-INSTALL = "pip install 'grpo[trackio]'"
+from grpo.training.trackers.base import ConfigValues, PackageTracker, RunInfo
 
 
 def trackio_name(run: RunInfo) -> str:
@@ -26,17 +24,16 @@ def trackio_name(run: RunInfo) -> str:
     return f"{run.group}-{run.run_name}" if run.group else run.run_name
 
 
-class TrackioTracker(AppendOnlyTracker):
+class TrackioTracker(PackageTracker):
     """The Trackio mirror of metrics.jsonl."""
 
     name = "trackio"
 
-    def start(
-        self, run: RunInfo, config: Mapping[str, object], resume_step: int | None
+    def open(
+        self, package: ModuleType, run: RunInfo, config: ConfigValues, resume_step: int | None
     ) -> str | None:
         """``trackio.init`` of the run (continued when resuming)."""
-        trackio = import_extra("trackio", INSTALL)
-        self._run = trackio.init(
+        self._handle = package.init(
             project=run.project,
             name=trackio_name(run),
             group=run.group,
@@ -48,7 +45,7 @@ class TrackioTracker(AppendOnlyTracker):
         )
         self._held = -1
         if resume_step is not None:
-            self._held = self._stored_last_step(run.project, str(self._run.id))
+            self._held = self._stored_last_step(run.project, str(self._handle.id))
         return None
 
     @staticmethod

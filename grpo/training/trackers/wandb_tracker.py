@@ -27,9 +27,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from grpo.training.trackers.base import AppendOnlyTracker, RunInfo, import_extra
+from grpo.training.trackers.base import ConfigValues, PackageTracker, RunInfo
 
-INSTALL = "pip install 'grpo[wandb]'"
 RUN_ID_FILE = "run-id"
 INIT_TIMEOUT_S = 60.0
 FLUSH_INTERVAL_S = 2.0
@@ -85,16 +84,15 @@ def offline_last_step(wandb_dir: Path, run_id: str) -> int:
     return last
 
 
-class WandbTracker(AppendOnlyTracker):
+class WandbTracker(PackageTracker):
     """The W&B mirror of metrics.jsonl."""
 
     name = "wandb"
 
-    def start(
-        self, run: RunInfo, config: Mapping[str, object], resume_step: int | None
+    def open(
+        self, package: ModuleType, run: RunInfo, config: ConfigValues, resume_step: int | None
     ) -> str | None:
         """``wandb.init`` of this grpo run's W&B run (a new id for a new run)."""
-        wandb = import_extra("wandb", INSTALL)
         directory = run.tracker_dir(self.name)
         id_file = directory / RUN_ID_FILE
         if resume_step is None or not id_file.is_file():
@@ -104,18 +102,18 @@ class WandbTracker(AppendOnlyTracker):
         held_offline = offline_last_step(directory, run_id) if resume_step is not None else -1
         line = None
         try:
-            self._run = self._init(wandb, run, config, run_id, wanted, directory)
+            self._handle = self._init(package, run, config, run_id, wanted, directory)
         except Exception as error:  # noqa: BLE001 - online failed: offline, said once
             if wanted == "offline":
                 raise
-            self._run = self._init(wandb, run, config, run_id, "offline", directory)
+            self._handle = self._init(package, run, config, run_id, "offline", directory)
             line = f"W&B {wanted} failed ({error}); logging offline to {directory}"
-        if self._run.offline:
+        if self._handle.offline:
             self._held = held_offline
             if line is None and resume_step is None:
                 line = f"W&B logs offline to {directory} (upload later with `wandb sync`)"
         else:
-            self._held = max(held_offline, int(self._run.starting_step) - 1)
+            self._held = max(held_offline, int(self._handle.starting_step) - 1)
         return line
 
     @staticmethod

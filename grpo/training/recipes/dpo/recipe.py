@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Unpack
 
 import attrs
 import numpy as np
@@ -40,24 +41,21 @@ from grpo.training.recipes.sft.data import SftDataError
 from grpo.training.recipes.sft.recipe import (
     DataRecipe,
     check_data_files,
-    check_run_dir,
+    dry_run_data_recipe,
     encoded_split,
     evaluations,
-    finish_dry_run,
-    recipe_service,
     run_data_recipe,
     saves,
 )
 from grpo.training.rollouts.clients import Tokenizer
 from grpo.training.run import run_files
 from grpo.training.run.init_from import init_state_path
-from grpo.training.run.inputs import refuse_run_dir_over_inputs
 from grpo.training.run.lifecycle import (
     NonFiniteUpdate,
     RunResult,
     retry,
 )
-from grpo.training.run.recipe import Session
+from grpo.training.run.recipe import DryRunOptions, RunOptions, Session
 from grpo.training.run.state import RunState
 from grpo.training.settings.config import SERVICE_BACKENDS
 from grpo.training.settings.fields import ConfigError
@@ -89,6 +87,26 @@ class DpoPlan:
     def steps(self) -> int:
         """Optimizer steps of the whole run."""
         return len(self.batches)
+
+    def describe(self, start: int) -> tuple[list[str], TokenUsage]:
+        """Its dry-run lines from step ``start``, and its usage from there."""
+        config = self.config
+        usage = planned_usage(self, start)
+        s = config.settings
+        lines = [
+            f"dry run of {config.run_dir}: every check passed; no training run was created",
+            f"  backend {config.backend}, model {config.base_model}, reference {self.reference}",
+            f"  data: {len(self.train)} train / {len(self.eval)} held-out pairs",
+            f"  plan: steps {start}..{self.steps} of {self.batches[0].size} pairs, loss "
+            f"{s.loss} (beta {s.beta:g}, label smoothing {s.label_smoothing:g}, sft weight "
+            f"{s.sft_weight:g}), lr {config.learning_rate:g} {config.lr_schedule} after "
+            f"{config.warmup_steps} warm-up",
+            f"  reference tokens (prompt)  {usage.prompt_tokens:>12,}  exact, paid once (cached)",
+            f"  trained tokens (positions) {usage.trained_tokens:>12,}  exact",
+            f"  forward-only tokens        {usage.forward_tokens:>12,}  exact",
+            *(f"  note: {note}" for note in self.notes),
+        ]
+        return lines, usage
 
 
 def example_datum(example: SftExample) -> Datum:
@@ -225,44 +243,12 @@ def planned_usage(plan: DpoPlan, start_step: int = 0, cached: int = 0) -> TokenU
     )
 
 
-def dry_run_dpo(
-    config: DpoConfig, *, resume: bool = False, service_client: ServiceClient | None = None
-) -> list[str]:
+def dry_run_dpo(config: DpoConfig, **options: Unpack[DryRunOptions]) -> list[str]:
     """`grpo dpo --dry-run`: every check of a run, then its plan; nothing is written."""
-    config = resolve_dpo_run(config)
-    refuse_run_dir_over_inputs(config)
-    run_dir = Path(str(config.run_dir))
-    checkpoint = check_run_dir(run_dir, resume, "dpo")
-    if checkpoint is False:
-        return [f"{run_dir} already finished; nothing to plan"]
-    start = checkpoint.step if checkpoint is not None else 0
-    plan = preflight_dpo(config, lambda: service_client or recipe_service(config, run_dir))
-    usage = planned_usage(plan, start)
-    s = config.settings
-    lines = [
-        f"dry run of {run_dir}: every check passed; no training run was created",
-        f"  backend {config.backend}, model {config.base_model}, reference {plan.reference}",
-        f"  data: {len(plan.train)} train / {len(plan.eval)} held-out pairs",
-        f"  plan: steps {start}..{plan.steps} of {plan.batches[0].size} pairs, loss "
-        f"{s.loss} (beta {s.beta:g}, label smoothing {s.label_smoothing:g}, sft weight "
-        f"{s.sft_weight:g}), lr {config.learning_rate:g} {config.lr_schedule} after "
-        f"{config.warmup_steps} warm-up",
-        f"  reference tokens (prompt)  {usage.prompt_tokens:>12,}  exact, paid once (cached)",
-        f"  trained tokens (positions) {usage.trained_tokens:>12,}  exact",
-        f"  forward-only tokens        {usage.forward_tokens:>12,}  exact",
-        *(f"  note: {note}" for note in plan.notes),
-    ]
-    return finish_dry_run(lines, usage, plan, service_client)
+    return dry_run_data_recipe(resolve_dpo_run(config), "dpo", preflight_dpo, **options)
 
 
-def dpo(
-    config: DpoConfig,
-    *,
-    resume: bool = False,
-    service_client: ServiceClient | None = None,
-    echo: Callable[[str], None] = print,
-    progress: bool = True,
-) -> RunResult:
+def dpo(config: DpoConfig, **options: Unpack[RunOptions]) -> RunResult:
     """Preference optimization for --steps steps over --data's pairs (or continue it)."""
     config = resolve_dpo_run(config)
 
@@ -288,10 +274,7 @@ def dpo(
         dpo_to_dict(config),
         preflight_dpo,
         begin,
-        resume=resume,
-        service_client=service_client,
-        echo=echo,
-        progress=progress,
+        **options,
     )
 
 

@@ -15,14 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from grpo.backends.clients import ServiceClient
-from grpo.backends.pytrio import make_service_client
-from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION
 from grpo.training.recipes.grpo.plan import describe, plan_usage, preflight
 from grpo.training.recipes.grpo.recipe import GrpoRecipe
 from grpo.training.run import run_files
 from grpo.training.run.ahead import load_ahead
 from grpo.training.run.init_from import init_state_path
-from grpo.training.run.inputs import refuse_run_dir_over_inputs
+from grpo.training.run.inputs import checked_run_dir
 from grpo.training.run.lifecycle import (
     NonFiniteUpdate,
     RunResult,
@@ -33,6 +31,7 @@ from grpo.training.run.lifecycle import (
     open_run,
     open_training_client,
     run_divisor,
+    run_service,
     run_steps,
     sampler_weights_name,
     start_state,
@@ -66,8 +65,7 @@ def train(
     already holds one, and resuming a finished run changes nothing unless more steps are asked.
     """
     config = resolve_run(config)
-    refuse_run_dir_over_inputs(config)
-    run_dir = Path(str(config.run_dir))
+    run_dir = checked_run_dir(config)
     with run_files.owned(run_dir):
         checkpoint = _check_run_dir(run_dir, config, resume)
         if checkpoint is False:
@@ -83,34 +81,20 @@ def dry_run(
     No training client is created and nothing is written (no run directory, no lock).
     """
     config = resolve_run(config)
-    refuse_run_dir_over_inputs(config)
-    run_dir = Path(str(config.run_dir))
+    run_dir = checked_run_dir(config)
     checkpoint = _check_run_dir(run_dir, config, resume)
     if checkpoint is False:
         return [f"{run_dir} already finished its steps; nothing to plan"]
     start_step = checkpoint.step if checkpoint is not None else 0
     if checkpoint is None and config.init_from is not None:
         init_state_path(config)
-    service = service_client or _make_service(config, run_dir)
+    service = service_client or run_service(config, run_dir)
     try:
         pre = preflight(config, lambda: service)
         return describe(pre, plan_usage(pre, start_step), start_step)
     finally:
         if service_client is None and hasattr(service, "close"):
             service.close()
-
-
-def _make_service(config: TrainConfig, run_dir: Path) -> ServiceClient:
-    return make_service_client(
-        config.backend,
-        local_root=str(run_dir / run_files.BACKEND_DIR),
-        seed=config.seed,
-        connect_timeout_s=config.connect_timeout,
-        concurrency=config.concurrency,
-        sampler_dtype=config.sampler_dtype,
-        threads=config.threads,
-        service_normalization=config.service_normalization or LOCAL_TRAIN_NORMALIZATION,
-    )
 
 
 def _check_run_dir(
@@ -139,7 +123,7 @@ def _train_in(
     def note(message: str) -> None:
         echo(f"[grpo] {message}")
 
-    pre = preflight(config, lambda: service_client or _make_service(config, run_dir), note)
+    pre = preflight(config, lambda: service_client or run_service(config, run_dir), note)
     service, steps = pre.service, pre.steps
 
     warning = sampling_mismatch_note(config)

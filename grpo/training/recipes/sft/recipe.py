@@ -25,7 +25,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, Unpack
 
 import attrs
 import numpy as np
@@ -33,8 +33,6 @@ from pytrio.types import Datum, ModelInput, OptimStepResponse, TensorData
 
 from grpo.backends.clients import ServiceClient
 from grpo.backends.datums import datum_totals, forward_only, output_logprobs, scale_weights
-from grpo.backends.pytrio import make_service_client
-from grpo.core.normalization import LOCAL_TRAIN_NORMALIZATION
 from grpo.core.sft import (
     SftExample,
     heldout_split,
@@ -49,7 +47,7 @@ from grpo.training.recipes.sft.data import SftDataError, load_examples
 from grpo.training.rollouts.clients import Tokenizer
 from grpo.training.rollouts.problems import tokenizer_max_len
 from grpo.training.run import run_files
-from grpo.training.run.inputs import refuse_run_dir_over_inputs
+from grpo.training.run.inputs import checked_run_dir
 from grpo.training.run.lifecycle import (
     RunResult,
     adam_params,
@@ -59,13 +57,13 @@ from grpo.training.run.lifecycle import (
     open_training_client,
     retry,
     run_divisor,
+    run_service,
     run_steps,
     start_state,
 )
-from grpo.training.run.recipe import Session
+from grpo.training.run.recipe import DryRunOptions, RunOptions, Session
 from grpo.training.run.run_log import RunLogger, scrub_secrets
 from grpo.training.run.state import RunState
-from grpo.training.settings.config import FIELDS as TRAIN_FIELDS
 from grpo.training.settings.config_groups import RunSettings
 from grpo.training.settings.fields import ConfigError
 from grpo.training.settings.prices import prices_for
@@ -103,6 +101,24 @@ class SftPlan:
         """SFT has no --init-from: it starts from its checkpoint, else a fresh LoRA."""
         return None
 
+    def describe(self, start: int) -> tuple[list[str], TokenUsage]:
+        """Its dry-run lines from step ``start``, and its usage from there."""
+        config = self.config
+        usage = planned_usage(self, start)
+        sizes = [batch.size for batch in self.batches]
+        lines = [
+            f"dry run of {config.run_dir}: every check passed; no training run was created",
+            f"  backend {config.backend}, model {config.base_model}",
+            f"  data: {len(self.train)} train / {len(self.eval)} held-out rows "
+            f"({sum(e.num_trained for e in self.train):,} trained tokens a pass)",
+            f"  plan: steps {start}..{self.steps} ({config.epochs} epoch(s), batches of "
+            f"{min(sizes)}..{max(sizes)} rows <= {config.batch_tokens} tokens), lr "
+            f"{config.learning_rate:g} {config.lr_schedule} after {config.warmup_steps} warm-up",
+            f"  trained tokens (positions) {usage.trained_tokens:>12,}  exact",
+            f"  forward-only tokens (eval) {usage.forward_tokens:>12,}  exact",
+        ]
+        return lines, usage
+
 
 class DataPlan(Protocol):
     """What the shared data-recipe code (`run_data_recipe`, ...) reads of a pre-flight's plan
@@ -126,6 +142,10 @@ class DataPlan(Protocol):
     @property
     def init_state(self) -> str | None: ...
 
+    def describe(self, start: int) -> tuple[list[str], TokenUsage]:
+        """Its dry-run lines from step ``start`` (its cost aside), and its usage from there."""
+        ...
+
 
 def example_datum(example: SftExample, weights_T: np.ndarray) -> Datum:
     """tokens[:-1] predicting tokens[1:], each target weighted by ``weights_T[1:]``."""
@@ -143,19 +163,6 @@ def batch_datums(examples: list[SftExample]) -> list[Datum]:
     """The batch's datums, weights = mask / the batch's trained tokens (a token mean)."""
     weights_B = token_mean_weights([example.mask_T for example in examples])
     return [example_datum(example, weights) for example, weights in zip(examples, weights_B)]
-
-
-def recipe_service(config: DataRecipeConfig, run_dir: Path) -> ServiceClient:
-    """The service client of a data recipe's run (SFT, ...) from its shared flags."""
-    return make_service_client(
-        config.backend,
-        local_root=str(run_dir / run_files.BACKEND_DIR),
-        seed=config.seed,
-        connect_timeout_s=config.connect_timeout,
-        concurrency=getattr(config, "concurrency", TRAIN_FIELDS["concurrency"].default),
-        threads=config.threads,
-        service_normalization=config.service_normalization or LOCAL_TRAIN_NORMALIZATION,
-    )
 
 
 def _encoded(tokenizer: Tokenizer, path: str, max_len: int | None) -> list[SftExample]:
@@ -253,31 +260,28 @@ def planned_usage(plan: SftPlan, start_step: int = 0) -> TokenUsage:
     return TokenUsage(trained_tokens=trained, forward_tokens=evals * per_eval)
 
 
-def dry_run_sft(
-    config: SftConfig, *, resume: bool = False, service_client: ServiceClient | None = None
-) -> list[str]:
+def dry_run_sft(config: SftConfig, **options: Unpack[DryRunOptions]) -> list[str]:
     """`grpo sft --dry-run`: every check of a run, then its plan; nothing is written."""
-    config = resolve_sft_run(config)
-    refuse_run_dir_over_inputs(config)
-    run_dir = Path(str(config.run_dir))
-    checkpoint = check_run_dir(run_dir, resume)
+    return dry_run_data_recipe(resolve_sft_run(config), "sft", preflight_sft, **options)
+
+
+def dry_run_data_recipe(
+    config: Config,
+    command: str,
+    preflight: Callable[[Config, Callable[[], Any]], DataPlan],
+    *,
+    resume: bool = False,
+    service_client: ServiceClient | None = None,
+) -> list[str]:
+    """A data recipe's dry run (SFT, DPO): every check of a run (`preflight`'s plan), then
+    the plan's lines from its first step (``describe``), with its cost; nothing is written."""
+    run_dir = checked_run_dir(config)
+    checkpoint = check_run_dir(run_dir, resume, command)
     if checkpoint is False:
         return [f"{run_dir} already finished; nothing to plan"]
     start = checkpoint.step if checkpoint is not None else 0
-    plan = preflight_sft(config, lambda: service_client or recipe_service(config, run_dir))
-    usage = planned_usage(plan, start)
-    sizes = [batch.size for batch in plan.batches]
-    lines = [
-        f"dry run of {run_dir}: every check passed; no training run was created",
-        f"  backend {config.backend}, model {config.base_model}",
-        f"  data: {len(plan.train)} train / {len(plan.eval)} held-out rows "
-        f"({sum(e.num_trained for e in plan.train):,} trained tokens a pass)",
-        f"  plan: steps {start}..{plan.steps} ({config.epochs} epoch(s), batches of "
-        f"{min(sizes)}..{max(sizes)} rows <= {config.batch_tokens} tokens), lr "
-        f"{config.learning_rate:g} {config.lr_schedule} after {config.warmup_steps} warm-up",
-        f"  trained tokens (positions) {usage.trained_tokens:>12,}  exact",
-        f"  forward-only tokens (eval) {usage.forward_tokens:>12,}  exact",
-    ]
+    plan = preflight(config, lambda: service_client or run_service(config, run_dir))
+    lines, usage = plan.describe(start)
     return finish_dry_run(lines, usage, plan, service_client)
 
 
@@ -307,14 +311,7 @@ def check_run_dir(
     return run_files.read_checkpoint(run_dir)
 
 
-def sft(
-    config: SftConfig,
-    *,
-    resume: bool = False,
-    service_client: ServiceClient | None = None,
-    echo: Callable[[str], None] = print,
-    progress: bool = True,
-) -> RunResult:
+def sft(config: SftConfig, **options: Unpack[RunOptions]) -> RunResult:
     """Supervised fine-tuning for --epochs passes over --data (or continue it with resume)."""
     config = resolve_sft_run(config)
     return run_data_recipe(
@@ -323,10 +320,7 @@ def sft(
         sft_to_dict(config),
         preflight_sft,
         lambda plan, session: (SftRecipe(plan, session), TokenUsage()),
-        resume=resume,
-        service_client=service_client,
-        echo=echo,
-        progress=progress,
+        **options,
     )
 
 
@@ -341,23 +335,23 @@ def run_data_recipe(
     preflight: Callable[[Config, Callable[[], Any]], Plan],
     begin: Callable[[Plan, Session], tuple[DataRecipe, TokenUsage]],
     *,
-    resume: bool,
-    service_client: Any,
-    echo: Callable[[str], None],
-    progress: bool,
+    resume: bool = False,
+    service_client: ServiceClient | None = None,
+    echo: Callable[[str], None] = print,
+    progress: bool = True,
 ) -> RunResult:
-    """A data recipe's run (SFT, DPO), its run directory locked throughout: a finished run's
+    """A data recipe's run (SFT, DPO; ``run(config, **options)``, `RunOptions`), its run
+    directory locked throughout: a finished run's
     result as it stands, else `preflight`'s plan, the session opened (from the checkpoint,
     else the plan's ``init_state``, else a fresh LoRA; ``saved_config`` its config.json), and
     `begin`'s recipe driven over every step not yet logged, the tokens that `begin` sent
     counted in the run's usage."""
-    refuse_run_dir_over_inputs(config)
-    run_dir = Path(str(config.run_dir))
+    run_dir = checked_run_dir(config)
     with run_files.owned(run_dir):
         checkpoint = check_run_dir(run_dir, resume, command)
         if checkpoint is False:
             return finished_result(run_dir, echo, "")
-        plan = preflight(config, lambda: service_client or recipe_service(config, run_dir))
+        plan = preflight(config, lambda: service_client or run_service(config, run_dir))
 
         session, start = open_recipe_session(
             config,
