@@ -1,6 +1,6 @@
 """The default training step of this tree against the tree before issue 49's refactor.
 
-`python -m benchmarks.refactor_step [--quick] [--steps N] [--rounds R] [--before REV]`
+`python -m benchmarks.refactor_step [--quick] [--steps N] [--rounds R] [--before REV] [--now REV]`
 
 Issue 49 asked that the refactored training shell keep `benchmarks.step`'s median step
 within 5% of the code before it (REV, default 800dfb0: the commit the refactor started
@@ -12,13 +12,15 @@ Each run is `python -m grpo train --steps N --eval-every 0 --save-every 0` (the 
 job: 8 prompts x 8 completions of up to 24 tokens, LoRA rank 32, 2 minibatches a step) in
 a subprocess of its own: the two trees are both the package `grpo`, so each run gets the
 tree it runs through PYTHONPATH (this tree: the folder above the `grpo` this process
-imports). `OMP_NUM_THREADS=1` pins torch to 1 thread in both (the local backend's thread
-policy leaves a count the user set alone). The two trees alternate R times, in the order
-old-new, new-old, ... so a drift of the machine's load falls on both alike. The step time
-is each run's `time/step` metric (the same bracket in both trees:
-`lifecycle.run_step`, the recipe's step and any evaluation); step 1 (warm-up) is left out.
-As a check on work done outside that bracket (logging), the table also gives each run's
-loop wall time per step: (summary.json's `wall_time_s` - step 1's `time/step`) / (N - 1).
+imports; with --now REV, that commit, extracted as the old one is, so edits made to the
+working tree while the benchmark runs do not reach it). `OMP_NUM_THREADS=1` pins torch to
+1 thread in both (the local backend's thread policy leaves a count the user set alone).
+The two trees alternate R times, in the order old-new, new-old, ... so a drift of the
+machine's load falls on both alike. The step time is each run's `time/step` metric (the
+same bracket in both trees: `lifecycle.run_step`, the recipe's step and any evaluation);
+step 1 (warm-up) is left out. As a check on work done outside that bracket (logging), the
+table also gives each run's loop wall time per step: (summary.json's `wall_time_s` - step
+1's `time/step`) / (N - 1).
 Each pair's non-time metrics are compared too (the keys both trees log): the two trees
 must train alike, bit for bit.
 
@@ -155,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.before != BEFORE_REFACTOR:
         command += f" --before {args.before}"
+    if args.now is not None:
+        command += f" --now {args.now}"
     print_header(f"The default step: this tree against {args.before} (1 torch thread)", command)
     new_tree = this_tree()
     times: dict[str, list[RunTimes]] = {"before": [], "now": []}
@@ -162,7 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="grpo-bench-refactor-") as root:
         trees = {
             "before": extract_tree(args.before, new_tree, Path(root) / "before"),
-            "now": new_tree,
+            "now": new_tree
+            if args.now is None
+            else extract_tree(args.now, new_tree, Path(root) / "now"),
         }
         for round_index in range(rounds):
             order = ("before", "now") if round_index % 2 == 0 else ("now", "before")
@@ -185,7 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print(
         f"{steps} steps per run, {rounds} run(s) of each tree alternated; step 1 of each run "
-        f"left out. before: `git archive {args.before}`; now: {new_tree}\n"
+        f"left out. before: `git archive {args.before}`; now: "
+        + (str(new_tree) if args.now is None else f"`git archive {args.now}`")
+        + "\n"
     )
     print(
         markdown_table(
