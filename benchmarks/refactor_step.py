@@ -148,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=BEFORE_REFACTOR,
         help="the old tree's git revision (default %(default)s)",
     )
+    parser.add_argument(
+        "--now", default=None, help="the new tree's git revision (default: this working tree)"
+    )
     args = parser.parse_args(argv)
     steps, rounds = (3, 1) if args.quick else (args.steps, args.rounds)
     if steps < 2 or rounds < 1:
