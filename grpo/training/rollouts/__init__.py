@@ -14,9 +14,9 @@ shared-prefix trainer keep their speed. Modules, in the order a step uses them:
   (`play_groups`, an `EpisodeJob`).
 - `step`: the GRPO step's questions answered once for both kinds (`submit_ahead`: a step's
   sampling K steps ahead, each round's problems and seeds from
-  `grpo.training.run.seeds.RoundSeeds`; `take` with its staleness; `grade`; `records`;
+  `grpo.training.run.seeds.RoundSeeds`; `take` with its staleness; `grade`;
   `reference_logprobs`; `evaluate_test`); packing is `grpo.core.episodes.pack_rollout_groups`.
-- `records`: rollouts.jsonl's records of a step's first groups.
+- `records`: rollouts.jsonl's records of a graded step's first groups (`step_records`).
 - `evaluation`: n samples (episodes) of every test problem graded, for `grpo eval` and
   the in-training evaluation.
 """

@@ -5,8 +5,9 @@ The GRPO recipe's step (`grpo.training.recipes.grpo.recipe`) asks, in order: ``s
 round's problems and seeds, `grpo.training.run.seeds.RoundSeeds`; a group's first turn is
 one request of G samples), ``take`` the step's finished job with its staleness, ``grade``
 (refilling under --dynamic-sampling; advantages and the groups that train, one
-`grpo.training.rollouts.grading.GradedStep`), ``records`` for rollouts.jsonl, the packed
-batch (`grpo.core.episodes.pack_rollout_groups`), ``reference_logprobs`` (KL shaping) and
+`grpo.training.rollouts.grading.GradedStep`, whose rollouts.jsonl records are
+`grpo.training.rollouts.records.step_records`), the packed batch
+(`grpo.core.episodes.pack_rollout_groups`), ``reference_logprobs`` (KL shaping) and
 ``evaluate_test``. A single completion is an episode of one turn whose reward is the
 --reward list; an episode's return is the environment's. Where the two kinds differ (how a
 turn is sampled and graded, what a record shows) one function branches, once.
@@ -38,10 +39,8 @@ from grpo.training.rollouts.grading import (
     refill,
 )
 from grpo.training.rollouts.problems import Problem, tokenizer_max_len
-from grpo.training.rollouts.records import completion_records, episode_records
 from grpo.training.rollouts.sampling import Sampling
 from grpo.training.run.learner import current_sampler
-from grpo.training.run.run_log import RolloutRecord
 from grpo.training.run.seeds import RoundSeeds
 from grpo.training.run.state import Run, RunState
 
@@ -167,16 +166,6 @@ def grade(run: Run, state: RunState, step: int, sampled: Sampled, *, keep_all: b
     if isinstance(graded, PlayedGroups):
         state.usage += graded.usage
     return graded_step(graded, config.advantage, limit=limit, keep_all=keep_all)
-
-
-def records(run: Run, graded: GradedStep) -> list[RolloutRecord]:
-    """The first --log-rollouts groups for rollouts.jsonl."""
-    tokenizer, limit, rollouts = run.tokenizer, run.config.log_rollouts, graded.rollouts
-    if isinstance(rollouts, PlayedGroups):
-        return episode_records(  # type: ignore[arg-type]
-            rollouts.problems_P, graded.groups_P, rollouts.seen_P, tokenizer, limit
-        )
-    return completion_records(rollouts, graded.groups_P, tokenizer, limit)  # type: ignore[arg-type]
 
 
 def reference_logprobs(run: Run, groups_P: Sequence[RolloutGroup]) -> tuple[np.ndarray, TokenUsage]:

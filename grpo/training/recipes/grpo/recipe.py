@@ -28,6 +28,7 @@ from grpo.training.recipes.distill.recipe import (
     teacher_test_metrics,
 )
 from grpo.training.rollouts import step as rollouts
+from grpo.training.rollouts.records import step_records
 from grpo.training.run.ahead import prune_ahead, save_ahead
 from grpo.training.run.faults import fault_point
 from grpo.training.run.learner import current_sampler, shape_with_kl, update
@@ -55,7 +56,7 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
     metrics = {**graded.metrics, "off_policy_steps": float(staleness)}
     if config.dynamic_sampling:
         metrics.update(graded.sampling_metrics())
-    state.rollout_log = rollouts.records(run, graded)
+    state.rollout_log = step_records(graded, run.tokenizer, config.log_rollouts)
     with timed("time/train", timings):
         batch = pack_rollout_groups(trainable_P, drop_degenerate=False)  # 6. align + pack
         teacher_N = None
