@@ -6,9 +6,23 @@ benchmark's `main(["--quick"])` in-process (seconds each).
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
-from benchmarks import datums, load, local, loop, losses, mismatch, peer, serve, step, tinker
+from benchmarks import (
+    datums,
+    load,
+    local,
+    loop,
+    losses,
+    mismatch,
+    peer,
+    refactor_step,
+    serve,
+    step,
+    tinker,
+)
 
 
 @pytest.mark.slow
@@ -59,3 +73,27 @@ def test_quick_benchmark_completes_and_prints_its_table(
     assert "machine:" in output and "command: `python -m benchmarks." in output
     for fragment in expected:
         assert fragment in output, fragment
+
+
+@pytest.mark.slow
+def test_quick_refactor_step_runs_both_trees_and_compares_their_metrics(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    found = subprocess.run(
+        [
+            "git",
+            "-C",
+            str(refactor_step.this_tree()),
+            "cat-file",
+            "-e",
+            f"{refactor_step.BEFORE_REFACTOR}^{{commit}}",
+        ],
+        capture_output=True,
+    )
+    if found.returncode != 0:
+        pytest.skip(f"this checkout lacks commit {refactor_step.BEFORE_REFACTOR} (shallow clone?)")
+    assert refactor_step.main(["--quick"]) == 0
+    output = capsys.readouterr().out
+    assert "command: `python -m benchmarks.refactor_step --quick`" in output
+    assert "| 1 | " in output and "now/before per round" in output
+    assert "identical in every round: yes" in output

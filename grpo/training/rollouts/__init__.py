@@ -7,16 +7,16 @@ shared-prefix trainer keep their speed. Modules, in the order a step uses them:
 - `problems`: the problems a run samples (`Problem`), built from dataset rows, and a step's.
 - `clients`: what the path asks of a tokenizer and a sampler (`Tokenizer`, `Sampler`).
 - `grading`: a job in flight (`Job`) and what it sampled, graded: completions scored by
-  --reward (`StepRollouts`) or played episodes (`PlayedGroups`); group advantages, dynamic
-  sampling's refill, the trainable groups.
-- `sampling`: G completions of a problem in one request (`RolloutJob`), submitted K steps
-  ahead (`submit_rollouts`) and taken with their staleness (`take_rollouts`).
+  --reward (`StepRollouts`) or played episodes (`PlayedGroups`); dynamic sampling's refill;
+  group advantages and the trainable groups in one record (`GradedStep`).
+- `sampling`: G completions of a problem in one request (`RolloutJob`).
 - `episodes`: one episode of an environment turn by turn (`play_episode`), G per task
   (`play_groups`, an `EpisodeJob`).
-- `step`: the GRPO step's questions answered once for both kinds (`submit`, `take`,
-  `grade`, `advantage_groups`, `records`, `reference_logprobs`, `teacher_scoring`,
-  `evaluate_test`); packing is `grpo.core.episodes.pack_rollout_groups`.
-- `records`: rollouts.jsonl's records of a step's first groups.
+- `step`: the GRPO step's questions answered once for both kinds (`submit_ahead`: a step's
+  sampling K steps ahead, each round's problems and seeds from
+  `grpo.training.run.seeds.RoundSeeds`; `take` with its staleness; `grade`;
+  `reference_logprobs`; `evaluate_test`); packing is `grpo.core.episodes.pack_rollout_groups`.
+- `records`: rollouts.jsonl's records of a graded step's first groups (`step_records`).
 - `evaluation`: n samples (episodes) of every test problem graded, for `grpo eval` and
   the in-training evaluation.
 """

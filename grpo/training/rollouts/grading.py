@@ -3,7 +3,8 @@
 A ``Job`` is a step's sampling in flight; its result, graded, is a `StepRollouts`
 (completions and their --reward scores) or a `PlayedGroups` (episodes, whose returns are
 the environment's): what a step sampled, round after round under
---dynamic-sampling (`refill`); `trainable_groups` keeps the groups that train.
+--dynamic-sampling (`refill`). `graded_step` gives the step's groups their advantages and
+keeps the groups that train (`trainable_groups`), in one `GradedStep`.
 Suffixes name axes (docs/DESIGN.md): ``_P`` one per problem of a step, ``_C`` one per
 completion.
 """
@@ -17,7 +18,8 @@ import attrs
 import numpy as np
 
 from grpo.core.advantages import degenerate_groups, group_advantages
-from grpo.core.episodes import Episode
+from grpo.core.episodes import Episode, RolloutGroup, episode_groups, episode_metrics
+from grpo.core.metrics import rollout_metrics
 from grpo.core.records import Completion, ScoredGroup
 from grpo.core.rewards import RewardInput
 from grpo.core.usage import TokenUsage
@@ -248,3 +250,42 @@ class PlayedGroups:
         sizes_P = [len(returns) for returns in returns_P]
         flat = [value for returns in returns_P for value in returns]
         return int(np.sum(~degenerate_groups(flat, sizes_P)))
+
+
+Graded = StepRollouts | PlayedGroups
+"""A step's groups graded: completions with their --reward scores, or played episodes."""
+
+
+@attrs.frozen
+class GradedStep:
+    """A step's rollouts graded (every round), every group with its advantages, the groups
+    that train, and the rollout metrics (``reward/*`` components, or ``env/*``)."""
+
+    rollouts: Graded
+    groups_P: tuple[RolloutGroup, ...]
+    trainable_P: tuple[RolloutGroup, ...]
+    metrics: dict[str, float]
+
+    def sampling_metrics(self) -> dict[str, float]:
+        """Dynamic sampling's cost and result: rounds, extra sampled tokens, groups that train."""
+        return {
+            "sampling/rounds": float(self.rollouts.rounds),
+            "sampling/extra_tokens": float(self.rollouts.extra_tokens),
+            "sampling/groups": float(len(self.trainable_P)),
+        }
+
+
+def graded_step(graded: Graded, method: str, *, limit: int | None, keep_all: bool) -> GradedStep:
+    """Steps 4-5: every group with its advantages (``method``, of the total rewards or the
+    returns) and the rollout metrics; the groups that train are the non-degenerate ones (the
+    first ``limit`` when given), or all of them with ``keep_all``."""
+    if isinstance(graded, PlayedGroups):
+        groups_P: Sequence[RolloutGroup] = episode_groups(graded.episodes_P, method)
+        metrics = episode_metrics(groups_P)
+    else:
+        scored_P = score_groups(
+            graded.problems_P, graded.completions_P, graded.scores.totals_P, method
+        )
+        groups_P, metrics = scored_P, {**rollout_metrics(scored_P), **graded.scores.metrics()}
+    trainable_P = groups_P if keep_all else trainable_groups(groups_P, limit)
+    return GradedStep(graded, tuple(groups_P), tuple(trainable_P), metrics)

@@ -2,7 +2,7 @@
 
 A group of completions logs each completion's text, reward, --reward components, advantage,
 tokens and stop reason; a group of episodes logs the same per episode (its transcript as
-the text, no components) plus its turns.
+the text, no components) plus its turns. ``step_records`` picks the one a graded step needs.
 """
 
 from __future__ import annotations
@@ -12,9 +12,20 @@ from collections.abc import Sequence
 from grpo.core.episodes import EpisodeGroup
 from grpo.core.records import ScoredGroup
 from grpo.training.rollouts.clients import Tokenizer
-from grpo.training.rollouts.grading import StepRollouts
+from grpo.training.rollouts.grading import GradedStep, PlayedGroups, StepRollouts
 from grpo.training.rollouts.problems import Problem
 from grpo.training.run.run_log import CompletionRecord, RolloutRecord, TurnRecord, clip_text
+
+
+def step_records(graded: GradedStep, tokenizer: Tokenizer, limit: int) -> list[RolloutRecord]:
+    """The first ``limit`` groups of a graded step for rollouts.jsonl (--log-rollouts), of
+    completions or of episodes."""
+    rollouts = graded.rollouts
+    if isinstance(rollouts, PlayedGroups):
+        return episode_records(  # type: ignore[arg-type]
+            rollouts.problems_P, graded.groups_P, rollouts.seen_P, tokenizer, limit
+        )
+    return completion_records(rollouts, graded.groups_P, tokenizer, limit)  # type: ignore[arg-type]
 
 
 def completion_records(

@@ -4,8 +4,7 @@ A ``Job`` is a step's sampling on the run's pool: ``sampler_version`` (the updat
 had), ``result()`` (waits), ``usage()`` (the tokens it sent and sampled) and ``cancel()``.
 `RolloutJob` (G completions of each problem, one request of ``num_samples=G`` each),
 `grpo.training.rollouts.episodes.EpisodeJob` and a resumed `grpo.training.run.ahead.ReadyJob`
-are all one. ``submit_rollouts`` keeps the next K steps in flight (--max-steps-off-policy K);
-``take_rollouts`` hands a step its job with its staleness.
+are all one. Which requests a step makes, K steps ahead, is `grpo.training.rollouts.step`'s.
 """
 
 from __future__ import annotations
@@ -22,9 +21,7 @@ from grpo.core.records import Completion
 from grpo.core.usage import TokenUsage, sample_usage
 from grpo.interrupts import request_result
 from grpo.training.rollouts.clients import SampledSequence, Sampler, Tokenizer
-from grpo.training.rollouts.grading import Job
-from grpo.training.rollouts.problems import Problem, step_problems
-from grpo.training.run.state import Run, RunState
+from grpo.training.rollouts.problems import Problem
 
 
 def completion_from(sequence: SampledSequence, tokenizer: Tokenizer) -> Completion:
@@ -130,32 +127,3 @@ class Sampling:
             note=self.note,
             sampler_version=sampler_version,
         )
-
-
-def submit_rollouts(
-    run: Run, state: RunState, step: int, submit: Callable[[list[Problem], int], Job]
-) -> None:
-    """Submit the sampling of steps ``step`` .. ``step + K`` not yet in flight (K = off-policy).
-
-    ``submit(problems, ahead)`` starts step ``ahead``'s job on the current weights.
-    """
-    config = run.config
-    last = min(step + config.max_steps_off_policy, run.steps - 1)
-    for ahead in range(step, last + 1):
-        if ahead in state.jobs:
-            continue
-        problems = step_problems(run.train_problems, config.batch_size, ahead, config.seed)
-        state.jobs[ahead] = submit(problems, ahead)
-
-
-def take_rollouts(run: Run, state: RunState, step: int) -> tuple[Job, int]:
-    """Step ``step``'s job out of the in-flight ones, and its staleness (<= K, or an error)."""
-    config = run.config
-    job = state.jobs.pop(step)
-    staleness = state.version - job.sampler_version
-    if staleness > config.max_steps_off_policy:
-        raise AssertionError(
-            f"rollouts {staleness} steps stale > --max-steps-off-policy "
-            f"{config.max_steps_off_policy}"
-        )
-    return job, staleness

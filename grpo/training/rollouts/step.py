@@ -1,9 +1,12 @@
 """A GRPO step's rollouts, one path for completions (single-turn) and episodes (--env).
 
-The GRPO recipe's step (`grpo.training.recipes.grpo.recipe`) asks, in order: ``submit`` a step's
-sampling (a group's first turn is one request of G samples), ``take`` the finished job,
-``teacher_scoring`` (distillation), ``grade`` (refilling under --dynamic-sampling),
-``advantage_groups``, ``records`` for rollouts.jsonl, the packed batch
+The GRPO recipe's step (`grpo.training.recipes.grpo.recipe`) asks, in order: ``submit_ahead``
+(the step's sampling and that of the next K steps not yet in flight: ``submit`` picks a
+round's problems and seeds, `grpo.training.run.seeds.RoundSeeds`; a group's first turn is
+one request of G samples), ``take`` the step's finished job with its staleness, ``grade``
+(refilling under --dynamic-sampling; advantages and the groups that train, one
+`grpo.training.rollouts.grading.GradedStep`, whose rollouts.jsonl records are
+`grpo.training.rollouts.records.step_records`), the packed batch
 (`grpo.core.episodes.pack_rollout_groups`), ``reference_logprobs`` (KL shaping) and
 ``evaluate_test``. A single completion is an episode of one turn whose reward is the
 --reward list; an episode's return is the environment's. Where the two kinds differ (how a
@@ -19,40 +22,27 @@ import numpy as np
 from pytrio.types import ModelInput, SamplingParams
 
 from grpo.backends.pytrio import call_with_retries
-from grpo.core.episodes import RolloutGroup, episode_groups, episode_metrics, sampled_sequences
-from grpo.core.metrics import rollout_metrics
+from grpo.core.episodes import RolloutGroup, sampled_sequences
 from grpo.core.records import Completion
 from grpo.core.usage import TokenUsage
 from grpo.interrupts import request_result
-from grpo.training.recipes.distill.teacher import TeacherScoring
 from grpo.training.rollouts.clients import Sampler
 from grpo.training.rollouts.episodes import EpisodeLimits, play_groups
 from grpo.training.rollouts.evaluation import Decoding, evaluate_policy
 from grpo.training.rollouts.grading import (
+    Graded,
+    GradedStep,
     Job,
     PlayedGroups,
-    StepRollouts,
     grade_rollouts,
+    graded_step,
     refill,
-    score_groups,
 )
 from grpo.training.rollouts.problems import Problem, tokenizer_max_len
-from grpo.training.rollouts.records import completion_records, episode_records
 from grpo.training.rollouts.sampling import Sampling
 from grpo.training.run.learner import current_sampler
-from grpo.training.run.run_log import RolloutRecord
-from grpo.training.run.seeds import (
-    Purpose,
-    episode_seed,
-    extra_batch,
-    extra_episode_seed,
-    extra_sampling_seed,
-    sampling_seed,
-)
+from grpo.training.run.seeds import RoundSeeds
 from grpo.training.run.state import Run, RunState
-
-Graded = StepRollouts | PlayedGroups
-"""A step's groups graded: completions with their --reward scores, or played episodes."""
 
 
 @attrs.frozen
@@ -67,13 +57,24 @@ Sampled = SampledCompletions | PlayedGroups
 """What a finished job holds: completions to grade, or episodes with their returns."""
 
 
-def submit(
-    run: Run, state: RunState, problems: Sequence[Problem], step: int, round_: int = 0
-) -> Job:
-    """Start step ``step``'s sampling of ``problems`` on the current weights (round ``round_``
-    of dynamic sampling): G completions per problem in one request (`sampling_seed`,
-    `extra_sampling_seed`), or under --env G episodes per task (`episode_seed` per turn)."""
+def submit_ahead(run: Run, state: RunState, step: int) -> None:
+    """Steps 1-2: submit the sampling of steps ``step`` .. ``step + K`` not yet in flight
+    (K = --max-steps-off-policy), each on the current weights."""
+    last = min(step + run.config.max_steps_off_policy, run.steps - 1)
+    for ahead in range(step, last + 1):
+        if ahead not in state.jobs:
+            state.jobs[ahead] = submit(run, state, ahead)
+
+
+def submit(run: Run, state: RunState, step: int, round_: int = 0) -> Job:
+    """Start sampling round ``round_`` of step ``step`` on the current weights (round 0 is the
+    step's batch, a round >= 1 dynamic sampling's): the round's problems and seeds are
+    `RoundSeeds`'; G completions per problem in one request, or under --env G episodes per
+    task."""
     config = run.config
+    seeds = RoundSeeds(config.seed, step, round_)
+    indices = seeds.problem_indices(len(run.train_problems), config.batch_size)
+    problems = [run.train_problems[index] for index in indices]
     sampler = current_sampler(run, state)
     if config.env is not None:
         limits = EpisodeLimits(
@@ -85,12 +86,6 @@ def submit(
             env_timeout_s=config.env_timeout,
             env_errors=config.env_errors,
         )
-
-        def seed_for(episode: int, turn: int) -> int:
-            if round_:
-                return extra_episode_seed(config.seed, step, round_, episode, turn)
-            return episode_seed(config.seed, Purpose.ENV_TRAIN, step, episode, turn)
-
         return play_groups(
             run.pool,
             sampler,
@@ -99,7 +94,7 @@ def submit(
             problems,
             limits,
             group_size=config.group_size,
-            seed_for=seed_for,
+            seed_for=seeds.turn,
             max_retries=config.max_retries,
             note=run.note,
             sampler_version=state.version,
@@ -110,11 +105,7 @@ def submit(
             max_tokens=config.max_tokens,
             temperature=config.temperature,
             top_p=config.top_p,
-            seed=(
-                sampling_seed(config.seed, step, index)
-                if round_ == 0
-                else extra_sampling_seed(config.seed, step, round_, index)
-            ),
+            seed=seeds.request(index),
         )
 
     sampling = Sampling(run.pool, run.tokenizer, config.max_retries, run.note)
@@ -123,7 +114,21 @@ def submit(
     )
 
 
-def take(state: RunState, job: Job) -> Sampled:
+def take(run: Run, state: RunState, step: int) -> tuple[Sampled, int]:
+    """Step ``step``'s rollouts, out of the jobs in flight (waiting for them), and their
+    staleness (<= K, or an error)."""
+    config = run.config
+    job = state.jobs.pop(step)
+    staleness = state.version - job.sampler_version
+    if staleness > config.max_steps_off_policy:
+        raise AssertionError(
+            f"rollouts {staleness} steps stale > --max-steps-off-policy "
+            f"{config.max_steps_off_policy}"
+        )
+    return _sampled(state, job), staleness
+
+
+def _sampled(state: RunState, job: Job) -> Sampled:
     """The finished job's rollouts; completions count their usage into the step's row now,
     episodes once graded (refills add theirs)."""
     result = job.result()
@@ -133,24 +138,6 @@ def take(state: RunState, job: Job) -> Sampled:
     return SampledCompletions(tuple(job.problems), tuple(tuple(group) for group in result))
 
 
-def teacher_scoring(run: Run, sampled: Sampled) -> TeacherScoring:
-    """The teacher's scoring of every sampled token, submitted (distillation): a completion
-    after the teacher's prompt, an episode's stream at its sampled tokens."""
-    teacher, config = run.teacher, run.config
-    if isinstance(sampled, PlayedGroups):
-        episodes = [episode for group in sampled.episodes_P for episode in group]
-        return TeacherScoring.of_episodes(
-            teacher, episodes, max_retries=config.max_retries, note=run.note
-        )
-    return TeacherScoring.of_completions(
-        teacher,
-        sampled.problems_P,
-        sampled.completions_P,
-        max_retries=config.max_retries,
-        note=run.note,
-    )
-
-
 def _graded(run: Run, sampled: Sampled) -> Graded:
     """Completions scored by --reward; episodes are graded already (their returns)."""
     if isinstance(sampled, PlayedGroups):
@@ -158,50 +145,27 @@ def _graded(run: Run, sampled: Sampled) -> Graded:
     return grade_rollouts(sampled.problems_P, sampled.completions_P, run.config)
 
 
-def grade(run: Run, state: RunState, step: int, sampled: Sampled) -> Graded:
-    """The step's groups graded; extra rounds of new problems under --dynamic-sampling."""
+def grade(run: Run, state: RunState, step: int, sampled: Sampled, *, keep_all: bool) -> GradedStep:
+    """Steps 3-5: the step's groups graded (extra rounds of new problems under
+    --dynamic-sampling), their advantages and rollout metrics, and the groups that train:
+    the non-degenerate ones (the first --batch-size under --dynamic-sampling), or every
+    group with ``keep_all`` (distillation: the teacher scores them all)."""
     config = run.config
     graded = _graded(run, sampled)
+    limit = None
     if config.dynamic_sampling:  # DAPO: more prompts until batch_size groups can train
         graded = refill(
             graded,
             needed=config.batch_size,
             max_rounds=config.max_sampling_rounds,
-            sample_round=lambda round_: _extra_round(run, state, step, round_),
+            sample_round=lambda round_: _graded(
+                run, _sampled(state, submit(run, state, step, round_))
+            ),
         )
+        limit = config.batch_size
     if isinstance(graded, PlayedGroups):
         state.usage += graded.usage
-    return graded
-
-
-def _extra_round(run: Run, state: RunState, step: int, round_: int) -> Graded:
-    """Dynamic sampling's round ``round_`` >= 1 of ``step``: new problems (`extra_batch`) and
-    seeds, current weights; a completion round counts its usage into the step's row."""
-    config = run.config
-    indices = extra_batch(len(run.train_problems), config.batch_size, step, round_, config.seed)
-    problems = [run.train_problems[index] for index in indices]
-    return _graded(run, take(state, submit(run, state, problems, step, round_)))
-
-
-def advantage_groups(run: Run, graded: Graded) -> tuple[list[RolloutGroup], dict[str, float]]:
-    """Every group with its advantages (of the total rewards, or the returns), and the
-    rollout metrics (``reward/*`` components, or ``env/*``)."""
-    method = run.config.advantage
-    if isinstance(graded, PlayedGroups):
-        groups_P = episode_groups(graded.episodes_P, method)
-        return list(groups_P), episode_metrics(groups_P)
-    scored_P = score_groups(graded.problems_P, graded.completions_P, graded.scores.totals_P, method)
-    return list(scored_P), {**rollout_metrics(scored_P), **graded.scores.metrics()}
-
-
-def records(run: Run, graded: Graded, groups_P: Sequence[RolloutGroup]) -> list[RolloutRecord]:
-    """The first --log-rollouts groups for rollouts.jsonl."""
-    tokenizer, limit = run.tokenizer, run.config.log_rollouts
-    if isinstance(graded, PlayedGroups):
-        return episode_records(  # type: ignore[arg-type]
-            graded.problems_P, groups_P, graded.seen_P, tokenizer, limit
-        )
-    return completion_records(graded, groups_P, tokenizer, limit)  # type: ignore[arg-type]
+    return graded_step(graded, config.advantage, limit=limit, keep_all=keep_all)
 
 
 def reference_logprobs(run: Run, groups_P: Sequence[RolloutGroup]) -> tuple[np.ndarray, TokenUsage]:

@@ -4,12 +4,14 @@ Which problems a step trains on (``pick_batch``, ``extra_batch``) and every samp
 (``rollout_seed``) are drawn here and nowhere else, so a run resumed from a checkpoint, or
 sampled ahead and saved, draws exactly what it would have. A ``Purpose`` keeps the streams
 of training, evaluation and dynamic-sampling rounds, single-turn and --env, apart.
+``RoundSeeds`` gathers the draws of one sampling round of a training step.
 """
 
 from __future__ import annotations
 
 import enum
 
+import attrs
 import numpy as np
 
 
@@ -68,3 +70,33 @@ def extra_batch(
     """Problems of extra sampling round ``round_`` >= 1 of ``step``: distinct, seeded by all."""
     rng = np.random.default_rng([seed, int(Purpose.EXTRA), step, round_])
     return rng.choice(num_problems, size=min(batch_size, num_problems), replace=False)
+
+
+@attrs.frozen
+class RoundSeeds:
+    """Every random choice of sampling round ``round_`` of training step ``step``: its
+    problems and its sampler seeds. Round 0 is the step's own batch (`pick_batch`; the TRAIN
+    and ENV_TRAIN streams); a round >= 1 is dynamic sampling's (`extra_batch`; the EXTRA and
+    ENV_EXTRA streams)."""
+
+    seed: int
+    step: int
+    round_: int = 0
+
+    def problem_indices(self, num_problems: int, batch_size: int) -> np.ndarray:
+        """Indices of the round's problems among the run's ``num_problems``."""
+        if self.round_ == 0:
+            return pick_batch(num_problems, batch_size, self.step, self.seed)
+        return extra_batch(num_problems, batch_size, self.step, self.round_, self.seed)
+
+    def request(self, index: int) -> int:
+        """The seed of the round's request ``index`` (a problem's G samples)."""
+        if self.round_ == 0:
+            return sampling_seed(self.seed, self.step, index)
+        return extra_sampling_seed(self.seed, self.step, self.round_, index)
+
+    def turn(self, episode: int, turn: int) -> int:
+        """The seed of turn ``turn`` of the round's episode ``episode`` (--env)."""
+        if self.round_ == 0:
+            return episode_seed(self.seed, Purpose.ENV_TRAIN, self.step, episode, turn)
+        return extra_episode_seed(self.seed, self.step, self.round_, episode, turn)

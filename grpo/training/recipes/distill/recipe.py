@@ -24,15 +24,29 @@ from grpo.core.records import TokenBatch
 from grpo.core.usage import TokenUsage
 from grpo.training.recipes.distill.teacher import Teacher, TeacherScoring, distill_batch, in_update
 from grpo.training.rollouts import step as rollouts
+from grpo.training.rollouts.grading import PlayedGroups
 from grpo.training.run.state import Run, RunState
 from grpo.training.settings.config import TrainConfig
 
 
 def submit_scoring(run: Run, sampled: rollouts.Sampled) -> TeacherScoring | None:
-    """Step 2b: the teacher's scoring of every sampled token, submitted (None: no teacher)."""
-    if run.teacher is None:
+    """Step 2b: the teacher's scoring of every sampled token, submitted (None: no teacher): a
+    completion after the teacher's prompt, an episode's stream at its sampled tokens."""
+    teacher, config = run.teacher, run.config
+    if teacher is None:
         return None
-    return rollouts.teacher_scoring(run, sampled)
+    if isinstance(sampled, PlayedGroups):
+        episodes = [episode for group in sampled.episodes_P for episode in group]
+        return TeacherScoring.of_episodes(
+            teacher, episodes, max_retries=config.max_retries, note=run.note
+        )
+    return TeacherScoring.of_completions(
+        teacher,
+        sampled.problems_P,
+        sampled.completions_P,
+        max_retries=config.max_retries,
+        note=run.note,
+    )
 
 
 def teacher_logprobs(

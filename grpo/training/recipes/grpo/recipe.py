@@ -17,7 +17,7 @@ import contextlib
 import threading
 
 from grpo.core.alignment import mask_sequences
-from grpo.core.episodes import RolloutGroup, pack_rollout_groups, truncated_rollouts
+from grpo.core.episodes import pack_rollout_groups, truncated_rollouts
 from grpo.core.metrics import batch_metrics
 from grpo.envs.base import stop_env_calls_on
 from grpo.rewards.calls import reward_session
@@ -28,8 +28,7 @@ from grpo.training.recipes.distill.recipe import (
     teacher_test_metrics,
 )
 from grpo.training.rollouts import step as rollouts
-from grpo.training.rollouts.grading import trainable_groups
-from grpo.training.rollouts.sampling import submit_rollouts, take_rollouts
+from grpo.training.rollouts.records import step_records
 from grpo.training.run.ahead import prune_ahead, save_ahead
 from grpo.training.run.faults import fault_point
 from grpo.training.run.learner import current_sampler, shape_with_kl, update
@@ -46,22 +45,18 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
     config = run.config
     timings: dict[str, float] = {}
     with timed("time/sample", timings):
-        submit_rollouts(  # 1. pick the problems; 2. sample them (async, K steps ahead)
-            run, state, step, lambda problems, ahead: rollouts.submit(run, state, problems, ahead)
-        )
-        job, staleness = take_rollouts(run, state, step)
-        sampled = rollouts.take(state, job)  # 2. ... a group of G completions (episodes) each
+        rollouts.submit_ahead(run, state, step)  # 1. pick the problems; 2. sample (K steps ahead)
+        sampled, staleness = rollouts.take(run, state, step)  # 2. ... G completions (episodes)
         fault_point("sampled")
     scoring = submit_scoring(run, sampled)  # 2b. distill: the teacher scores them
-    played = rollouts.grade(run, state, step, sampled)  # 3. grade (--reward, or env returns)
-    groups_P, metrics = rollouts.advantage_groups(run, played)  # 4. advantages; 5. rollout metrics
-    metrics["off_policy_steps"] = float(staleness)
-    limit = config.batch_size if config.dynamic_sampling else None
-    # 5. ... then drop the degenerate groups (under distillation the teacher scores all)
-    trainable_P = trainable_groups(groups_P, limit) if scoring is None else list(groups_P)
+    # 3. grade (--reward, or env returns); 4. advantages; 5. rollout metrics, then drop the
+    # degenerate groups (under distillation the teacher scores all)
+    graded = rollouts.grade(run, state, step, sampled, keep_all=scoring is not None)
+    trainable_P = list(graded.trainable_P)
+    metrics = {**graded.metrics, "off_policy_steps": float(staleness)}
     if config.dynamic_sampling:
-        metrics.update(sampling_metrics(played, trainable_P))
-    state.rollout_log = rollouts.records(run, played, groups_P)
+        metrics.update(graded.sampling_metrics())
+    state.rollout_log = step_records(graded, run.tokenizer, config.log_rollouts)
     with timed("time/train", timings):
         batch = pack_rollout_groups(trainable_P, drop_degenerate=False)  # 6. align + pack
         teacher_N = None
@@ -85,15 +80,6 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
         else:
             metrics.update(batch_metrics(batch))
     return {**metrics, **timings}
-
-
-def sampling_metrics(played: rollouts.Graded, trainable_P: list[RolloutGroup]) -> dict[str, float]:
-    """Dynamic sampling's cost and result: rounds, extra sampled tokens, groups that train."""
-    return {
-        "sampling/rounds": float(played.rounds),
-        "sampling/extra_tokens": float(played.extra_tokens),
-        "sampling/groups": float(len(trainable_P)),
-    }
 
 
 class GrpoRecipe:
