@@ -10,6 +10,7 @@ group), usable alone: `OptimizerSettings(learning_rate=1e-4)`.
 No `from __future__ import annotations` here: the field transformer reads each field's type.
 """
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import attrs
@@ -37,9 +38,6 @@ SWANLAB_MODES = ("online", "offline", "disabled")
 LORA_RANKS = range(4, 65)
 # numpy's SeedSequence needs seeds >= 0 and the samplers take 31-bit seeds.
 SEEDS = range(0, 2**31)
-
-# attrs collects a composed class's fields from its last base to its first, so a recipe's
-# config lists its groups last-shown-first.
 
 
 @attrs.frozen(slots=False, field_transformer=grouped("run"))
@@ -180,6 +178,33 @@ SHARED_GROUPS = (
     PriceSettings,
 )
 """The groups every recipe's config is composed of."""
+
+
+def recipe_groups(
+    *,
+    before_run: Sequence[type] = (),
+    own: Sequence[type],
+    evaluation: Sequence[type],
+    service: Sequence[type] = (),
+) -> tuple[type, ...]:
+    """The bases of a recipe's config class: the shared groups, with the recipe's own groups
+    in their places, last-shown-first (attrs collects a class's fields from its last base to
+    its first), so that every recipe's config.json and `--help` put the shared flags alike:
+    model, `before_run`, run, `own`, update, `evaluation`, checkpoints, service, `service`,
+    prices."""
+    shown = (
+        ModelSettings,
+        *before_run,
+        RunSettings,
+        *own,
+        OptimizerSettings,
+        *evaluation,
+        CheckpointSettings,
+        ServiceSettings,
+        *service,
+        PriceSettings,
+    )
+    return tuple(reversed(shown))
 
 
 class RunConfig(Protocol):

@@ -10,14 +10,7 @@ import attrs
 
 from grpo.core.dpo import DPO_LOSSES, DpoSettings
 from grpo.training.recipes.sft.config import RECIPE_KEY, ScheduleSettings, resolve_recipe_run
-from grpo.training.settings.config_groups import (
-    CheckpointSettings,
-    ModelSettings,
-    OptimizerSettings,
-    PriceSettings,
-    RunSettings,
-    ServiceSettings,
-)
+from grpo.training.settings.config_groups import OptimizerSettings, recipe_groups
 from grpo.training.settings.fields import (
     NOT_EMPTY,
     Above,
@@ -120,22 +113,13 @@ class DpoServiceSettings:
 _LEARNING_RATE = attrs.fields_dict(OptimizerSettings)["learning_rate"]
 
 
-# attrs collects the fields from the last base to the first.
 @attrs.frozen(field_transformer=with_checks)
 class DpoConfig(
-    PriceSettings,
-    DpoServiceSettings,
-    ServiceSettings,
-    CheckpointSettings,
-    DpoEvaluationSettings,
-    ScheduleSettings,
-    OptimizerSettings,
-    DpoUpdateSettings,
-    DpoLossSettings,
-    DpoDataSettings,
-    DpoStartSettings,
-    RunSettings,
-    ModelSettings,
+    *recipe_groups(
+        own=(DpoStartSettings, DpoDataSettings, DpoLossSettings, DpoUpdateSettings),
+        evaluation=(ScheduleSettings, DpoEvaluationSettings),
+        service=(DpoServiceSettings,),
+    )
 ):
     """Every knob of `grpo dpo`; --data is required."""
 

@@ -17,14 +17,7 @@ from typing import TypeVar
 import attrs
 
 from grpo.core.sft import LR_SCHEDULES
-from grpo.training.settings.config_groups import (
-    CheckpointSettings,
-    ModelSettings,
-    OptimizerSettings,
-    PriceSettings,
-    RunSettings,
-    ServiceSettings,
-)
+from grpo.training.settings.config_groups import RunSettings, recipe_groups
 from grpo.training.settings.fields import (
     NOT_EMPTY,
     AtLeast,
@@ -89,19 +82,12 @@ class SftEvaluationSettings:
     )
 
 
-# attrs collects the fields from the last base to the first.
 @attrs.frozen(field_transformer=with_checks)
 class SftConfig(
-    PriceSettings,
-    ServiceSettings,
-    CheckpointSettings,
-    SftEvaluationSettings,
-    ScheduleSettings,
-    OptimizerSettings,
-    SftUpdateSettings,
-    SftDataSettings,
-    RunSettings,
-    ModelSettings,
+    *recipe_groups(
+        own=(SftDataSettings, SftUpdateSettings),
+        evaluation=(ScheduleSettings, SftEvaluationSettings),
+    )
 ):
     """Every knob of `grpo sft`; --data is required."""
 
