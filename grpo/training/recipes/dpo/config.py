@@ -1,8 +1,8 @@
 """The typed configuration of `grpo dpo`: its own groups of flags, and the groups it shares.
 
 As `grpo sft`'s (`grpo.training.recipes.sft.config`): a record of its own, composed of the shared
-groups of `grpo.training.settings.config_groups`, the data-recipe groups of
-`grpo.training.settings.data_groups` (data, evaluation, schedule), and its own.
+groups of `grpo.training.settings.config_groups` (those of every recipe, and the data, evaluation
+and schedule groups of every data recipe), and its own.
 
 No `from __future__ import annotations` here: the field transformer reads each field's type.
 """
@@ -11,8 +11,13 @@ import attrs
 
 from grpo.core.dpo import DPO_LOSSES, DpoSettings
 from grpo.training.recipes.sft.config import RECIPE_KEY, resolve_recipe_run
-from grpo.training.settings.config_groups import OptimizerSettings, recipe_groups
-from grpo.training.settings.data_groups import ScheduleSettings, data_settings, evaluation_settings
+from grpo.training.settings.config_groups import (
+    OptimizerSettings,
+    ScheduleSettings,
+    data_settings,
+    evaluation_settings,
+    recipe_groups,
+)
 from grpo.training.settings.fields import (
     NOT_EMPTY,
     Above,

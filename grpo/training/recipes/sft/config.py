@@ -4,9 +4,8 @@ SFT has a record of its own rather than fields on `TrainConfig`: its flags (--da
 --batch-tokens, --lr-schedule ...) mean nothing to a GRPO run and must not appear in
 `grpo train --help`, nor in the sweeps and TOML files that build a TrainConfig. The flags
 every recipe has (model, backend, optimizer, seed, checkpoints, logging, prices) come from
-the shared groups of `grpo.training.settings.config_groups`, each defined once; its data,
-evaluation and schedule groups are those of every data recipe
-(`grpo.training.settings.data_groups`), in its own words.
+the shared groups of `grpo.training.settings.config_groups`, each defined once; so do its data,
+evaluation and schedule groups, those of every data recipe, in its own words.
 
 No `from __future__ import annotations` here: the field transformer reads each field's type.
 """
@@ -18,8 +17,13 @@ from typing import TypeVar
 
 import attrs
 
-from grpo.training.settings.config_groups import RunSettings, recipe_groups
-from grpo.training.settings.data_groups import ScheduleSettings, data_settings, evaluation_settings
+from grpo.training.settings.config_groups import (
+    RunSettings,
+    ScheduleSettings,
+    data_settings,
+    evaluation_settings,
+    recipe_groups,
+)
 from grpo.training.settings.fields import (
     AtLeast,
     ConfigError,
