@@ -111,6 +111,29 @@ TRAIN_CONFIG_RECIPE: dict[str, str] = {
 """The kind and entry points every TASK recipe shares: the one `TrainConfig` (its ``recipe``
 field names the recipe) and the one run of `grpo.training.recipes.grpo.run`."""
 
+
+def rows_recipe(
+    name: str, *, summary: str, resume_help: str, dry_run_reads: str, purpose: str
+) -> RecipeSpec:
+    """The spec of ROWS recipe `name`, its command `grpo <name>`, laid out as every ROWS recipe
+    is: config class ``<Name>Config`` and ``<NAME>_FIELDS`` in its ``config`` module, run
+    ``<name>`` and dry run ``dry_run_<name>`` in its ``recipe`` module."""
+    package = f"grpo.training.recipes.{name}"
+    return RecipeSpec(
+        name=name,
+        command=name,
+        summary=summary,
+        kind=ROWS,
+        config=f"{package}.config:{name.capitalize()}Config",
+        fields=f"{package}.config:{name.upper()}_FIELDS",
+        run=f"{package}.recipe:{name}",
+        dry_run=f"{package}.recipe:dry_run_{name}",
+        resume_help=resume_help,
+        dry_run_reads=dry_run_reads,
+        purpose=purpose,
+    )
+
+
 RECIPES: dict[str, RecipeSpec] = {
     spec.name: spec
     for spec in (
@@ -121,29 +144,17 @@ RECIPES: dict[str, RecipeSpec] = {
             **TRAIN_CONFIG_RECIPE,
             pins_recipe=False,
         ),
-        RecipeSpec(
-            name="sft",
-            command="sft",
+        rows_recipe(
+            "sft",
             summary="supervised fine-tuning on completion / assistant tokens (then grpo train "
             "--init-from)",
-            kind=ROWS,
-            config="grpo.training.recipes.sft.config:SftConfig",
-            fields="grpo.training.recipes.sft.config:SFT_FIELDS",
-            run="grpo.training.recipes.sft.recipe:sft",
-            dry_run="grpo.training.recipes.sft.recipe:dry_run_sft",
             resume_help="an SFT run directory",
             dry_run_reads="read and check the data",
             purpose="SFT trains --epochs passes over the rows of --data with a cross-entropy loss",
         ),
-        RecipeSpec(
-            name="dpo",
-            command="dpo",
+        rows_recipe(
+            "dpo",
             summary="preference optimization (DPO, IPO, hinge) on prompt/chosen/rejected pairs",
-            kind=ROWS,
-            config="grpo.training.recipes.dpo.config:DpoConfig",
-            fields="grpo.training.recipes.dpo.config:DPO_FIELDS",
-            run="grpo.training.recipes.dpo.recipe:dpo",
-            dry_run="grpo.training.recipes.dpo.recipe:dry_run_dpo",
             resume_help="a DPO run directory",
             dry_run_reads="read and check the pairs and the reference",
             purpose="DPO trains on the preference pairs of --data with the DPO loss",

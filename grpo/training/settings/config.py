@@ -35,12 +35,8 @@ from grpo.training.settings.config_groups import (
     LORA_RANKS,
     SEEDS,
     SWANLAB_MODES,
-    CheckpointSettings,
-    ModelSettings,
-    OptimizerSettings,
     PriceSettings,
-    RunSettings,
-    ServiceSettings,
+    recipe_groups,
 )
 from grpo.training.settings.fields import (
     ConfigError,
@@ -110,29 +106,25 @@ def concern(kind: type[Group]) -> "cached_property[Group]":
     return cached_property(lambda config: group_of(config, kind))
 
 
-# attrs collects the fields from the last base to the first: the order below is the
-# reverse of config.json's.
 @attrs.frozen(field_transformer=with_checks)
 class TrainConfig(
-    PriceSettings,
-    LocalServiceSettings,
-    ServiceSettings,
-    CheckpointSettings,
-    EvaluationSettings,
-    OptimizerSettings,
-    UpdateSettings,
-    TeacherSettings,
-    MismatchSettings,
-    KlSettings,
-    LossSettings,
-    EnvSettings,
-    JudgeSettings,
-    RewardSettings,
-    SamplingSettings,
-    DataSettings,
-    RunSettings,
-    TrainRunSettings,
-    ModelSettings,
+    *recipe_groups(
+        before_run=(TrainRunSettings,),
+        own=(
+            DataSettings,
+            SamplingSettings,
+            RewardSettings,
+            JudgeSettings,
+            EnvSettings,
+            LossSettings,
+            KlSettings,
+            MismatchSettings,
+            TeacherSettings,
+            UpdateSettings,
+        ),
+        evaluation=(EvaluationSettings,),
+        service=(LocalServiceSettings,),
+    )
 ):
     """Every knob of `grpo train`; defaults give the offline default run on the local backend."""
 

@@ -1,5 +1,6 @@
 """The groups of flags every recipe shares, each defined once: model, run, service, update,
-checkpoints and prices.
+checkpoints and prices; and those every data recipe (sft, dpo) shares: its data, evaluation and
+learning-rate schedule.
 
 A recipe's configuration (`TrainConfig` for grpo and distill, `SftConfig`, ...) is
 composed of these groups and of its own (`grpo.training.settings.train_groups` for grpo and
@@ -10,18 +11,21 @@ group), usable alone: `OptimizerSettings(learning_rate=1e-4)`.
 No `from __future__ import annotations` here: the field transformer reads each field's type.
 """
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import attrs
 
 from grpo.backends.names import TINY_MODEL_NAME
 from grpo.core.normalization import NORMALIZATIONS
+from grpo.core.sft import LR_SCHEDULES
 from grpo.training.settings.fields import (
     NOT_EMPTY,
     PLAIN_NAME,
     TRACKER_LIST,
     Above,
     AtLeast,
+    ConfigError,
     InRange,
     Interval,
     OneOf,
@@ -37,9 +41,6 @@ SWANLAB_MODES = ("online", "offline", "disabled")
 LORA_RANKS = range(4, 65)
 # numpy's SeedSequence needs seeds >= 0 and the samplers take 31-bit seeds.
 SEEDS = range(0, 2**31)
-
-# attrs collects a composed class's fields from its last base to its first, so a recipe's
-# config lists its groups last-shown-first.
 
 
 @attrs.frozen(slots=False, field_transformer=grouped("run"))
@@ -180,6 +181,100 @@ SHARED_GROUPS = (
     PriceSettings,
 )
 """The groups every recipe's config is composed of."""
+
+
+def recipe_groups(
+    *,
+    before_run: Sequence[type] = (),
+    own: Sequence[type],
+    evaluation: Sequence[type],
+    service: Sequence[type] = (),
+) -> tuple[type, ...]:
+    """The bases of a recipe's config class: the shared groups, with the recipe's own groups
+    in their places, last-shown-first (attrs collects a class's fields from its last base to
+    its first), so that every recipe's config.json and `--help` put the shared flags alike:
+    model, `before_run`, run, `own`, update, `evaluation`, checkpoints, service, `service`,
+    prices."""
+    shown = (
+        ModelSettings,
+        *before_run,
+        RunSettings,
+        *own,
+        OptimizerSettings,
+        *evaluation,
+        CheckpointSettings,
+        ServiceSettings,
+        *service,
+        PriceSettings,
+    )
+    return tuple(reversed(shown))
+
+
+# --- the groups of the data recipes ------------------------------------------------------
+# A data recipe (`grpo sft`, `grpo dpo`) trains on the rows of a --data file and measures
+# itself on held-out rows: the same flags, checks and held-out split for each
+# (`grpo.training.recipes.sft.recipe.encoded_split`), whose help only names what its rows are.
+# So `data_settings` and `evaluation_settings` make a data recipe's data and evaluation groups
+# from those words; the learning-rate schedule is one group.
+
+
+@attrs.frozen(slots=False, field_transformer=grouped("update"))
+class ScheduleSettings:
+    """The learning-rate schedule of the data recipes (SFT, DPO)."""
+
+    lr_schedule: str = flag(
+        "linear", "learning-rate decay after the warm-up (docs/FORMULAS.md)", OneOf(LR_SCHEDULES)
+    )
+    warmup_steps: int = flag(0, "steps of linear learning-rate warm-up", AtLeast(0))
+
+
+def _named(group: type, name: str, doc: str) -> type:
+    """`group`, a class made by a factory below, under the name and docstring of its recipe's."""
+    group.__name__ = group.__qualname__ = name
+    group.__doc__ = doc
+    return group
+
+
+def data_settings(name: str, *, rows: str, help: str) -> type:
+    """The "data and task" group (class `name`) of a data recipe: --data, the file of its
+    training `rows`, shown with `help`; building it without --data raises ConfigError."""
+
+    @attrs.frozen(slots=False, field_transformer=grouped("data and task"))
+    class DataSettings:
+        data: str | None = flag(None, help, NOT_EMPTY)
+
+        def __attrs_post_init__(self) -> None:
+            if self.data is None:
+                raise ConfigError(f"--data is required: a .jsonl/.parquet/.csv file of {rows}")
+
+    return _named(DataSettings, name, f"The {rows} the recipe trains on; --data is required.")
+
+
+def evaluation_settings(name: str, *, rows: str, measure: str, every: int) -> type:
+    """The "evaluation and checkpoints" group (class `name`) of a data recipe: its held-out
+    `rows` (--eval-data, else --eval-fraction of --data) and how often (--eval-every, default
+    `every`) `measure` is measured on them ("the eval loss", "eval/dpo/*"; its help's words)."""
+
+    @attrs.frozen(slots=False, field_transformer=grouped("evaluation and checkpoints"))
+    class EvaluationSettings:
+        eval_data: str | None = flag(
+            None, f"held-out {rows} for {measure} (default: --eval-fraction of --data)", NOT_EMPTY
+        )
+        eval_fraction: float = flag(
+            0.1,
+            f"share of --data held out for {measure} when no --eval-data (0 = none)",
+            Interval(0, 1, "left"),
+        )
+        eval_every: int = flag(
+            every,
+            f"{measure.removeprefix('the ')} on the held-out {rows} before training, every N "
+            "steps and at the end (0 = never)",
+            AtLeast(0),
+        )
+
+    return _named(
+        EvaluationSettings, name, f"The held-out {rows} and how often {measure} is measured."
+    )
 
 
 class RunConfig(Protocol):

@@ -1,7 +1,8 @@
 """The typed configuration of `grpo dpo`: its own groups of flags, and the groups it shares.
 
 As `grpo sft`'s (`grpo.training.recipes.sft.config`): a record of its own, composed of the shared
-groups of `grpo.training.settings.config_groups`, the learning-rate schedule of SFT, and its own.
+groups of `grpo.training.settings.config_groups` (those of every recipe, and the data, evaluation
+and schedule groups of every data recipe), and its own.
 
 No `from __future__ import annotations` here: the field transformer reads each field's type.
 """
@@ -9,14 +10,13 @@ No `from __future__ import annotations` here: the field transformer reads each f
 import attrs
 
 from grpo.core.dpo import DPO_LOSSES, DpoSettings
-from grpo.training.recipes.sft.config import RECIPE_KEY, ScheduleSettings, resolve_recipe_run
+from grpo.training.recipes.sft.config import RECIPE_KEY, resolve_recipe_run
 from grpo.training.settings.config_groups import (
-    CheckpointSettings,
-    ModelSettings,
     OptimizerSettings,
-    PriceSettings,
-    RunSettings,
-    ServiceSettings,
+    ScheduleSettings,
+    data_settings,
+    evaluation_settings,
+    recipe_groups,
 )
 from grpo.training.settings.fields import (
     NOT_EMPTY,
@@ -31,17 +31,12 @@ from grpo.training.settings.fields import (
     with_checks,
 )
 
-
-@attrs.frozen(slots=False, field_transformer=grouped("data and task"))
-class DpoDataSettings:
-    """The preference pairs DPO trains on."""
-
-    data: str | None = flag(
-        None,
-        "preference pairs: a .jsonl/.parquet/.csv file of 'prompt', 'chosen' and 'rejected' "
-        "rows (docs/sft-dpo-distill.md, 'Preference training')",
-        NOT_EMPTY,
-    )
+DpoDataSettings = data_settings(
+    "DpoDataSettings",
+    rows="prompt/chosen/rejected rows",
+    help="preference pairs: a .jsonl/.parquet/.csv file of 'prompt', 'chosen' and 'rejected' "
+    "rows (docs/sft-dpo-distill.md, 'Preference training')",
+)
 
 
 @attrs.frozen(slots=False, field_transformer=grouped("run"))
@@ -88,24 +83,9 @@ class DpoUpdateSettings:
     batch_size: int = flag(16, "pairs per step (two datums each)", AtLeast(1))
 
 
-@attrs.frozen(slots=False, field_transformer=grouped("evaluation and checkpoints"))
-class DpoEvaluationSettings:
-    """The held-out pairs and how often eval/dpo/* is measured."""
-
-    eval_data: str | None = flag(
-        None, "held-out pairs for eval/dpo/* (default: --eval-fraction of --data)", NOT_EMPTY
-    )
-    eval_fraction: float = flag(
-        0.1,
-        "share of --data held out for eval/dpo/* when no --eval-data (0 = none)",
-        Interval(0, 1, "left"),
-    )
-    eval_every: int = flag(
-        5,
-        "eval/dpo/* on the held-out pairs before training, every N steps and at the end "
-        "(0 = never)",
-        AtLeast(0),
-    )
+DpoEvaluationSettings = evaluation_settings(
+    "DpoEvaluationSettings", rows="pairs", measure="eval/dpo/*", every=5
+)
 
 
 @attrs.frozen(slots=False, field_transformer=grouped("service"))
@@ -120,22 +100,13 @@ class DpoServiceSettings:
 _LEARNING_RATE = attrs.fields_dict(OptimizerSettings)["learning_rate"]
 
 
-# attrs collects the fields from the last base to the first.
 @attrs.frozen(field_transformer=with_checks)
 class DpoConfig(
-    PriceSettings,
-    DpoServiceSettings,
-    ServiceSettings,
-    CheckpointSettings,
-    DpoEvaluationSettings,
-    ScheduleSettings,
-    OptimizerSettings,
-    DpoUpdateSettings,
-    DpoLossSettings,
-    DpoDataSettings,
-    DpoStartSettings,
-    RunSettings,
-    ModelSettings,
+    *recipe_groups(
+        own=(DpoStartSettings, DpoDataSettings, DpoLossSettings, DpoUpdateSettings),
+        evaluation=(ScheduleSettings, DpoEvaluationSettings),
+        service=(DpoServiceSettings,),
+    )
 ):
     """Every knob of `grpo dpo`; --data is required."""
 
@@ -148,10 +119,7 @@ class DpoConfig(
     """The shared --learning-rate with DPO's own default."""
 
     def __attrs_post_init__(self) -> None:
-        if self.data is None:
-            raise ConfigError(
-                "--data is required: a .jsonl/.parquet/.csv file of prompt/chosen/rejected rows"
-            )
+        super().__attrs_post_init__()  # --data is required (the data group's check)
         try:
             self.settings  # noqa: B018 - the check is the point
         except ValueError as error:

@@ -4,7 +4,8 @@ SFT has a record of its own rather than fields on `TrainConfig`: its flags (--da
 --batch-tokens, --lr-schedule ...) mean nothing to a GRPO run and must not appear in
 `grpo train --help`, nor in the sweeps and TOML files that build a TrainConfig. The flags
 every recipe has (model, backend, optimizer, seed, checkpoints, logging, prices) come from
-the shared groups of `grpo.training.settings.config_groups`, each defined once.
+the shared groups of `grpo.training.settings.config_groups`, each defined once; so do its data,
+evaluation and schedule groups, those of every data recipe, in its own words.
 
 No `from __future__ import annotations` here: the field transformer reads each field's type.
 """
@@ -16,48 +17,28 @@ from typing import TypeVar
 
 import attrs
 
-from grpo.core.sft import LR_SCHEDULES
 from grpo.training.settings.config_groups import (
-    CheckpointSettings,
-    ModelSettings,
-    OptimizerSettings,
-    PriceSettings,
     RunSettings,
-    ServiceSettings,
+    ScheduleSettings,
+    data_settings,
+    evaluation_settings,
+    recipe_groups,
 )
 from grpo.training.settings.fields import (
-    NOT_EMPTY,
     AtLeast,
     ConfigError,
     Field,
-    Interval,
-    OneOf,
     flag,
     grouped,
     with_checks,
 )
 
-
-@attrs.frozen(slots=False, field_transformer=grouped("update"))
-class ScheduleSettings:
-    """The learning-rate schedule of the data recipes (SFT, ...)."""
-
-    lr_schedule: str = flag(
-        "linear", "learning-rate decay after the warm-up (docs/FORMULAS.md)", OneOf(LR_SCHEDULES)
-    )
-    warmup_steps: int = flag(0, "steps of linear learning-rate warm-up", AtLeast(0))
-
-
-@attrs.frozen(slots=False, field_transformer=grouped("data and task"))
-class SftDataSettings:
-    """The rows SFT trains on."""
-
-    data: str | None = flag(
-        None,
-        "training rows: a .jsonl/.parquet/.csv file of 'messages', 'prompt'+'completion' or "
-        "'text' rows (docs/sft-dpo-distill.md, 'Supervised fine-tuning')",
-        NOT_EMPTY,
-    )
+SftDataSettings = data_settings(
+    "SftDataSettings",
+    rows="training rows",
+    help="training rows: a .jsonl/.parquet/.csv file of 'messages', 'prompt'+'completion' or "
+    "'text' rows (docs/sft-dpo-distill.md, 'Supervised fine-tuning')",
+)
 
 
 @attrs.frozen(slots=False, field_transformer=grouped("update"))
@@ -70,44 +51,19 @@ class SftUpdateSettings:
     )
 
 
-@attrs.frozen(slots=False, field_transformer=grouped("evaluation and checkpoints"))
-class SftEvaluationSettings:
-    """The held-out rows and how often their loss is measured."""
-
-    eval_data: str | None = flag(
-        None, "held-out rows for the eval loss (default: --eval-fraction of --data)", NOT_EMPTY
-    )
-    eval_fraction: float = flag(
-        0.1,
-        "share of --data held out for the eval loss when no --eval-data (0 = none)",
-        Interval(0, 1, "left"),
-    )
-    eval_every: int = flag(
-        10,
-        "eval loss on the held-out rows before training, every N steps and at the end (0 = never)",
-        AtLeast(0),
-    )
+SftEvaluationSettings = evaluation_settings(
+    "SftEvaluationSettings", rows="rows", measure="the eval loss", every=10
+)
 
 
-# attrs collects the fields from the last base to the first.
 @attrs.frozen(field_transformer=with_checks)
 class SftConfig(
-    PriceSettings,
-    ServiceSettings,
-    CheckpointSettings,
-    SftEvaluationSettings,
-    ScheduleSettings,
-    OptimizerSettings,
-    SftUpdateSettings,
-    SftDataSettings,
-    RunSettings,
-    ModelSettings,
+    *recipe_groups(
+        own=(SftDataSettings, SftUpdateSettings),
+        evaluation=(ScheduleSettings, SftEvaluationSettings),
+    )
 ):
     """Every knob of `grpo sft`; --data is required."""
-
-    def __attrs_post_init__(self) -> None:
-        if self.data is None:
-            raise ConfigError("--data is required: a .jsonl/.parquet/.csv file of training rows")
 
 
 SFT_FIELDS: dict[str, Field] = attrs.fields_dict(SftConfig)
