@@ -24,11 +24,10 @@ from grpo.tools.experiments.report import (
     experiment_figure,
     number,
     percent,
+    report_ending,
     run_and_report,
-    runs_table,
     summary_json,
     table,
-    unfinished_section,
 )
 from grpo.tools.experiments.runner import (
     DEFAULT_JOBS,
@@ -168,16 +167,13 @@ def render_compare_report(
         what="Test accuracy",
         more_seeds="`--seeds 3`",
     )
-    lines += ["", verdict] if verdict else []
-    lines += unfinished_section(all_runs)
-    lines += ["", "## Runs", ""] + runs_table(all_runs)
-    lines += [
-        "",
-        "## Reward",
-        "",
-        f"![reward per loss: mean over seeds, band = 95% t interval]({FIGURE_FILE})",
-        "",
-    ]
+    lines += report_ending(
+        verdict,
+        all_runs,
+        heading="Reward",
+        figure=FIGURE_FILE,
+        caption="reward per loss: mean over seeds, band = 95% t interval",
+    )
     return "\n".join(lines)
 
 

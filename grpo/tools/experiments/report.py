@@ -111,6 +111,17 @@ def definitions(last_steps: int) -> str:
     )
 
 
+def report_ending(
+    verdict: str | None, runs: Sequence[RunStats], *, heading: str, figure: str, caption: str
+) -> list[str]:
+    """The lines every experiment report ends with: the verdict (if any), the unfinished runs,
+    the table of every run, then the figure `figure` under `heading` with its `caption`."""
+    lines = ["", verdict] if verdict else []
+    lines += unfinished_section(runs)
+    lines += ["", "## Runs", ""] + runs_table(runs)
+    return lines + ["", f"## {heading}", "", f"![{caption}]({figure})", ""]
+
+
 def unfinished_section(stats: Sequence[RunStats]) -> list[str]:
     unfinished = missing_runs(stats)
     if not unfinished:

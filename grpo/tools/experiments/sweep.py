@@ -26,11 +26,10 @@ from grpo.tools.experiments.report import (
     dry_run_specs,
     experiment_figure,
     percent,
+    report_ending,
     run_and_report,
-    runs_table,
     summary_json,
     table,
-    unfinished_section,
 )
 from grpo.tools.experiments.runner import (
     DEFAULT_JOBS,
@@ -374,17 +373,13 @@ def render_sweep_report(
         what=f"`{plan.rank_by}`",
         more_seeds="`seeds = [0, 1, 2]` in the sweep file",
     )
-    lines += ["", verdict] if verdict else []
-    all_runs = [run for entry in ranked for run in entry.summary.runs]
-    lines += unfinished_section(all_runs)
-    lines += ["", "## Runs", ""] + runs_table(all_runs)
-    lines += [
-        "",
-        "## Curves",
-        "",
-        f"![curves per configuration: mean over seeds, band = 95% t interval]({FIGURE_FILE})",
-        "",
-    ]
+    lines += report_ending(
+        verdict,
+        [run for entry in ranked for run in entry.summary.runs],
+        heading="Curves",
+        figure=FIGURE_FILE,
+        caption="curves per configuration: mean over seeds, band = 95% t interval",
+    )
     return "\n".join(lines)
 
 
