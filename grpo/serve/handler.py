@@ -264,6 +264,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(reply)
 
     def _route(self, request: Request) -> Reply:
+        if self.server.state is None:  # closed (`ServeHandle.close`): a kept-alive connection
+            raise ConnectionAbortedError("the server has stopped")  # hung up, as a gone server
         route, ids = _find_route(request)
         self._authorize(route.auth, request, ids)
         length = body_length(request.method, request.headers, self.server.max_request_bytes)

@@ -51,6 +51,10 @@ class ServeHandle:
             self._thread.join()
         self._server.server_close()
         self._local.close()
+        # A connection's thread ends when its client hangs up, maybe at the interpreter's
+        # exit; if it held the last reference to the state, it would free the trainers' torch
+        # tensors then, and a thread that cannot retake the GIL there aborts the process.
+        self._server.state = None
 
     def __enter__(self) -> ServeHandle:
         return self

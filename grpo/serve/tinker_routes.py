@@ -2,12 +2,13 @@
 calls, on the same server, port and ``--api-key`` (sent as ``X-API-Key``) as PyTRIO's.
 
 The handshake (``client/config``) keeps the SDK on plain API keys, client-side custom losses,
-serial forward_backward chunks, uncompressed bodies and per-request polling. Training,
-saving and sampling requests answer a future (``{request_id, model_id}``) that
-``retrieve_future`` long-polls: ``try_again`` while it runs, its result when done (protobuf
-for forward_backward and sampling, JSON otherwise), ``{error, category}`` when it failed.
-A refused request is a 400 (404 for an unknown id) naming the field: never a 5xx (the SDK
-retries those without limit) nor a 409 (retried for minutes). State lives in
+serial forward_backward chunks, uncompressed bodies, per-request polling and its default
+(pyqwest) transport. Training, saving and sampling requests answer a future
+(``{request_id, model_id}``) that ``retrieve_future`` long-polls: ``try_again`` while it
+runs, its result when done (protobuf for forward_backward and sampling, JSON otherwise),
+``{error, category}`` when it failed. A refused request is a 400 (404 for an unknown id)
+naming the field: never a 5xx (the SDK retries those without limit) nor a 409 (retried for
+minutes). State lives in
 `grpo.serve.tinker_service`, the wire format in `grpo.serve.tinker_wire`.
 """
 
@@ -57,7 +58,10 @@ CLIENT_CONFIG = {
     "proto_compress_fwdbwd": False,
     "sample_use_retrieve_futures": False,
     "sample_join_sampling_session": False,
-    "use_pyqwest_transport": False,  # httpx's own transport
+    # the SDK's default transport (pyqwest, Rust's reqwest under httpx's API): it spends
+    # about half the CPU per request of httpx's own, which an rl_loop step's ~22 requests
+    # feel (benchmarks/README.md, "The Tinker route")
+    "use_pyqwest_transport": True,
 }
 """The flags the SDK's handshake gets (`tinker.types.ClientConfigResponse`)."""
 _ADAM_KEYS = set(AdamParams.model_fields)

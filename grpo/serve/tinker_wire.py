@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-from pytrio.types import Datum, ModelInput, TensorData
+from pytrio.types import Datum, EncodedTextChunk, ModelInput, TensorData
 
 from grpo.backends.local import checkpoint_directory, checkpoint_uri
 from grpo.serve.wire import ServeError
@@ -85,6 +85,12 @@ def _array(tensor: Any, proto: ModuleType) -> tuple[np.ndarray, str]:
             400, "validation.invalid_tensor", "loss_fn_inputs tensors must be float32 or int64"
         )
     shape = [int(size) for size in tensor.shape]
+    if any(size < 0 for size in shape):
+        raise ServeError(
+            400,
+            "validation.invalid_tensor",
+            f"a loss_fn_inputs tensor's shape {str(shape)[:80]} has a negative size",
+        )
     try:
         if tensor.HasField("sparse_csr"):
             csr = tensor.sparse_csr
@@ -108,7 +114,9 @@ def _array(tensor: Any, proto: ModuleType) -> tuple[np.ndarray, str]:
 
 
 def _datum(message: Any, proto: ModuleType, index: int) -> Datum:
-    """The local backend's Datum from one proto Datum (text chunks only)."""
+    """The local backend's Datum from one proto Datum (text chunks only), built without
+    pydantic's per-element re-validation: the arrays come typed from the wire and their
+    shapes are checked here, so the result equals a validated construction."""
     parts = []
     for chunk in message.model_input:
         if chunk.WhichOneof("chunk") != "encoded_text":
@@ -122,10 +130,13 @@ def _datum(message: Any, proto: ModuleType, index: int) -> Datum:
     inputs: dict[str, TensorData] = {}
     for key, tensor in message.loss_fn_inputs.items():
         array, name = _array(tensor, proto)
-        inputs[key] = TensorData(
+        inputs[key] = TensorData.model_construct(
             data=array.reshape(-1).tolist(), dtype=name, shape=list(array.shape)
         )
-    return Datum(model_input=ModelInput.from_ints(tokens.tolist()), loss_fn_inputs=inputs)
+    chunk = EncodedTextChunk.model_construct(tokens=tokens.tolist(), type="encoded_text")
+    return Datum.model_construct(
+        model_input=ModelInput.model_construct(chunks=[chunk]), loss_fn_inputs=inputs
+    )
 
 
 def decode_forward_backward(body: bytes) -> dict[str, Any]:

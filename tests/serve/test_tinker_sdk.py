@@ -521,3 +521,45 @@ def test_retrieve_future_long_polls_then_answers_try_again_while_running(
     threading.Timer(0.1, lambda: future.set_result({"metrics": {"x": 1.0}})).start()
     status, body = post(server, "/api/v1/retrieve_future", {"request_id": request_id})
     assert (status, body) == (200, {"metrics": {"x": 1.0}})  # answered as soon as it finished
+
+
+def test_forward_backward_datums_decode_as_a_validated_construction_would() -> None:
+    from pytrio.types import Datum, ModelInput
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    from grpo.serve.tinker_wire import decode_forward_backward
+    from grpo.serve.wire import ServeError
+
+    sent = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(TOKENS[: 3 + index]),
+            loss_fn_inputs={
+                "target_tokens": np.arange(3 + index, dtype=np.int64),
+                "weights": np.linspace(-1.5, 2.25, 3 + index, dtype=np.float32),
+            },
+        )
+        for index in range(3)
+    ]
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=sent, loss_fn="cross_entropy"),
+        model_id="m",
+        seq_id=1,
+    )
+    message = forward_backward_request_to_proto(request)
+    decoded = decode_forward_backward(message.SerializeToString())["data"]
+    validated = [
+        Datum(
+            model_input=ModelInput.from_ints(datum.model_input.to_ints()),
+            loss_fn_inputs={
+                key: {"data": value.tolist(), "dtype": value.dtype, "shape": value.shape}
+                for key, value in datum.loss_fn_inputs.items()
+            },
+        )
+        for datum in sent
+    ]
+    assert [datum.model_dump() for datum in decoded] == [d.model_dump() for d in validated]
+    message.data[0].loss_fn_inputs["weights"].shape[:] = [-1]
+    with pytest.raises(ServeError) as refused:
+        decode_forward_backward(message.SerializeToString())
+    assert refused.value.status == 400
+    assert "negative size" in refused.value.message

@@ -184,3 +184,29 @@ def test_a_training_clients_steady_sampling_burst_is_started_together(
     assert results == [b"a", b"b", b"c"]
     tinker_state.sample_once(None, start("d"), gated)  # past the burst: at once
     assert started[-1] == "d"
+
+
+def test_a_closed_server_hangs_up_on_a_kept_alive_connection_and_frees_its_state(
+    tmp_path: Path,
+) -> None:
+    """A client that keeps its connection open past the server's close (the SDK's pyqwest
+    pool does, until the program exits) gets no answer on it, and its connection's thread
+    holds none of the server's state: freed there at the interpreter's exit, the trainers'
+    tensors would abort the process."""
+    import http.client
+
+    handle = serve_in_thread(root=tmp_path / "served", api_key=SERVE_API_KEY)
+    host, port = handle.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    headers = {"X-API-Key": TINKER_KEY}
+    connection.request("GET", "/api/v1/healthz", headers=headers)
+    assert connection.getresponse().read() == b'{"status": "ok"}'  # kept alive
+    state = weakref.ref(handle.state.tinker)
+    handle.close()
+    del handle
+    gc.collect()
+    assert state() is None  # the connection's thread, still serving it, holds none of it
+    with pytest.raises((http.client.HTTPException, ConnectionError)):
+        connection.request("GET", "/api/v1/healthz", headers=headers)
+        connection.getresponse()
+    connection.close()

@@ -367,7 +367,12 @@ def run_data_recipe(
         recipe, sent = begin(plan, session)
         state = start_state(run_dir, start)
         state.usage += sent
-        return run_steps(recipe, state, echo, progress)
+        result = run_steps(recipe, state, echo, progress)
+        if service_client is None and config.backend == "tinker":
+            # the Tinker session this run opened ends with it (as grpo train's does), not at
+            # the process's exit, its heartbeats failing meanwhile once the service is gone
+            plan.service.close()
+        return result
 
 
 def open_recipe_session(
