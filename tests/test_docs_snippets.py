@@ -4,7 +4,8 @@ A document's blocks run in order, in one temporary working directory (holding li
 repository's `examples/`, `docs/` and `grpo/`, so the paths the docs use resolve), so a later
 block uses what an earlier one wrote (`runs/quickstart` ...):
 
-- ```python blocks run as a script (`sys.executable`);
+- ```python blocks run as a script (`sys.executable`), with their `steps=N` and `limit=N`
+  arguments made small too (`SMALL_PYTHON`);
 - ```bash and ```console blocks run under `bash -e -o pipefail`, every `grpo` recipe command
   in them with small step counts (`SMALL`: `grpo train ...` gets `--steps 2`, `grpo eval`
   `--limit 5 --seeds 1` ...), so the document's figures come from its full runs, not these;
@@ -54,6 +55,10 @@ SMALL: dict[str, dict[str, str]] = {
     "eval": {"--limit": "5", "--seeds": "1"},
     "compare": {"--steps": "2", "--seeds": "1", "--eval-limit": "10", "--jobs": "2"},
 }
+# keyword argument -> value set in every ```python block (`train(TrainConfig(steps=10))` trains
+# 2 steps, `evaluate(..., limit=100)` grades 5 problems).
+SMALL_PYTHON = {"steps": "2", "limit": "5"}
+SMALL_PYTHON_ARGUMENT = re.compile(r"\b(" + "|".join(SMALL_PYTHON) + r")=\d+")
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 MARKER = re.compile(r"<!-- docs-test: ([\w-]+)(?: ([^\s(]+))?(?: \([^)]*\))? -->\s*$")
 
@@ -121,6 +126,11 @@ def small_script(script: str) -> str:
     return "\n".join(line if re.search(r"[&|;$<>]", line) else small(line) for line in lines)
 
 
+def small_python(script: str) -> str:
+    """A python block with its `steps=N` and `limit=N` keyword arguments set by SMALL_PYTHON."""
+    return SMALL_PYTHON_ARGUMENT.sub(lambda match: f"{match[1]}={SMALL_PYTHON[match[1]]}", script)
+
+
 def free_port() -> str:
     """A free loopback port."""
     with socket.socket() as probe:
@@ -142,7 +152,7 @@ def run_block(block: Block, text: str, workdir: Path, env: dict[str, str], index
     """Run one block in `workdir`; its combined output (a failure names the block)."""
     if block.language == "python":
         script = workdir / f"snippet_{index}.py"
-        script.write_text(text, encoding="utf-8")
+        script.write_text(small_python(text), encoding="utf-8")
         argv = [sys.executable, str(script)]
     else:
         argv = ["bash", "-e", "-o", "pipefail", "-c", small_script(text)]
@@ -270,6 +280,9 @@ def test_the_marker_parser_and_the_small_commands() -> None:
     assert small("grpo plot runs/q --out q.png") == "grpo plot runs/q --out q.png"
     joined = small_script("grpo eval \\\n  --samples 8")
     assert joined == "grpo eval --samples 8 --limit 5 --seeds 1"
+    assert small_python("train(TrainConfig(steps=10, num_substeps=4))\nevaluate(d, limit=100)") == (
+        "train(TrainConfig(steps=2, num_substeps=4))\nevaluate(d, limit=5)"
+    )
     assert MARKER.search("<!-- docs-test: file prices.toml -->").groups() == ("file", "prices.toml")
     assert MARKER.search("<!-- docs-test: illustrative (needs a login) -->").groups() == (
         "illustrative",
