@@ -7,8 +7,9 @@ block uses what an earlier one wrote (`runs/quickstart` ...):
 - ```python blocks run as a script (`sys.executable`), with their `steps=N` and `limit=N`
   arguments made small too (`SMALL_PYTHON`);
 - ```bash and ```console blocks run under `bash -e -o pipefail`, every `grpo` recipe command
-  in them with small step counts (`SMALL`: `grpo train ...` gets `--steps 2`, `grpo eval`
-  `--limit 5 --seeds 1` ...), so the document's figures come from its full runs, not these;
+  in them with small step counts (`SMALL`: `grpo train ...` gets `--steps 2` and batches of
+  4 x 4, `grpo eval` `--limit 5 --seeds 1` ...), so the document's figures come from its
+  full runs, not these;
 - a marker on the line before a block says otherwise: `<!-- docs-test: KIND ARG (why) -->`
   with KIND `illustrative` (not run: it needs an account, a server of yours, or is an output
   whose digits depend on the CPU), `check` (a ```text block: each of its lines must be a line
@@ -47,13 +48,16 @@ TIMEOUT_S = 600
 
 # flag -> value set on every `grpo <recipe>` command a block runs (added or replaced);
 # --eval-every is lowered to 2 where a command evaluates at all.
+# Batches of 4 prompts x 4 completions (the default 8 x 8 costs 4x the rollouts; 4 x 4 still
+# trains on the tool model of docs/environments.md, where 2 x 4 leaves every group degenerate).
+SMALL_BATCH = {"--batch-size": "4", "--group-size": "4"}
 SMALL: dict[str, dict[str, str]] = {
-    "train": {"--steps": "2", "--eval-limit": "10"},
-    "distill": {"--steps": "2", "--eval-limit": "10"},
+    "train": {"--steps": "2", "--eval-limit": "10", **SMALL_BATCH},
+    "distill": {"--steps": "2", "--eval-limit": "10", **SMALL_BATCH},
     "sft": {"--epochs": "1"},
     "dpo": {"--steps": "2"},
     "eval": {"--limit": "5", "--seeds": "1"},
-    "compare": {"--steps": "2", "--seeds": "1", "--eval-limit": "10", "--jobs": "2"},
+    "compare": {"--steps": "2", "--seeds": "1", "--eval-limit": "10", "--jobs": "2", **SMALL_BATCH},
 }
 # keyword argument -> value set in every ```python block (`train(TrainConfig(steps=10))` trains
 # 2 steps, `evaluate(..., limit=100)` grades 5 problems).
@@ -269,12 +273,16 @@ def test_copies_of_repository_files_are_copies() -> None:
 
 
 def test_the_marker_parser_and_the_small_commands() -> None:
-    assert small("grpo train --run-name q") == "grpo train --run-name q --steps 2 --eval-limit 10"
-    assert small("grpo train --steps 40 --eval-every 10") == (
-        "grpo train --steps 2 --eval-every 2 --eval-limit 10"
+    batch = "--batch-size 4 --group-size 4"
+    assert (
+        small("grpo train --run-name q")
+        == f"grpo train --run-name q --steps 2 --eval-limit 10 {batch}"
+    )
+    assert small("grpo train --steps 40 --eval-every 10 --batch-size 8") == (
+        "grpo train --steps 2 --eval-every 2 --batch-size 4 --eval-limit 10 --group-size 4"
     )
     assert small("grpo train --eval-every 0  # no evaluation") == (
-        "grpo train --eval-every 0 --steps 2 --eval-limit 10"
+        f"grpo train --eval-every 0 --steps 2 --eval-limit 10 {batch}"
     )
     assert small("grpo train --dry-run --steps 20") == "grpo train --dry-run --steps 20"
     assert small("grpo plot runs/q --out q.png") == "grpo plot runs/q --out q.png"
