@@ -4,10 +4,12 @@ A document's blocks run in order, in one temporary working directory (holding li
 repository's `examples/`, `docs/` and `grpo/`, so the paths the docs use resolve), so a later
 block uses what an earlier one wrote (`runs/quickstart` ...):
 
-- ```python blocks run as a script (`sys.executable`);
+- ```python blocks run as a script (`sys.executable`), with their `steps=N` and `limit=N`
+  arguments made small too (`SMALL_PYTHON`);
 - ```bash and ```console blocks run under `bash -e -o pipefail`, every `grpo` recipe command
-  in them with small step counts (`SMALL`: `grpo train ...` gets `--steps 2`, `grpo eval`
-  `--limit 5 --seeds 1` ...), so the document's figures come from its full runs, not these;
+  in them with small step counts (`SMALL`: `grpo train ...` gets `--steps 2` and batches of
+  4 x 4, `grpo eval` `--limit 5 --seeds 1` ...), so the document's figures come from its
+  full runs, not these;
 - a marker on the line before a block says otherwise: `<!-- docs-test: KIND ARG (why) -->`
   with KIND `illustrative` (not run: it needs an account, a server of yours, or is an output
   whose digits depend on the CPU), `check` (a ```text block: each of its lines must be a line
@@ -46,14 +48,21 @@ TIMEOUT_S = 600
 
 # flag -> value set on every `grpo <recipe>` command a block runs (added or replaced);
 # --eval-every is lowered to 2 where a command evaluates at all.
+# Batches of 4 prompts x 4 completions (the default 8 x 8 costs 4x the rollouts; 4 x 4 still
+# trains on the tool model of docs/environments.md, where 2 x 4 leaves every group degenerate).
+SMALL_BATCH = {"--batch-size": "4", "--group-size": "4"}
 SMALL: dict[str, dict[str, str]] = {
-    "train": {"--steps": "2", "--eval-limit": "10"},
-    "distill": {"--steps": "2", "--eval-limit": "10"},
+    "train": {"--steps": "2", "--eval-limit": "10", **SMALL_BATCH},
+    "distill": {"--steps": "2", "--eval-limit": "10", **SMALL_BATCH},
     "sft": {"--epochs": "1"},
     "dpo": {"--steps": "2"},
     "eval": {"--limit": "5", "--seeds": "1"},
-    "compare": {"--steps": "2", "--seeds": "1", "--eval-limit": "10", "--jobs": "2"},
+    "compare": {"--steps": "2", "--seeds": "1", "--eval-limit": "10", "--jobs": "2", **SMALL_BATCH},
 }
+# keyword argument -> value set in every ```python block (`train(TrainConfig(steps=10))` trains
+# 2 steps, `evaluate(..., limit=100)` grades 5 problems).
+SMALL_PYTHON = {"steps": "2", "limit": "5"}
+SMALL_PYTHON_ARGUMENT = re.compile(r"\b(" + "|".join(SMALL_PYTHON) + r")=\d+")
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 MARKER = re.compile(r"<!-- docs-test: ([\w-]+)(?: ([^\s(]+))?(?: \([^)]*\))? -->\s*$")
 
@@ -121,6 +130,11 @@ def small_script(script: str) -> str:
     return "\n".join(line if re.search(r"[&|;$<>]", line) else small(line) for line in lines)
 
 
+def small_python(script: str) -> str:
+    """A python block with its `steps=N` and `limit=N` keyword arguments set by SMALL_PYTHON."""
+    return SMALL_PYTHON_ARGUMENT.sub(lambda match: f"{match[1]}={SMALL_PYTHON[match[1]]}", script)
+
+
 def free_port() -> str:
     """A free loopback port."""
     with socket.socket() as probe:
@@ -142,7 +156,7 @@ def run_block(block: Block, text: str, workdir: Path, env: dict[str, str], index
     """Run one block in `workdir`; its combined output (a failure names the block)."""
     if block.language == "python":
         script = workdir / f"snippet_{index}.py"
-        script.write_text(text, encoding="utf-8")
+        script.write_text(small_python(text), encoding="utf-8")
         argv = [sys.executable, str(script)]
     else:
         argv = ["bash", "-e", "-o", "pipefail", "-c", small_script(text)]
@@ -259,17 +273,24 @@ def test_copies_of_repository_files_are_copies() -> None:
 
 
 def test_the_marker_parser_and_the_small_commands() -> None:
-    assert small("grpo train --run-name q") == "grpo train --run-name q --steps 2 --eval-limit 10"
-    assert small("grpo train --steps 40 --eval-every 10") == (
-        "grpo train --steps 2 --eval-every 2 --eval-limit 10"
+    batch = "--batch-size 4 --group-size 4"
+    assert (
+        small("grpo train --run-name q")
+        == f"grpo train --run-name q --steps 2 --eval-limit 10 {batch}"
+    )
+    assert small("grpo train --steps 40 --eval-every 10 --batch-size 8") == (
+        "grpo train --steps 2 --eval-every 2 --batch-size 4 --eval-limit 10 --group-size 4"
     )
     assert small("grpo train --eval-every 0  # no evaluation") == (
-        "grpo train --eval-every 0 --steps 2 --eval-limit 10"
+        f"grpo train --eval-every 0 --steps 2 --eval-limit 10 {batch}"
     )
     assert small("grpo train --dry-run --steps 20") == "grpo train --dry-run --steps 20"
     assert small("grpo plot runs/q --out q.png") == "grpo plot runs/q --out q.png"
     joined = small_script("grpo eval \\\n  --samples 8")
     assert joined == "grpo eval --samples 8 --limit 5 --seeds 1"
+    assert small_python("train(TrainConfig(steps=10, num_substeps=4))\nevaluate(d, limit=100)") == (
+        "train(TrainConfig(steps=2, num_substeps=4))\nevaluate(d, limit=5)"
+    )
     assert MARKER.search("<!-- docs-test: file prices.toml -->").groups() == ("file", "prices.toml")
     assert MARKER.search("<!-- docs-test: illustrative (needs a login) -->").groups() == (
         "illustrative",
