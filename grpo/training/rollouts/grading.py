@@ -280,8 +280,9 @@ def graded_step(graded: Graded, method: str, *, limit: int | None, keep_all: boo
     returns) and the rollout metrics; the groups that train are the non-degenerate ones (the
     first ``limit`` when given), or all of them with ``keep_all``."""
     if isinstance(graded, PlayedGroups):
-        groups_P: Sequence[RolloutGroup] = episode_groups(graded.episodes_P, method)
-        metrics = episode_metrics(groups_P)
+        played_P = episode_groups(graded.episodes_P, method)
+        groups_P: Sequence[RolloutGroup] = played_P
+        metrics = episode_metrics(played_P)
     else:
         scored_P = score_groups(
             graded.problems_P, graded.completions_P, graded.scores.totals_P, method

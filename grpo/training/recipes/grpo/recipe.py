@@ -52,7 +52,7 @@ def train_step(run: Run, state: RunState, step: int) -> dict[str, float]:
     # 3. grade (--reward, or env returns); 4. advantages; 5. rollout metrics, then drop the
     # degenerate groups (under distillation the teacher scores all)
     graded = rollouts.grade(run, state, step, sampled, keep_all=scoring is not None)
-    trainable_P = list(graded.trainable_P)
+    trainable_P = graded.trainable_P
     metrics = {**graded.metrics, "off_policy_steps": float(staleness)}
     if config.dynamic_sampling:
         metrics.update(graded.sampling_metrics())
