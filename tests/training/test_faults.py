@@ -17,9 +17,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from grpo.cli import main
 from grpo.training.run import run_files
@@ -96,6 +98,36 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
     ]
 
 
+# A resumed run's final LoRA weights equal the uninterrupted run's to this share of each
+# tensor's norm (here they are bit-identical; the margin is for float sums that a thread
+# count or CPU path may order differently). The metrics alone miss a resume that drops
+# Adam's state: resumed at step 2 of 4 without it, the rows stay within METRIC_RTOL while
+# lm_head's lora_A ends 0.013 off in norm (0.4% of its 3.3, four times this bound).
+WEIGHTS_RTOL = 1e-3
+
+
+class Reference(NamedTuple):
+    """What an uninterrupted run leaves: its metrics rows and its final LoRA weights."""
+
+    rows: list[dict[str, Any]]
+    weights: dict[str, torch.Tensor]
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The LoRA tensors a finished run's final sampler was saved with."""
+    path = run_files.eval_weights_path(run_dir).removeprefix("local://")
+    return load_file(str(run_dir / path / "adapter_model.safetensors"))
+
+
+def _assert_same_weights(run_dir: Path, expected: dict[str, torch.Tensor], what: str) -> None:
+    """``run_dir``'s final weights equal `expected`, each tensor to WEIGHTS_RTOL of its norm."""
+    actual = _final_weights(run_dir)
+    assert actual.keys() == expected.keys(), what
+    for name, tensor in expected.items():
+        off = float((actual[name] - tensor).norm())
+        assert off <= WEIGHTS_RTOL * float(tensor.norm()) + 1e-9, f"{what}: {name} off by {off}"
+
+
 def _resume_until_done(run_dir: Path, flags: list[str] = FLAGS) -> None:
     """Resume (or, when the kill came before anything was written, restart) to the end.
 
@@ -115,7 +147,7 @@ def _resume_until_done(run_dir: Path, flags: list[str] = FLAGS) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     run_dir = tmp_path_factory.mktemp("faults") / "reference"
     result = _train(run_dir, *FLAGS, "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr[-2000:]
@@ -124,18 +156,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     # Every step trains (seed 0 has no all-degenerate step), so a redone step that
     # started from the wrong weights would show in its loss and ratios.
     assert all(row["datums"] > 0 for row in rows[1:]), rows
-    return rows
+    return Reference(rows, _final_weights(run_dir))
 
 
 @pytest.fixture(scope="module")
-def off_policy_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def off_policy_reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     run_dir = tmp_path_factory.mktemp("faults") / "off-policy"
     result = _train(run_dir, *OFF_POLICY_FLAGS, "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr[-2000:]
     rows = _rows(run_dir)
     assert [row["off_policy_steps"] for row in rows[1:]] == [0.0, 1.0, 1.0, 1.0], "test setup"
     assert not (run_dir / "ahead").exists() or not any((run_dir / "ahead").iterdir())
-    return rows
+    return Reference(rows, _final_weights(run_dir))
 
 
 @pytest.mark.slow
@@ -146,7 +178,7 @@ def off_policy_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[
 )
 def test_an_off_policy_run_resumes_on_the_rollouts_it_had_sampled_ahead(
     tmp_path: Path,
-    off_policy_reference: list[dict[str, Any]],
+    off_policy_reference: Reference,
     fault: str,
     what: str,
     logged: list[int],
@@ -158,7 +190,8 @@ def test_an_off_policy_run_resumes_on_the_rollouts_it_had_sampled_ahead(
     assert [row["step"] for row in run_files.read_metrics(run_dir)] == logged, what
     assert (run_dir / "ahead" / f"step-{checkpoint_step:06d}.json").is_file(), what
     _resume_until_done(run_dir, OFF_POLICY_FLAGS)
-    assert_same_rows(_rows(run_dir), off_policy_reference, what)
+    assert_same_rows(_rows(run_dir), off_policy_reference.rows, what)
+    _assert_same_weights(run_dir, off_policy_reference.weights, what)
 
 
 @pytest.mark.slow
@@ -167,7 +200,7 @@ def test_an_off_policy_run_resumes_on_the_rollouts_it_had_sampled_ahead(
 )
 def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     tmp_path: Path,
-    reference: list[dict[str, Any]],
+    reference: Reference,
     fault: str,
     what: str,
     logged: list[int],
@@ -188,13 +221,14 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     )
     assert stopped_at == (logged, checkpoint_step), f"{what}: (rows, checkpoint) {stopped_at}"
     _resume_until_done(run_dir)
-    assert_same_rows(_rows(run_dir), reference, what)
+    assert_same_rows(_rows(run_dir), reference.rows, what)
+    _assert_same_weights(run_dir, reference.weights, what)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trial", [0, 1])
 def test_sigkill_at_a_random_time_then_resume_equals_the_uninterrupted_run(
-    tmp_path: Path, reference: list[dict[str, Any]], trial: int
+    tmp_path: Path, reference: Reference, trial: int
 ) -> None:
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -214,4 +248,5 @@ def test_sigkill_at_a_random_time_then_resume_equals_the_uninterrupted_run(
     assert process.wait(TIMEOUT_S) == -signal.SIGKILL, "the run ended before the kill"
     assert run_files.run_status(run_dir) == run_files.UNFINISHED
     _resume_until_done(run_dir)
-    assert_same_rows(_rows(run_dir), reference)
+    assert_same_rows(_rows(run_dir), reference.rows)
+    _assert_same_weights(run_dir, reference.weights, "killed at a random time")
