@@ -264,10 +264,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(reply)
 
     def _route(self, request: Request) -> Reply:
-        if self.server.state is None:  # closed (`ServeHandle.close`): a kept-alive connection
-            raise ConnectionAbortedError("the server has stopped")  # hung up, as a gone server
+        # Read once: `ServeHandle.close` may drop the state while this request is in flight.
+        state = self.server.state
+        if state is None:  # closed: a kept-alive connection is hung up, as a gone server's
+            raise ConnectionAbortedError("the server has stopped")
         route, ids = _find_route(request)
-        self._authorize(route.auth, request, ids)
+        self._authorize(route.auth, request, ids, state)
         length = body_length(request.method, request.headers, self.server.max_request_bytes)
         request.body = self.rfile.read(length) if length else b""
         if len(request.body) < length:
@@ -276,13 +278,15 @@ class _Handler(BaseHTTPRequestHandler):
         operation = route.fault_operation(request)
         if operation:
             self._inject_fault(operation)
-        return route.handler(self.server.state, request, *ids)
+        return route.handler(state, request, *ids)
 
-    def _authorize(self, auth: str, request: Request, ids: tuple[str, ...]) -> None:
+    def _authorize(
+        self, auth: str, request: Request, ids: tuple[str, ...], state: ServeState
+    ) -> None:
         key = self.server.api_key
         bearer = (request.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
         if auth == "files":
-            self.server.state.registry.downloads.check(ids[0], request.query.get("token"))
+            state.registry.downloads.check(ids[0], request.query.get("token"))
         elif key is None or auth == "none":
             return
         elif auth == "control" and not (
@@ -300,7 +304,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "unauthorized",
                 f"missing or wrong API key; set {variable} given to `grpo serve --api-key`",
             )
-        elif auth == "actor" and bearer not in self.server.state.registry.actor_tokens:
+        elif auth == "actor" and bearer not in state.registry.actor_tokens:
             raise ServeError(401, "unauthorized", "missing or unknown actor token")
 
     def _inject_fault(self, operation: str) -> None:
