@@ -8,9 +8,11 @@ It prints the URL and the environment variables (``PYTRIO_BASE_URL``,
 from __future__ import annotations
 
 import argparse
+import inspect
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from grpo.backends.local import default_root
 from grpo.core.normalization import DEFAULT_SERVICE_NORMALIZATION, NORMALIZATIONS
@@ -72,8 +74,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--request-timeout",
+        dest="request_timeout_s",
         type=float,
         default=REQUEST_TIMEOUT_S,
+        metavar="SECONDS",
         help="seconds a connection may stay silent before it is closed "
         f"(default {REQUEST_TIMEOUT_S:g})",
     )
@@ -138,6 +142,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tinker-session-expiry",
+        dest="tinker_session_expiry_s",
         type=float,
         default=SESSION_EXPIRY_S,
         metavar="SECONDS",
@@ -146,28 +151,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {SESSION_EXPIRY_S:g})",
     )
     parser.add_argument("--log-requests", action="store_true", help="log every request to stderr")
-
-
-def _check_bounds(args: argparse.Namespace) -> None:
-    """Refuse a bound that would disable itself (0 or negative)."""
-    for flag, value in (
-        *(
-            (flag, value)
-            for flag, value in (
-                ("--max-batch-size", args.max_batch_size),
-                ("--max-tokens-per-request", args.max_tokens_per_request),
-            )
-            if value is not None
-        ),
-        ("--max-request-bytes", args.max_request_bytes),
-        ("--max-connections", args.max_connections),
-        ("--request-timeout", args.request_timeout),
-        ("--tinker-session-expiry", args.tinker_session_expiry),
-    ):
-        if not value > 0:
-            raise ValueError(f"{flag} must be > 0, got {value}")
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0 (0 = auto), got {args.threads}")
 
 
 def _parse_alias(spec: str) -> tuple[str, str]:
@@ -179,37 +162,31 @@ def _parse_alias(spec: str) -> tuple[str, str]:
     return alias, name
 
 
+BUILT_OPTIONS = ("api_key", "faults", "aliases")
+"""The parameters of `start_server` that `run_serve` builds: the key (--api-key, else
+$GRPO_SERVE_API_KEY), the fault plan (--fault, --fault-seed) and the aliases (--model-alias);
+each other parameter is the flag whose destination is its name."""
+
+
+def served_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags passed to `start_server` as they are, by their parameter's name."""
+    return {
+        name: getattr(args, name)
+        for name in inspect.signature(start_server).parameters
+        if name not in BUILT_OPTIONS
+    }
+
+
 def run_serve(args: argparse.Namespace, *, echo: Callable[[str], None] = print) -> int:
     """Serve until Ctrl-C (or SIGTERM); prints the URL and the environment variables to set."""
     import os
 
     api_key = args.api_key if args.api_key is not None else os.environ.get("GRPO_SERVE_API_KEY")
     try:
-        _check_bounds(args)
         faults = FaultPlan([parse_fault(spec) for spec in args.fault], seed=args.fault_seed)
         aliases = dict(_parse_alias(spec) for spec in args.model_alias)
-    except ValueError as error:
-        echo(f"grpo serve: {error}")
-        return 2
-    try:
         server, local = start_server(
-            root=args.root,
-            api_key=api_key,
-            faults=faults,
-            host=args.host,
-            port=args.port,
-            seed=args.seed,
-            log_requests=args.log_requests,
-            aliases=aliases,
-            sampler_dtype=args.sampler_dtype,
-            max_request_bytes=args.max_request_bytes,
-            max_connections=args.max_connections,
-            request_timeout_s=args.request_timeout,
-            service_normalization=args.service_normalization,
-            max_batch_size=args.max_batch_size,
-            max_tokens_per_request=args.max_tokens_per_request,
-            threads=args.threads,
-            tinker_session_expiry_s=args.tinker_session_expiry,
+            **served_flags(args), api_key=api_key, faults=faults, aliases=aliases
         )
     except ValueError as error:
         echo(f"grpo serve: {error}")

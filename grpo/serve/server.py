@@ -97,10 +97,18 @@ def start_server(
     expires (`grpo.serve.tinker_service`).
     """
     api_key = checked_api_key(api_key)
-    if not tinker_session_expiry_s > 0:
-        raise ValueError(
-            f"--tinker-session-expiry must be > 0 seconds, got {tinker_session_expiry_s}"
-        )
+    for flag, value in (
+        ("--max-request-bytes", max_request_bytes),
+        ("--max-connections", max_connections),
+        ("--request-timeout", request_timeout_s),
+        ("--max-batch-size", max_batch_size),
+        ("--max-tokens-per-request", max_tokens_per_request),
+        ("--tinker-session-expiry", tinker_session_expiry_s),
+    ):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
+    if threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0 = auto), got {threads}")
     if api_key is None and host not in LOOPBACK_HOSTS:
         raise ValueError(
             f"--host {host} makes the server reachable from other machines: give it a key "

@@ -125,16 +125,67 @@ def test_binding_off_loopback_without_a_key_is_an_error_at_start(tmp_path: Path)
 
 
 def test_grpo_serve_with_an_empty_api_key_exits_2(tmp_path: Path) -> None:
+    from grpo.serve.command import run_serve
+
+    lines: list[str] = []
+    args = _serve_args("--api-key", "", "--port", "0", "--root", str(tmp_path))
+    assert run_serve(args, echo=lines.append) == 2
+    assert "empty or whitespace" in lines[0]
+
+
+def _serve_args(*argv: str) -> Any:
     import argparse
 
-    from grpo.serve.command import add_serve_arguments, run_serve
+    from grpo.serve.command import add_serve_arguments
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    ("name", "flag", "value"),
+    [
+        ("max_request_bytes", "--max-request-bytes", 0),
+        ("max_connections", "--max-connections", -1),
+        ("request_timeout_s", "--request-timeout", 0.0),
+        ("max_batch_size", "--max-batch-size", 0),
+        ("max_tokens_per_request", "--max-tokens-per-request", -2),
+        ("tinker_session_expiry_s", "--tinker-session-expiry", 0.0),
+    ],
+)
+def test_a_bound_that_would_disable_itself_is_refused_whoever_starts_the_server(
+    tmp_path: Path, name: str, flag: str, value: float
+) -> None:
+    """0 connections would answer every request 503: refused at start, from a program (the
+    flag named) and from `grpo serve` (exit 2, one line), before anything binds."""
+    from grpo.serve.command import run_serve
+
+    with pytest.raises(ValueError, match=f"^{flag} must be > 0, got {value}$"):
+        serve_in_thread(root=tmp_path / "served", **{name: value})
     lines: list[str] = []
-    args = parser.parse_args(["--api-key", "", "--port", "0", "--root", str(tmp_path)])
+    args = _serve_args(flag, str(value), "--port", "0", "--root", str(tmp_path / "cli"))
     assert run_serve(args, echo=lines.append) == 2
-    assert "empty or whitespace" in lines[0]
+    assert lines == [f"grpo serve: {flag} must be > 0, got {value}"]
+    assert not (tmp_path / "cli").exists()
+
+
+def test_every_option_of_start_server_is_a_grpo_serve_flag_with_its_default() -> None:
+    """`grpo serve` passes its flags to `start_server` by name: each parameter (but the key,
+    the fault plan and the aliases, built from their flags) is a flag's destination, with
+    start_server's default (the port aside: the command's is fixed, a program's any free one)."""
+    import inspect
+
+    from grpo.serve.command import BUILT_OPTIONS, DEFAULT_PORT, served_flags
+
+    parameters = inspect.signature(start_server).parameters
+    passed = served_flags(_serve_args())
+    assert set(passed) | set(BUILT_OPTIONS) == set(parameters)
+    defaults = {name: parameters[name].default for name in passed}
+    assert passed == {**defaults, "port": DEFAULT_PORT}
+    flags = _serve_args("--request-timeout", "7", "--tinker-session-expiry", "9")
+    assert served_flags(flags)["request_timeout_s"] == 7.0
+    assert served_flags(flags)["tinker_session_expiry_s"] == 9.0
 
 
 def test_keys_are_compared_in_constant_time(keyed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
