@@ -397,11 +397,9 @@ def evaluate_report(
             )
             for one_seed in seed_list
         )
-    # Done with the service made above: a Tinker session is finished now (not at exit, its
-    # heartbeats failing once the server is gone), the local worker stopped. An error or
-    # Ctrl-C before this leaves it to the process's exit (tinker_sdk finishes it then).
-    if hasattr(service, "close"):
-        service.close()
+    from grpo.training.run.lifecycle import close_opened
+
+    close_opened(service, None)  # done with the service made above
     summary = seed_summary(
         [result.samples for result in results],
         resamples=BOOTSTRAP_RESAMPLES,

@@ -475,3 +475,46 @@ def test_resume_after_the_weights_were_deleted_says_what_to_do(tmp_path: Path) -
     ):
         quiet_train(config, resume=True)
     assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1]
+
+
+def _counting_closes(service: Any, closes: list[Any]) -> Any:
+    """`service` with its close() recorded in `closes` (then done)."""
+    close = service.close
+
+    def counted() -> None:
+        closes.append(service)
+        close()
+
+    service.close = counted
+    return service
+
+
+def test_a_run_closes_the_service_it_opened_and_leaves_a_given_one_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the backend, a finished run (and a dry run) closes the service client it made
+    (a Tinker session ends with its run, not at the process's exit); one passed in is the
+    caller's, left open."""
+    import grpo.training.recipes.grpo.run as grpo_run
+    from grpo.training.recipes.grpo.run import dry_run
+
+    closes: list[Any] = []
+    opened: list[Any] = []
+    make = grpo_run.run_service
+
+    def counted_service(config: Any, run_dir: Path) -> Any:
+        opened.append(_counting_closes(make(config, run_dir), closes))
+        return opened[-1]
+
+    monkeypatch.setattr(grpo_run, "run_service", counted_service)
+    quiet_train(tiny_config(tmp_path, "own", steps=1, eval_every=0))
+    dry_run(tiny_config(tmp_path, "planned", steps=1, eval_every=0))
+    assert len(opened) == 2 and closes == opened
+
+    given = _counting_closes(embedded_service(tmp_path / "given"), closes)
+    try:
+        quiet_train(tiny_config(tmp_path, "given", steps=1, eval_every=0), service_client=given)
+        dry_run(tiny_config(tmp_path, "given-plan", steps=1, eval_every=0), service_client=given)
+        assert closes == opened  # the given service is not closed by the run
+    finally:
+        given.close()

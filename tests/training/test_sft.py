@@ -237,3 +237,33 @@ def test_a_finished_sft_run_is_called_complete_and_no_resume_is_suggested(tmp_pa
     result = finished_result(run_dir, said.append, "")
     assert said == [f"[grpo] {run_dir} is complete: all 4 steps are done; nothing to resume"]
     assert result.steps == 4  # ... and says so
+
+
+def test_sft_closes_the_service_it_opened_and_leaves_a_given_one_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As `grpo train` does (tests/training/test_loop.py): the data recipes close the service
+    client they made when the run or the dry run is done, and leave one passed in open."""
+    import grpo.training.recipes.sft.recipe as sft_recipe
+    from grpo.backends.local import LocalServiceClient
+
+    closes: list[str] = []
+    make = sft_recipe.run_service
+
+    def counted_service(config: Any, run_dir: Path) -> Any:
+        service = make(config, run_dir)
+        close = service.close
+        service.close = lambda: (closes.append(str(run_dir.name)), close())
+        return service
+
+    monkeypatch.setattr(sft_recipe, "run_service", counted_service)
+    _quiet(_config(tmp_path, "own", epochs=1))
+    dry_run_sft(_config(tmp_path, "planned", epochs=1))
+    assert closes == ["own", "planned"]
+
+    with LocalServiceClient(root=tmp_path / "given") as given:
+        given_close = given.close
+        given.close = lambda: closes.append("given")  # type: ignore[method-assign]
+        _quiet(_config(tmp_path, "with-given", epochs=1), service_client=given)
+        assert closes == ["own", "planned"]
+        given.close = given_close  # type: ignore[method-assign]

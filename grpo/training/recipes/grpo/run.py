@@ -27,6 +27,7 @@ from grpo.training.run.lifecycle import (
     RunStopped,
     adam_params,
     check_run_status,
+    close_opened,
     finished_result,
     open_run,
     open_training_client,
@@ -93,8 +94,7 @@ def dry_run(
         pre = preflight(config, lambda: service)
         return describe(pre, plan_usage(pre, start_step), start_step)
     finally:
-        if service_client is None and hasattr(service, "close"):
-            service.close()
+        close_opened(service, service_client)
 
 
 def _check_run_dir(
@@ -179,10 +179,7 @@ def _train_in(
             )
         )
     result = run_steps(GrpoRecipe(run), state, echo, progress)
-    if service_client is None and config.backend == "tinker":
-        # the Tinker session this run opened ends with it, not at the process's exit (an
-        # error or a stop leaves it to the exit: grpo.backends.tinker_sdk finishes it then)
-        service.close()  # type: ignore[attr-defined]
+    close_opened(service, service_client)
     return result
 
 

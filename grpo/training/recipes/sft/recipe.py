@@ -52,6 +52,7 @@ from grpo.training.run.lifecycle import (
     RunResult,
     adam_params,
     check_run_status,
+    close_opened,
     finished_result,
     open_run,
     open_training_client,
@@ -294,8 +295,7 @@ def finish_dry_run(
         lines.append("  cost: no prices given (--price-file or --price-* flags)")
     else:
         lines.append(f"  cost {cost(usage, plan.prices):.4f} {plan.prices.currency}")
-    if service_client is None and hasattr(plan.service, "close"):
-        plan.service.close()
+    close_opened(plan.service, service_client)
     return lines
 
 
@@ -368,10 +368,7 @@ def run_data_recipe(
         state = start_state(run_dir, start)
         state.usage += sent
         result = run_steps(recipe, state, echo, progress)
-        if service_client is None and config.backend == "tinker":
-            # the Tinker session this run opened ends with it (as grpo train's does), not at
-            # the process's exit, its heartbeats failing meanwhile once the service is gone
-            plan.service.close()
+        close_opened(plan.service, service_client)
         return result
 
 
