@@ -12,13 +12,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from torch import Tensor
 
 from grpo.core.losses import LossKernel, get_loss
 from grpo.core.reductions import validate_reduction
+
+if TYPE_CHECKING:
+    from grpo.core.packing import SeqLens
 
 __all__ = ["LossSpec"]
 
@@ -116,7 +119,7 @@ class LossSpec:
         advantages: Tensor,
         *,
         mask: Tensor | None = None,
-        seq_lens: Any = None,
+        seq_lens: SeqLens | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
         """The kernel's ``(loss, metrics)`` under this spec's config and reduction."""
         return self.kernel(
