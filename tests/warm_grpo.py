@@ -21,13 +21,18 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 # What `grpo train` imports on its way to its first step (its start-up).
@@ -40,21 +45,21 @@ def _returncode(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def _run_command(request: Mapping[str, object]) -> None:
-    """In the forked child: run `grpo ARGV` as `python -m grpo` would, then exit."""
+def _run_command(request: Mapping[str, Any], fds: Sequence[int]) -> None:
+    """In the forked child: with `fds` as its stdin, stdout and stderr, run the request's
+    command as its own interpreter would, then exit with its status."""
     code: int = 1
     try:
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        for fd, key in ((1, "stdout"), (2, "stderr")):
-            target = os.open(str(request[key]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(target, fd)
-            os.close(target)
-        os.chdir(str(request["cwd"]))
+        for fd, source in enumerate(fds):
+            os.dup2(source, fd)
+        for source in set(fds) - {0, 1, 2}:
+            os.close(source)
+        for number in request.get("ignored_signals", ()):
+            signal.signal(number, signal.SIG_IGN)
+        os.chdir(request["cwd"])
         os.environ.clear()
-        os.environ.update(request["env"])  # type: ignore[arg-type]
-        sys.argv = ["grpo", *request["argv"]]  # type: ignore[misc]
-        code = _main_as_a_script()
+        os.environ.update(request["env"])
+        code = _as_a_script(request["mode"], request["argv"])
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -64,16 +69,26 @@ def _run_command(request: Mapping[str, object]) -> None:
         os._exit(code)
 
 
-def _main_as_a_script() -> int:
-    """`raise SystemExit(grpo.cli.main())` and the interpreter's exit: the exit code."""
+def _as_a_script(mode: str, argv: Sequence[str]) -> int:
+    """`grpo ARGV` (mode "grpo": `raise SystemExit(grpo.cli.main())`) or `python ARGV`
+    (mode "python": ARGV[0] a script, run as `__main__`), then the interpreter's exit: the
+    exit code."""
     import atexit
+    import runpy
     import threading
     import traceback
 
     from grpo.cli import main
 
     try:
-        code = main()
+        if mode == "grpo":
+            sys.argv = ["grpo", *argv]
+            code = main()
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+            code = 0
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):
             code = exit_.code or 0
@@ -95,27 +110,145 @@ def _main_as_a_script() -> int:
     return code
 
 
-def _serve() -> None:
-    """The warm interpreter: import PRELOAD, then fork a child per request on stdin."""
+def _preload() -> None:
+    """Import PRELOAD, and check that no thread runs (a fork copies only the calling thread:
+    with no other thread alive, no lock is left held in the child)."""
     import importlib
     import threading
 
     for module in PRELOAD:
         importlib.import_module(module)
-    answers = sys.stdout
-    sys.stdout = sys.stderr
+    assert threading.active_count() == 1, threading.enumerate()
+
+
+def _serve_pipe() -> None:
+    """The warm interpreter of `WarmGrpo`: a request per line on stdin, answers on stdout,
+    one command at a time (its output to the request's files)."""
+    _preload()
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # a stray print cannot garble the answers
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
         request = json.loads(line)
-        # A fork copies only the calling thread: with no other thread alive, no lock is
-        # left held in the child.
-        assert threading.active_count() == 1, threading.enumerate()
+        null = os.open(os.devnull, os.O_RDONLY)
+        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         pid = os.fork()
         if pid == 0:
-            _run_command(request)
+            answers.close()
+            _run_command(request, [null, out, err])
+        for fd in (null, out, err):
+            os.close(fd)
         print(json.dumps({"pid": pid}), file=answers, flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"returncode": _returncode(status)}), file=answers, flush=True)
+
+
+def _serve_socket(path: str) -> None:
+    """The warm interpreter of `warm_commands`: a connection per command on the Unix socket
+    `path` (the caller's stdin, stdout and stderr passed with it), any number at a time. A
+    runner forked per connection forks the command, answers its pid, waits for it and
+    answers its return code."""
+    _preload()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(16)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the runners are reaped as they end
+    print(json.dumps({"ready": True}), flush=True)
+    while True:
+        connection, _ = server.accept()
+        if os.fork() != 0:
+            connection.close()
+            continue
+        server.close()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _, fds, _, _ = socket.recv_fds(connection, 1, 3)
+        with connection.makefile("rb") as lines:
+            request = json.loads(lines.readline())
+        pid = os.fork()
+        if pid == 0:
+            connection.close()
+            _run_command(request, fds)
+        for fd in fds:
+            os.close(fd)
+        connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        _, status = os.waitpid(pid, 0)
+        connection.sendall(json.dumps({"returncode": _returncode(status)}).encode() + b"\n")
+        os._exit(0)
+
+
+# A `grpo` (or `warm-python SCRIPT`) on PATH that runs its command in a child of the warm
+# interpreter listening on SOCKET, its own stdin, stdout and stderr passed along, the
+# signals it gets relayed to the command, and that exits as the command did. Standard
+# library only, no site (-S): it starts in milliseconds.
+CLIENT = """#!{python} -S
+import json, os, signal, socket, sys
+
+IGNORABLE = (signal.SIGINT, signal.SIGQUIT)
+ignored = [int(s) for s in IGNORABLE if signal.getsignal(s) == signal.SIG_IGN]
+request = {{"mode": {mode!r}, "argv": sys.argv[1:], "cwd": os.getcwd(),
+           "env": dict(os.environ), "ignored_signals": ignored}}
+connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+connection.connect({socket!r})
+socket.send_fds(connection, [b"F"], [0, 1, 2])
+connection.sendall(json.dumps(request).encode() + b"\\n")
+answers = connection.makefile("rb")
+pid = json.loads(answers.readline())["pid"]
+
+
+def relay(number, _frame):
+    try:
+        os.kill(pid, number)
+    except ProcessLookupError:
+        pass
+
+
+for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    if number not in ignored:
+        signal.signal(number, relay)
+code = json.loads(answers.readline())["returncode"]
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
+@contextmanager
+def warm_commands(bin_dir: Path, cwd: Path, env: Mapping[str, str]) -> Iterator[Path]:
+    """A warm interpreter started in `cwd` with `env`, and `bin_dir` made to hold a `grpo`
+    command and a `warm-python SCRIPT` command that run in its children (put it first on
+    PATH). Everything it started is killed on leaving."""
+    bin_dir.mkdir()
+    socket_dir = tempfile.mkdtemp(prefix="grpo-warm-")  # short: a socket's path has 107 bytes
+    path = os.path.join(socket_dir, "socket")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.warm_grpo", "--socket", path],
+        cwd=cwd,
+        env={
+            **env,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        },
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], START_TIMEOUT_S)
+        assert ready and json.loads(process.stdout.readline()) == {"ready": True}
+        for mode, name in (("grpo", "grpo"), ("python", "warm-python")):
+            command = bin_dir / name
+            command.write_text(CLIENT.format(python=sys.executable, mode=mode, socket=path))
+            command.chmod(0o755)
+        yield bin_dir
+    finally:
+        try:  # the warm interpreter, its runners and every command they forked
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 class WarmGrpo:
@@ -174,6 +307,7 @@ class WarmGrpo:
         assert self.pid is None, "one command at a time"
         assert self.process.stdin is not None
         request = {
+            "mode": "grpo",
             "argv": list(argv),
             "cwd": os.getcwd(),
             "env": {**self.env, **(env or {})},
@@ -206,4 +340,7 @@ class WarmGrpo:
 
 
 if __name__ == "__main__":
-    _serve()
+    if sys.argv[1:2] == ["--socket"]:
+        _serve_socket(sys.argv[2])
+    else:
+        _serve_pipe()
