@@ -33,6 +33,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,7 @@ RUN_LANGUAGES = {"python", "bash", "console"}
 MARKERS = {"illustrative", "check", "file", "copy-of", "serve", "slow", "diagram"}
 OUTPUT_MARKERS = {"illustrative", "check", "diagram"}  # what a ```text block must carry
 DOCS_PORT = "8765"
+GRPO = (sys.executable, "-m", "grpo")  # the `grpo` command, where no warm one runs
 TIMEOUT_S = 600
 
 # flag -> value set on every `grpo <recipe>` command a block runs (added or replaced);
@@ -206,10 +208,12 @@ def run_block(
 class Server:
     """`grpo serve --port PORT` for a block marked `serve`, stopped after it."""
 
-    def __init__(self, port: str, workdir: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, port: str, workdir: Path, env: dict[str, str], grpo: Sequence[str] = GRPO
+    ) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "grpo", "serve", "--port", port],
+            [*grpo, "serve", "--port", port],
             cwd=workdir,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -258,7 +262,15 @@ def run_document(document: Path, tmp_path: Path, *, slow: bool) -> None:
         return
     with warm_commands(tmp_path / "warm-bin", workdir, env) as bin_dir:
         env = {**env, "PATH": os.pathsep.join([str(bin_dir), env["PATH"]])}
-        run_blocks(blocks, workdir, env, port, slow=slow, python=str(bin_dir / "warm-python"))
+        run_blocks(
+            blocks,
+            workdir,
+            env,
+            port,
+            slow=slow,
+            python=str(bin_dir / "warm-python"),
+            grpo=(str(bin_dir / "grpo"),),
+        )
 
 
 def run_blocks(
@@ -269,9 +281,10 @@ def run_blocks(
     *,
     slow: bool,
     python: str = sys.executable,
+    grpo: Sequence[str] = GRPO,
 ) -> None:
     """Run `blocks` in order in `workdir` (those marked `slow` only when `slow`), python
-    blocks with `python`."""
+    blocks with `python`, the server of a `serve` block with `grpo`."""
     last_output = ""
     for index, block in enumerate(blocks):
         text = block.text.replace(DOCS_PORT, port)
@@ -286,7 +299,7 @@ def run_blocks(
             assert not missing, f"{block.where}: not in the output above: {missing}\n{last_output}"
         elif block.runs and (block.marker == "slow") == slow:
             if block.marker == "serve":
-                with Server(port, workdir, env):
+                with Server(port, workdir, env, grpo):
                     last_output = run_block(block, text, workdir, env, index, python)
             else:
                 last_output = run_block(block, text, workdir, env, index, python)
