@@ -86,7 +86,7 @@ def _as_a_script(mode: str, argv: Sequence[str]) -> int:
             code = main()
         else:
             sys.argv = list(argv)
-            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
             runpy.run_path(argv[0], run_name="__main__")
             code = 0
     except SystemExit as exit_:
@@ -149,6 +149,10 @@ def _serve_socket(path: str) -> None:
     `path` (the caller's stdin, stdout and stderr passed with it), any number at a time. A
     runner forked per connection forks the command, answers its pid, waits for it and
     answers its return code."""
+    # `-m` put the working directory first on the path; a `grpo` command has its own folder
+    # there, which holds no module, and a python script its script's folder.
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
     _preload()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
