@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 # What `grpo train` imports on its way to its first step (its start-up).
@@ -255,6 +255,14 @@ def warm_commands(bin_dir: Path, cwd: Path, env: Mapping[str, str]) -> Iterator[
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 
+class Finished(NamedTuple):
+    """How a command ended: its return code (as `subprocess` gives it), stdout and stderr."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
 class WarmGrpo:
     """A warm interpreter that runs `grpo` commands one at a time, each in a forked child."""
 
@@ -332,15 +340,36 @@ class WarmGrpo:
         return not ended
 
     def wait(self, timeout: float) -> int:
-        """The running command's return code (as `subprocess` gives it) once it ends."""
-        deadline = time.monotonic() + timeout
+        """The running command's return code (as `subprocess` gives it) once it ends; past
+        `timeout` seconds it is killed and the wait fails."""
+        assert self.pid is not None, "no command is running"
         try:
-            answer = self._answer(max(0.0, deadline - time.monotonic()))
+            answer = self._answer(timeout)
         except AssertionError:
-            self.close()
-            raise
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._answer(START_TIMEOUT_S)
+            self.pid = None
+            raise AssertionError(f"the grpo command ran past {timeout:.0f} s (killed)") from None
         self.pid = None
         return answer["returncode"]
+
+    def run(
+        self,
+        argv: Sequence[str],
+        output: Path,
+        env: Mapping[str, str] | None = None,
+        timeout: float = START_TIMEOUT_S,
+    ) -> Finished:
+        """`start` then `wait`: how the command ended, with its stdout and stderr."""
+        self.start(argv, output, env)
+        returncode = self.wait(timeout)
+        stdout, stderr = (
+            Path(f"{output}.{end}").read_text(encoding="utf-8") for end in ("out", "err")
+        )
+        return Finished(returncode, stdout, stderr)
 
 
 if __name__ == "__main__":

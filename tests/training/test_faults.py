@@ -16,7 +16,6 @@ import os
 import random
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,7 +27,7 @@ from grpo.cli import main
 from grpo.training.run import run_files
 from grpo.training.run.faults import FAULT_ENV
 from tests.invariance import assert_same_rows
-from tests.warm_grpo import WarmGrpo
+from tests.warm_grpo import Finished, WarmGrpo
 
 FLAGS = [
     "--steps",
@@ -69,28 +68,17 @@ OFF_POLICY_FLAGS = [*FLAGS, "--max-steps-off-policy", "1"]
 OFF_POLICY_TRIALS = [TRIALS[1], TRIALS[4]]  # kill -9 mid-update, Ctrl-C: resume from step 2
 
 
-class Finished(NamedTuple):
-    """How a `grpo train` process ended: its return code and its stderr."""
-
-    returncode: int
-    stderr: str
-
-
 @pytest.fixture(scope="module")
-def warm() -> Iterator[WarmGrpo]:
-    """The warm interpreter the runs are forked from, with the environment they run in."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop(FAULT_ENV, None)
-    with WarmGrpo(env) as warm_grpo:
-        yield warm_grpo
+def warm(warm_grpo: WarmGrpo) -> WarmGrpo:
+    """The warm interpreter the runs are forked from (OMP_NUM_THREADS=1, no fault point)."""
+    return warm_grpo
 
 
 def _train(warm: WarmGrpo, run_dir: Path, *extra: str, fault: str | None = None) -> Finished:
     """`grpo train EXTRA` as a process of its own (with the fault point `fault` set), to its end."""
     output = run_dir.parent / f"{run_dir.name}-train"
-    warm.start(["train", *extra], output, env={FAULT_ENV: fault} if fault else None)
-    returncode = warm.wait(TIMEOUT_S)
-    return Finished(returncode, Path(f"{output}.err").read_text(encoding="utf-8"))
+    env = {FAULT_ENV: fault} if fault else None
+    return warm.run(["train", *extra], output, env, timeout=TIMEOUT_S)
 
 
 def _wait_for_rows(warm: WarmGrpo, run_dir: Path, count: int) -> float:
