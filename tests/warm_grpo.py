@@ -1,19 +1,24 @@
 """`grpo` commands as processes of their own, forked from one warm interpreter.
 
-A test that runs many `grpo train` processes (tests/training/test_faults.py kills each one
-part way) paid each one's start-up: importing torch, transformers and peft, about 6 s of a
-7 s run on two cores. `WarmGrpo` starts one interpreter (`python -m tests.warm_grpo`) that
-imports those modules once, with the environment a `grpo` process would have, and forks a
-child per command. Each child is a process of its own: it runs the command as
-`python -m grpo ARGV` does (`raise SystemExit(grpo.cli.main())` with `sys.argv` set, an
-uncaught exception's traceback on stderr, the interpreter's exit hooks run), it can be
-signalled and killed by its pid, and its exit status reads as a `subprocess` return code
-(-9 for SIGKILL, 130 for an interrupted command). What a child learns from its parent is
-only what a fresh process would have imported itself.
+A test that runs many `grpo` processes (tests/training/test_faults.py kills each one part
+way; the docs' snippets run a dozen commands) paid each one's start-up: importing torch,
+transformers and peft, about 5 s of a 7 s run on two cores. A warm interpreter
+(`python -m tests.warm_grpo`) imports those modules once (PRELOAD), with the environment a
+`grpo` process would have, and forks a child per command. Each child is a process of its
+own: it runs the command as `python -m grpo ARGV` does (`raise SystemExit(grpo.cli.main())`
+with `sys.argv` set, an uncaught exception's traceback on stderr, the interpreter's exit
+hooks run), it can be signalled and killed by its pid, and its exit status reads as a
+`subprocess` return code (-9 for SIGKILL, 130 for an interrupted command). What a child has
+from its parent is only what a fresh process would have imported itself.
 
-The protocol on the warm interpreter's stdin and stdout is one JSON line each way: a request
-``{"argv": [...], "cwd": path, "env": {...}, "stdout": path, "stderr": path}`` is answered
-``{"pid": N}`` once the child is forked and ``{"returncode": N}`` once it has ended.
+- `WarmGrpo` (the conftest fixture `warm_grpo`): one command at a time, its stdout and
+  stderr to files. A request is one JSON line on the warm interpreter's stdin
+  (``{"mode": "grpo", "argv": [...], "cwd": path, "env": {...}, "stdout": path,
+  "stderr": path}``), answered on its stdout by ``{"pid": N}`` once the child is forked and
+  ``{"returncode": N}`` once it has ended.
+- `warm_commands` (the docs' snippets): a `grpo` and a `warm-python SCRIPT` command on PATH
+  that pass their own stdin, stdout and stderr to a child of the warm interpreter over a
+  Unix socket, relay the signals they get to it and exit as it did; any number at a time.
 """
 
 from __future__ import annotations
@@ -207,9 +212,10 @@ def relay(number, _frame):
         pass
 
 
+# Every signal goes on, also one this process inherited as ignored: the command starts with
+# it ignored too, and takes it where it sets a handler of its own (as `grpo serve` does).
 for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-    if number not in ignored:
-        signal.signal(number, relay)
+    signal.signal(number, relay)
 code = json.loads(answers.readline())["returncode"]
 if code < 0:
     signal.signal(-code, signal.SIG_DFL)
