@@ -1,9 +1,14 @@
-"""Shared test configuration: hypothesis profiles and torch threading."""
+"""Shared test configuration: hypothesis profiles, torch threading, the warm `grpo`."""
 
 import os
+from collections.abc import Iterator
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+from grpo.training.run.faults import FAULT_ENV
+from tests.warm_grpo import WarmGrpo
 
 settings.register_profile(
     "ci",
@@ -17,3 +22,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 
 # Two shared cores: one thread keeps small ops fast and results reproducible.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def warm_grpo() -> Iterator[WarmGrpo]:
+    """`grpo` commands as processes of their own forked from one warm interpreter (no torch
+    start-up each; tests/warm_grpo.py), in this environment with OMP_NUM_THREADS=1 and no
+    fault point; a command's own variables go with it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(FAULT_ENV, None)
+    with WarmGrpo(env) as warm:
+        yield warm

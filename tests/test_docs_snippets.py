@@ -33,10 +33,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.warm_grpo import warm_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -44,6 +47,7 @@ RUN_LANGUAGES = {"python", "bash", "console"}
 MARKERS = {"illustrative", "check", "file", "copy-of", "serve", "slow", "diagram"}
 OUTPUT_MARKERS = {"illustrative", "check", "diagram"}  # what a ```text block must carry
 DOCS_PORT = "8765"
+GRPO = (sys.executable, "-m", "grpo")  # the `grpo` command, where no warm one runs
 TIMEOUT_S = 600
 
 # flag -> value set on every `grpo <recipe>` command a block runs (added or replaced);
@@ -64,6 +68,11 @@ SMALL: dict[str, dict[str, str]] = {
 SMALL_PYTHON = {"steps": "2", "limit": "5"}
 SMALL_PYTHON_ARGUMENT = re.compile(r"\b(" + "|".join(SMALL_PYTHON) + r")=\d+")
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
+# A `grpo` command in a bash line: first on the line or after `;`, `&`, `|`, `(` or `$(`.
+GRPO_COMMAND = re.compile(r"(?:^|[;&|(])\s*grpo\s", re.M)
+# Documents that start this many interpreters or more fork them from a warm one (the warm
+# one's start-up costs about as much as two commands' own).
+WARM_FROM = 3
 MARKER = re.compile(r"<!-- docs-test: ([\w-]+)(?: ([^\s(]+))?(?: \([^)]*\))? -->\s*$")
 
 
@@ -135,6 +144,13 @@ def small_python(script: str) -> str:
     return SMALL_PYTHON_ARGUMENT.sub(lambda match: f"{match[1]}={SMALL_PYTHON[match[1]]}", script)
 
 
+def interpreters_started(block: Block) -> int:
+    """How many `grpo` commands and python scripts the block starts."""
+    if block.language == "python":
+        return 1
+    return len(GRPO_COMMAND.findall(small_script(block.text)))
+
+
 def free_port() -> str:
     """A free loopback port."""
     with socket.socket() as probe:
@@ -152,12 +168,20 @@ def environment(home: Path) -> dict[str, str]:
     return env
 
 
-def run_block(block: Block, text: str, workdir: Path, env: dict[str, str], index: int) -> str:
-    """Run one block in `workdir`; its combined output (a failure names the block)."""
+def run_block(
+    block: Block,
+    text: str,
+    workdir: Path,
+    env: dict[str, str],
+    index: int,
+    python: str = sys.executable,
+) -> str:
+    """Run one block in `workdir` (a python block with `python`); its combined output (a
+    failure names the block)."""
     if block.language == "python":
         script = workdir / f"snippet_{index}.py"
         script.write_text(small_python(text), encoding="utf-8")
-        argv = [sys.executable, str(script)]
+        argv = [python, str(script)]
     else:
         argv = ["bash", "-e", "-o", "pipefail", "-c", small_script(text)]
     process = subprocess.Popen(
@@ -184,10 +208,12 @@ def run_block(block: Block, text: str, workdir: Path, env: dict[str, str], index
 class Server:
     """`grpo serve --port PORT` for a block marked `serve`, stopped after it."""
 
-    def __init__(self, port: str, workdir: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, port: str, workdir: Path, env: dict[str, str], grpo: Sequence[str] = GRPO
+    ) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "grpo", "serve", "--port", port],
+            [*grpo, "serve", "--port", port],
             cwd=workdir,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -217,15 +243,50 @@ class Server:
 
 
 def run_document(document: Path, tmp_path: Path, *, slow: bool) -> None:
-    """Run the document's blocks in order (those marked `slow` only when `slow`)."""
+    """Run the document's blocks in order (those marked `slow` only when `slow`).
+
+    Where it starts WARM_FROM interpreters or more (`grpo` commands and python blocks), they
+    run in processes forked from one warm interpreter (`tests.warm_grpo.warm_commands`,
+    started in the working directory with the blocks' environment), so that each pays no
+    start-up but the warm one's."""
     workdir, home = tmp_path / "work", tmp_path / "home"
     workdir.mkdir()
     home.mkdir()
     for name in ("examples", "docs", "grpo"):
         (workdir / name).symlink_to(ROOT / name)
     env, port = environment(home), free_port()
+    blocks = blocks_of(document)
+    run = [block for block in blocks if block.runs and (block.marker == "slow") == slow]
+    if sum(map(interpreters_started, run)) < WARM_FROM:
+        run_blocks(blocks, workdir, env, port, slow=slow)
+        return
+    with warm_commands(tmp_path / "warm-bin", workdir, env) as bin_dir:
+        env = {**env, "PATH": os.pathsep.join([str(bin_dir), env["PATH"]])}
+        run_blocks(
+            blocks,
+            workdir,
+            env,
+            port,
+            slow=slow,
+            python=str(bin_dir / "warm-python"),
+            grpo=(str(bin_dir / "grpo"),),
+        )
+
+
+def run_blocks(
+    blocks: list[Block],
+    workdir: Path,
+    env: dict[str, str],
+    port: str,
+    *,
+    slow: bool,
+    python: str = sys.executable,
+    grpo: Sequence[str] = GRPO,
+) -> None:
+    """Run `blocks` in order in `workdir` (those marked `slow` only when `slow`), python
+    blocks with `python`, the server of a `serve` block with `grpo`."""
     last_output = ""
-    for index, block in enumerate(blocks_of(document)):
+    for index, block in enumerate(blocks):
         text = block.text.replace(DOCS_PORT, port)
         if block.marker == "file":
             (workdir / block.argument).write_text(text, encoding="utf-8")
@@ -238,10 +299,10 @@ def run_document(document: Path, tmp_path: Path, *, slow: bool) -> None:
             assert not missing, f"{block.where}: not in the output above: {missing}\n{last_output}"
         elif block.runs and (block.marker == "slow") == slow:
             if block.marker == "serve":
-                with Server(port, workdir, env):
-                    last_output = run_block(block, text, workdir, env, index)
+                with Server(port, workdir, env, grpo):
+                    last_output = run_block(block, text, workdir, env, index, python)
             else:
-                last_output = run_block(block, text, workdir, env, index)
+                last_output = run_block(block, text, workdir, env, index, python)
 
 
 def documents_with(predicate) -> list[Path]:
@@ -291,6 +352,9 @@ def test_the_marker_parser_and_the_small_commands() -> None:
     assert small_python("train(TrainConfig(steps=10, num_substeps=4))\nevaluate(d, limit=100)") == (
         "train(TrainConfig(steps=2, num_substeps=4))\nevaluate(d, limit=5)"
     )
+    script = "grpo serve --port 1 &\nexport A=1\npython x.py\ngrpo eval | tee o; (grpo show r)"
+    assert interpreters_started(Block(ROOT, 1, "bash", script)) == 3
+    assert interpreters_started(Block(ROOT, 1, "python", "print(1)")) == 1
     assert MARKER.search("<!-- docs-test: file prices.toml -->").groups() == ("file", "prices.toml")
     assert MARKER.search("<!-- docs-test: illustrative (needs a login) -->").groups() == (
         "illustrative",

@@ -1,11 +1,13 @@
 """Fault injection: a short run killed or interrupted at many points, then resumed, logs
 steps 0..n exactly once with the same numbers as the uninterrupted run (docs/RELIABILITY.md).
 
-Each trial runs `grpo train` in a subprocess with GRPO_FAULT_POINT=<point>:<n>:<signal>
+Each trial runs `grpo train` in a process of its own with GRPO_FAULT_POINT=<point>:<n>:<signal>
 (grpo.training.run.faults.fault_point): the run signals itself at the n-th pass of that point: after
 sampling, after an optimizer step, entering an evaluation, before a row is logged, or in
 the middle of a checkpoint save (state saved, checkpoint.json not yet written). SIGINT2 is
-a double Ctrl-C. Two more trials SIGKILL at seeded random times.
+a double Ctrl-C. Two more trials SIGKILL at seeded random times. The killed runs (and
+the uninterrupted references) are forked from one warm interpreter (`tests.warm_grpo`), so
+that each pays no start-up of its own.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,6 +27,7 @@ from grpo.cli import main
 from grpo.training.run import run_files
 from grpo.training.run.faults import FAULT_ENV
 from tests.invariance import assert_same_rows
+from tests.warm_grpo import Finished, WarmGrpo
 
 FLAGS = [
     "--steps",
@@ -67,25 +68,25 @@ OFF_POLICY_FLAGS = [*FLAGS, "--max-steps-off-policy", "1"]
 OFF_POLICY_TRIALS = [TRIALS[1], TRIALS[4]]  # kill -9 mid-update, Ctrl-C: resume from step 2
 
 
-def _train(
-    run_dir: Path, *extra: str, fault: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop(FAULT_ENV, None)
-    if fault:
-        env[FAULT_ENV] = fault
-    command = [sys.executable, "-m", "grpo", "train", *extra]
-    return subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
-    )
+@pytest.fixture(scope="module")
+def warm(warm_grpo: WarmGrpo) -> WarmGrpo:
+    """The warm interpreter the runs are forked from (OMP_NUM_THREADS=1, no fault point)."""
+    return warm_grpo
 
 
-def _wait_for_rows(process: subprocess.Popen[bytes], run_dir: Path, count: int) -> float:
+def _train(warm: WarmGrpo, run_dir: Path, *extra: str, fault: str | None = None) -> Finished:
+    """`grpo train EXTRA` as a process of its own (with the fault point `fault` set), to its end."""
+    output = run_dir.parent / f"{run_dir.name}-train"
+    env = {FAULT_ENV: fault} if fault else None
+    return warm.run(["train", *extra], output, env, timeout=TIMEOUT_S)
+
+
+def _wait_for_rows(warm: WarmGrpo, run_dir: Path, count: int) -> float:
     """Wait until the run has logged `count` complete rows; the time it happened."""
     path = run_dir / run_files.METRICS_FILE
     deadline = time.monotonic() + TIMEOUT_S
     while not (path.exists() and path.read_bytes().count(b"\n") >= count):
-        assert process.poll() is None, f"the run exited before logging {count} rows"
+        assert warm.running(), f"the run exited before logging {count} rows"
         assert time.monotonic() < deadline
         time.sleep(0.02)
     return time.monotonic()
@@ -147,9 +148,9 @@ def _resume_until_done(run_dir: Path, flags: list[str] = FLAGS) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+def reference(tmp_path_factory: pytest.TempPathFactory, warm: WarmGrpo) -> Reference:
     run_dir = tmp_path_factory.mktemp("faults") / "reference"
-    result = _train(run_dir, *FLAGS, "--run-dir", str(run_dir))
+    result = _train(warm, run_dir, *FLAGS, "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr[-2000:]
     rows = _rows(run_dir)
     assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
@@ -160,9 +161,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
 
 
 @pytest.fixture(scope="module")
-def off_policy_reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+def off_policy_reference(tmp_path_factory: pytest.TempPathFactory, warm: WarmGrpo) -> Reference:
     run_dir = tmp_path_factory.mktemp("faults") / "off-policy"
-    result = _train(run_dir, *OFF_POLICY_FLAGS, "--run-dir", str(run_dir))
+    result = _train(warm, run_dir, *OFF_POLICY_FLAGS, "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr[-2000:]
     rows = _rows(run_dir)
     assert [row["off_policy_steps"] for row in rows[1:]] == [0.0, 1.0, 1.0, 1.0], "test setup"
@@ -178,6 +179,7 @@ def off_policy_reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
 )
 def test_an_off_policy_run_resumes_on_the_rollouts_it_had_sampled_ahead(
     tmp_path: Path,
+    warm: WarmGrpo,
     off_policy_reference: Reference,
     fault: str,
     what: str,
@@ -185,7 +187,7 @@ def test_an_off_policy_run_resumes_on_the_rollouts_it_had_sampled_ahead(
     checkpoint_step: int,
 ) -> None:
     run_dir = tmp_path / "run"
-    first = _train(run_dir, *OFF_POLICY_FLAGS, "--run-dir", str(run_dir), fault=fault)
+    first = _train(warm, run_dir, *OFF_POLICY_FLAGS, "--run-dir", str(run_dir), fault=fault)
     assert first.returncode in (-signal.SIGKILL, 130), (what, first.stderr[-2000:])
     assert [row["step"] for row in run_files.read_metrics(run_dir)] == logged, what
     assert (run_dir / "ahead" / f"step-{checkpoint_step:06d}.json").is_file(), what
@@ -200,6 +202,7 @@ def test_an_off_policy_run_resumes_on_the_rollouts_it_had_sampled_ahead(
 )
 def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     tmp_path: Path,
+    warm: WarmGrpo,
     reference: Reference,
     fault: str,
     what: str,
@@ -207,7 +210,7 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     checkpoint_step: int | None,
 ) -> None:
     run_dir = tmp_path / "run"
-    first = _train(run_dir, *FLAGS, "--run-dir", str(run_dir), fault=fault)
+    first = _train(warm, run_dir, *FLAGS, "--run-dir", str(run_dir), fault=fault)
     expected_code = {"SIGKILL": -signal.SIGKILL, "SIGINT": 130, "SIGINT2": 130}[fault.split(":")[2]]
     assert first.returncode == expected_code, (what, first.returncode, first.stderr[-2000:])
     if "Traceback" in first.stderr:
@@ -228,24 +231,22 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
 @pytest.mark.slow
 @pytest.mark.parametrize("trial", [0, 1])
 def test_sigkill_at_a_random_time_then_resume_equals_the_uninterrupted_run(
-    tmp_path: Path, reference: Reference, trial: int
+    tmp_path: Path, warm: WarmGrpo, reference: Reference, trial: int
 ) -> None:
     run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop(FAULT_ENV, None)
-    command = [sys.executable, "-m", "grpo", "train", *FLAGS, "--run-dir", str(run_dir)]
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    pid = warm.start(["train", *FLAGS, "--run-dir", str(run_dir)], tmp_path / "train")
     # Kill at a seeded random time within one step's duration (measured on this run, so on
     # this machine's speed) after row k + 1 of 5: at least two rows remain, so it lands.
     rng = random.Random(trial)
     k = rng.choice([1, 2])
-    row_k = _wait_for_rows(process, run_dir, k)
-    step_s = _wait_for_rows(process, run_dir, k + 1) - row_k
+    row_k = _wait_for_rows(warm, run_dir, k)
+    step_s = _wait_for_rows(warm, run_dir, k + 1) - row_k
     time.sleep(rng.uniform(0.0, 1.0) * step_s)
-    process.kill()
-    assert process.wait(TIMEOUT_S) == -signal.SIGKILL, "the run ended before the kill"
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # already ended: the assertion below says so
+        pass
+    assert warm.wait(TIMEOUT_S) == -signal.SIGKILL, "the run ended before the kill"
     assert run_files.run_status(run_dir) == run_files.UNFINISHED
     _resume_until_done(run_dir)
     assert_same_rows(_rows(run_dir), reference.rows)

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -38,6 +35,7 @@ from grpo.training.run import run_files
 from grpo.training.run.faults import FAULT_ENV
 from grpo.training.settings.config import ConfigError, TrainConfig
 from tests.runs import quiet_train, tiny_config
+from tests.warm_grpo import WarmGrpo
 
 PROMPT_TOKENS, COMPLETION_TOKENS, SCORE = 11, 3, 7
 
@@ -284,7 +282,9 @@ def test_the_built_in_model_as_judge_runs_and_logs_its_parse_errors(
 
 
 @pytest.mark.slow
-def test_a_run_killed_mid_step_and_resumed_asks_the_judge_nothing_twice(tmp_path: Path) -> None:
+def test_a_run_killed_mid_step_and_resumed_asks_the_judge_nothing_twice(
+    tmp_path: Path, warm_grpo: WarmGrpo
+) -> None:
     """kill -9 in step 2's update (its judge replies already cached); the resumed run samples
     step 2 again (same seeds, same completions) and reads every reply from the cache."""
     run_dir = tmp_path / "run"
@@ -296,10 +296,11 @@ def test_a_run_killed_mid_step_and_resumed_asks_the_judge_nothing_twice(tmp_path
             *("--eval-every", "0", "--save-every", "1", "--num-substeps", "1"),
             *("--swanlab-mode", "disabled"),
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", FAULT_ENV: "optim:2:SIGKILL"}
-        command = [sys.executable, "-m", "grpo", "train", *flags, "--run-dir", str(run_dir)]
-        killed = subprocess.run(command, env=env, capture_output=True, timeout=180, check=False)
-        assert killed.returncode == -signal.SIGKILL
+        # A process of its own, forked from the warm interpreter (no torch start-up).
+        argv = ["train", *flags, "--run-dir", str(run_dir)]
+        env = {FAULT_ENV: "optim:2:SIGKILL"}
+        killed = warm_grpo.run(argv, tmp_path / "killed", env, timeout=180)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
         asked = endpoint.requests  # steps 1 and 2 judged (equal completions share a reply)
         assert asked > 10
         # Resumed in this process (no torch start-up): it reads what the killed one left.

@@ -22,6 +22,7 @@ from grpo.training.run import run_files
 from grpo.training.run.faults import FAULT_ENV
 from grpo.training.trackers.fanout import chartable
 from tests.runs import quiet_train, tiny_config
+from tests.warm_grpo import Finished, WarmGrpo
 
 
 def needs(*packages: str) -> None:
@@ -49,15 +50,10 @@ def _env(tmp_path: Path, fault: str | None = None) -> dict[str, str]:
     return env
 
 
-def _grpo(tmp_path: Path, *argv: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "grpo", "train", *argv],
-        env=_env(tmp_path, fault),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
+def _grpo(warm: WarmGrpo, tmp_path: Path, *argv: str, fault: str | None = None) -> Finished:
+    """`grpo train ARGV` as a process of its own, forked from the warm interpreter."""
+    output = tmp_path / f"train-{len(list(tmp_path.glob('train-*.err')))}"
+    return warm.run(["train", *argv], output, _env(tmp_path, fault), timeout=TIMEOUT_S)
 
 
 # --- the trackers' own readers -----------------------------------------------------------
@@ -163,14 +159,16 @@ def assert_once_each(
 
 
 @pytest.mark.slow
-def test_every_tracker_gets_every_step_once_across_a_kill_and_resume(tmp_path: Path) -> None:
+def test_every_tracker_gets_every_step_once_across_a_kill_and_resume(
+    tmp_path: Path, warm_grpo: WarmGrpo
+) -> None:
     needs("wandb", "tensorboard", "trackio")
     run_dir = tmp_path / "tracked"
     started = time.monotonic()
-    first = _grpo(tmp_path, *FLAGS, "--run-dir", str(run_dir), fault="log:5:SIGKILL")
+    first = _grpo(warm_grpo, tmp_path, *FLAGS, "--run-dir", str(run_dir), fault="log:5:SIGKILL")
     assert first.returncode == -9, first.stderr[-2000:]
     assert run_files.read_checkpoint(run_dir).step == 2
-    second = _grpo(tmp_path, "--resume", str(run_dir))
+    second = _grpo(warm_grpo, tmp_path, "--resume", str(run_dir))
     assert second.returncode == 0, second.stderr[-2000:]
     elapsed = time.monotonic() - started
 
