@@ -165,6 +165,9 @@ def _serve_socket(path: str) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the runners are reaped as they end
     print(json.dumps({"ready": True}), flush=True)
     while True:
+        ready, _, _ = select.select([server, sys.stdin], [], [])
+        if sys.stdin in ready:  # stdin at its end: the test that started this one is gone
+            os.killpg(0, signal.SIGKILL)  # this group: itself, its runners, their commands
         connection, _ = server.accept()
         if os.fork() != 0:
             connection.close()
@@ -239,7 +242,7 @@ def warm_commands(bin_dir: Path, cwd: Path, env: Mapping[str, str]) -> Iterator[
             **env,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
         },
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.PIPE,  # held open while the test runs; its end stops the server
         stdout=subprocess.PIPE,
         start_new_session=True,
     )
