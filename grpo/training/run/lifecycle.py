@@ -149,8 +149,9 @@ def run_service(config: RunConfig, run_dir: Path) -> ServiceClient:
 def close_opened(service: ServiceClient, given: ServiceClient | None) -> None:
     """Close `service` when the run opened it (the caller gave none): a Tinker session ends
     with its run, not at the process's exit (its heartbeats failing meanwhile once the server
-    is gone), a local worker stops. Called when a run or dry run is done; an error or a stop
-    leaves it to the exit (`grpo.backends.tinker_sdk` finishes a Tinker session then)."""
+    is gone), a local worker stops. A run calls it when it is done, an error or a stop leaving
+    it to the exit (`grpo.backends.tinker_sdk` finishes a Tinker session then); a dry run, with
+    nothing in flight, after an error too."""
     if given is None and hasattr(service, "close"):
         service.close()
 
