@@ -144,6 +144,11 @@ def small_python(script: str) -> str:
     return SMALL_PYTHON_ARGUMENT.sub(lambda match: f"{match[1]}={SMALL_PYTHON[match[1]]}", script)
 
 
+def runs_now(block: Block, slow: bool) -> bool:
+    """Whether `block` runs in this pass: a block that runs, marked `slow` only when `slow`."""
+    return block.runs and (block.marker == "slow") == slow
+
+
 def interpreters_started(block: Block) -> int:
     """How many `grpo` commands and python scripts the block starts."""
     if block.language == "python":
@@ -256,7 +261,7 @@ def run_document(document: Path, tmp_path: Path, *, slow: bool) -> None:
         (workdir / name).symlink_to(ROOT / name)
     env, port = environment(home), free_port()
     blocks = blocks_of(document)
-    run = [block for block in blocks if block.runs and (block.marker == "slow") == slow]
+    run = [block for block in blocks if runs_now(block, slow)]
     if sum(map(interpreters_started, run)) < WARM_FROM:
         run_blocks(blocks, workdir, env, port, slow=slow)
         return
@@ -297,7 +302,7 @@ def run_blocks(
                 if line.strip() and line.rstrip() not in last_output.splitlines()
             ]
             assert not missing, f"{block.where}: not in the output above: {missing}\n{last_output}"
-        elif block.runs and (block.marker == "slow") == slow:
+        elif runs_now(block, slow):
             if block.marker == "serve":
                 with Server(port, workdir, env, grpo):
                     last_output = run_block(block, text, workdir, env, index, python)

@@ -68,12 +68,6 @@ OFF_POLICY_FLAGS = [*FLAGS, "--max-steps-off-policy", "1"]
 OFF_POLICY_TRIALS = [TRIALS[1], TRIALS[4]]  # kill -9 mid-update, Ctrl-C: resume from step 2
 
 
-@pytest.fixture(scope="module")
-def warm(warm_grpo: WarmGrpo) -> WarmGrpo:
-    """The warm interpreter the runs are forked from (OMP_NUM_THREADS=1, no fault point)."""
-    return warm_grpo
-
-
 def _train(warm: WarmGrpo, run_dir: Path, *extra: str, fault: str | None = None) -> Finished:
     """`grpo train EXTRA` as a process of its own (with the fault point `fault` set), to its end."""
     output = run_dir.parent / f"{run_dir.name}-train"
@@ -148,9 +142,9 @@ def _resume_until_done(run_dir: Path, flags: list[str] = FLAGS) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, warm: WarmGrpo) -> Reference:
+def reference(tmp_path_factory: pytest.TempPathFactory, warm_grpo: WarmGrpo) -> Reference:
     run_dir = tmp_path_factory.mktemp("faults") / "reference"
-    result = _train(warm, run_dir, *FLAGS, "--run-dir", str(run_dir))
+    result = _train(warm_grpo, run_dir, *FLAGS, "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr[-2000:]
     rows = _rows(run_dir)
     assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
@@ -161,9 +155,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory, warm: WarmGrpo) -> Refer
 
 
 @pytest.fixture(scope="module")
-def off_policy_reference(tmp_path_factory: pytest.TempPathFactory, warm: WarmGrpo) -> Reference:
+def off_policy_reference(
+    tmp_path_factory: pytest.TempPathFactory, warm_grpo: WarmGrpo
+) -> Reference:
     run_dir = tmp_path_factory.mktemp("faults") / "off-policy"
-    result = _train(warm, run_dir, *OFF_POLICY_FLAGS, "--run-dir", str(run_dir))
+    result = _train(warm_grpo, run_dir, *OFF_POLICY_FLAGS, "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr[-2000:]
     rows = _rows(run_dir)
     assert [row["off_policy_steps"] for row in rows[1:]] == [0.0, 1.0, 1.0, 1.0], "test setup"
@@ -179,7 +175,7 @@ def off_policy_reference(tmp_path_factory: pytest.TempPathFactory, warm: WarmGrp
 )
 def test_an_off_policy_run_resumes_on_the_rollouts_it_had_sampled_ahead(
     tmp_path: Path,
-    warm: WarmGrpo,
+    warm_grpo: WarmGrpo,
     off_policy_reference: Reference,
     fault: str,
     what: str,
@@ -187,7 +183,7 @@ def test_an_off_policy_run_resumes_on_the_rollouts_it_had_sampled_ahead(
     checkpoint_step: int,
 ) -> None:
     run_dir = tmp_path / "run"
-    first = _train(warm, run_dir, *OFF_POLICY_FLAGS, "--run-dir", str(run_dir), fault=fault)
+    first = _train(warm_grpo, run_dir, *OFF_POLICY_FLAGS, "--run-dir", str(run_dir), fault=fault)
     assert first.returncode in (-signal.SIGKILL, 130), (what, first.stderr[-2000:])
     assert [row["step"] for row in run_files.read_metrics(run_dir)] == logged, what
     assert (run_dir / "ahead" / f"step-{checkpoint_step:06d}.json").is_file(), what
@@ -202,7 +198,7 @@ def test_an_off_policy_run_resumes_on_the_rollouts_it_had_sampled_ahead(
 )
 def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     tmp_path: Path,
-    warm: WarmGrpo,
+    warm_grpo: WarmGrpo,
     reference: Reference,
     fault: str,
     what: str,
@@ -210,7 +206,7 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     checkpoint_step: int | None,
 ) -> None:
     run_dir = tmp_path / "run"
-    first = _train(warm, run_dir, *FLAGS, "--run-dir", str(run_dir), fault=fault)
+    first = _train(warm_grpo, run_dir, *FLAGS, "--run-dir", str(run_dir), fault=fault)
     expected_code = {"SIGKILL": -signal.SIGKILL, "SIGINT": 130, "SIGINT2": 130}[fault.split(":")[2]]
     assert first.returncode == expected_code, (what, first.returncode, first.stderr[-2000:])
     if "Traceback" in first.stderr:
@@ -231,22 +227,22 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
 @pytest.mark.slow
 @pytest.mark.parametrize("trial", [0, 1])
 def test_sigkill_at_a_random_time_then_resume_equals_the_uninterrupted_run(
-    tmp_path: Path, warm: WarmGrpo, reference: Reference, trial: int
+    tmp_path: Path, warm_grpo: WarmGrpo, reference: Reference, trial: int
 ) -> None:
     run_dir = tmp_path / "run"
-    pid = warm.start(["train", *FLAGS, "--run-dir", str(run_dir)], tmp_path / "train")
+    pid = warm_grpo.start(["train", *FLAGS, "--run-dir", str(run_dir)], tmp_path / "train")
     # Kill at a seeded random time within one step's duration (measured on this run, so on
     # this machine's speed) after row k + 1 of 5: at least two rows remain, so it lands.
     rng = random.Random(trial)
     k = rng.choice([1, 2])
-    row_k = _wait_for_rows(warm, run_dir, k)
-    step_s = _wait_for_rows(warm, run_dir, k + 1) - row_k
+    row_k = _wait_for_rows(warm_grpo, run_dir, k)
+    step_s = _wait_for_rows(warm_grpo, run_dir, k + 1) - row_k
     time.sleep(rng.uniform(0.0, 1.0) * step_s)
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:  # already ended: the assertion below says so
         pass
-    assert warm.wait(TIMEOUT_S) == -signal.SIGKILL, "the run ended before the kill"
+    assert warm_grpo.wait(TIMEOUT_S) == -signal.SIGKILL, "the run ended before the kill"
     assert run_files.run_status(run_dir) == run_files.UNFINISHED
     _resume_until_done(run_dir)
     assert_same_rows(_rows(run_dir), reference.rows)
